@@ -1,0 +1,78 @@
+"""Typed domain errors.
+
+Domain code raises these; exactly one place (``itif.server.errors``) maps them to gRPC status
+codes, and the CLI prints them as ``error: <CODE>: <message>``. Messages name the offending value.
+"""
+
+from __future__ import annotations
+
+
+class ItifError(Exception):
+    """Base of every error itif raises on purpose. ``code`` is the gRPC status code name."""
+
+    code = "INTERNAL"
+
+
+class InvalidRequest(ItifError, ValueError):
+    """Malformed inference input: bad shape, token id outside the vocabulary, too long."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class InvalidWeights(ItifError, ValueError):
+    """Weights that do not fit the backbone, are not safetensors, or hold non-finite values."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class InvalidConfig(ItifError, ValueError):
+    """A tenants.yaml (or config.json) that fails validation; the message quotes the key path."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class TenantNotFound(ItifError, KeyError):
+    """Unknown tenant, or a tenant the caller may not see (both answer the same)."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "tenant not found"
+
+
+class NoWeights(ItifError):
+    """The tenant exists but has no valid weights loaded (never uploaded, or its file failed)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class Overloaded(ItifError):
+    """Queue full, message or upload too large, memory budget exceeded."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(ItifError):
+    """Missing or wrong bearer token."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ItifError):
+    """Authenticated, but the credential does not allow this operation (e.g. admin RPCs)."""
+
+    code = "PERMISSION_DENIED"
+
+
+class Unavailable(ItifError):
+    """Only while starting or shutting down."""
+
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ItifError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(ItifError):
+    code = "CANCELLED"
