@@ -1,0 +1,146 @@
+"""Torch reference implementations of the fused engine's memory-bound ops.
+
+These are the spec, the CPU path and the test oracle of the CUDA kernels in ``kernels/``
+(``itif.ops.dispatch`` chooses). Every op runs once over all rows of the token buffer, whatever
+their tenants: each row reads its own tenant's parameters through a ``RotParam`` ("model weight
+rotation", thesis 4.2.2), an O(1) per-row slot index into the parameter kind's buffer instead of
+the thesis' linear scan over tenant offsets.
+
+Shapes: ``T`` rows of the token buffer (padding rows included), ``H`` hidden, ``N`` any width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class RotParam(NamedTuple):
+    """A rotated parameter: all slots of one kind, and the slot each row reads."""
+
+    buf: torch.Tensor  # [capacity, *shape]
+    slot: torch.Tensor  # [T] int64, values in [0, capacity)
+
+
+def rows_of(p: RotParam) -> torch.Tensor:
+    """Per-row parameter values ``[T, *shape]`` (the reference materialises them)."""
+    return p.buf.index_select(0, p.slot)
+
+
+_ACT = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "tanh": torch.tanh,
+    "none": lambda x: x,
+}
+
+
+def activation(name: str):
+    return _ACT[name]
+
+
+def bias_act(x: torch.Tensor, bias: RotParam, act: str = "none") -> torch.Tensor:
+    """``x = act(x + bias[row])``. x: [T, N], modified in place and returned."""
+    x.add_(rows_of(bias))
+    if act != "none":
+        x.copy_(_ACT[act](x))
+    return x
+
+
+def bias_residual_layernorm(
+    x: torch.Tensor,
+    bias: RotParam | None,
+    residual: torch.Tensor | None,
+    gamma: RotParam,
+    beta: RotParam,
+    eps: float,
+    keep_sum: bool = False,
+) -> torch.Tensor:
+    """``LayerNorm(x + bias[row] + residual) * gamma[row] + beta[row]``, a new [T, H] tensor.
+
+    x: [T, H]. With ``keep_sum`` the pre-norm sum is also written into ``x`` (pre-LN blocks need
+    it as the next residual); otherwise x is left unchanged.
+    """
+    s = x if keep_sum else x.clone()
+    if bias is not None:
+        s.add_(rows_of(bias))
+    if residual is not None:
+        s.add_(residual)
+    y = F.layer_norm(s, (s.shape[-1],), eps=eps)
+    return y.mul_(rows_of(gamma)).add_(rows_of(beta))
+
+
+def bias_residual(x: torch.Tensor, bias: RotParam, residual: torch.Tensor) -> torch.Tensor:
+    """``x = x + bias[row] + residual``, in place (pre-LN residual adds)."""
+    return x.add_(rows_of(bias)).add_(residual)
+
+
+def embed_text(
+    word: RotParam, pos: RotParam, type_: RotParam,
+    ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor,
+) -> torch.Tensor:
+    """BERT/ALBERT embeddings: ``word[slot, id] + pos[slot, p] + type[slot, t]`` -> [T, E].
+
+    ids, positions, types: [T] int64, each row's own token, position (restarting per request)
+    and token type. The three RotParams hold [capacity, rows, E] tables.
+    """
+    out = word.buf[word.slot, ids]
+    out += pos.buf[pos.slot, positions]
+    out += type_.buf[type_.slot, types]
+    return out
+
+
+@dataclass(frozen=True)
+class AttnGroup:
+    """Requests whose attention runs in one call, as ``n`` sequences of ``L`` rows.
+
+    View form (``rows is None``): the requests sit at stride L from row ``start``, so Q/K/V are
+    views of the token buffer. Gather form: ``rows`` [n, L] lists each sequence's rows (padding
+    positions point at row 0 and are masked), ``valid`` the flat positions of real tokens in
+    [n*L] and ``dest`` their rows, so results scatter back without touching other rows.
+    ``key_mask`` [n, 1, 1, L] bool marks real keys; None when every sequence fills all L rows.
+    """
+
+    n: int
+    L: int
+    start: int = 0
+    rows: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    dest: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+
+
+def attention(
+    qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Multi-head self-attention strictly within each request.
+
+    qkv: [T, 3H] with Q, K, V side by side (bias already added). Returns [T, H]; rows no group
+    covers are left as they were in ``out`` (zeros when allocated here).
+    """
+    T, H3 = qkv.shape
+    H = H3 // 3
+    d = H // heads
+    if out is None:
+        out = torch.zeros(T, H, dtype=qkv.dtype, device=qkv.device)
+    scale = 1.0 / math.sqrt(d)
+    for g in groups:
+        if g.rows is None:
+            block = qkv[g.start : g.start + g.n * g.L].view(g.n, g.L, 3, heads, d)
+        else:
+            block = qkv.index_select(0, g.rows.reshape(-1)).view(g.n, g.L, 3, heads, d)
+        q, k, v = block.permute(2, 0, 3, 1, 4).unbind(0)  # each [n, heads, L, d]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.key_mask, scale=scale)
+        o = o.transpose(1, 2).reshape(g.n * g.L, H)
+        if g.rows is None:
+            out[g.start : g.start + g.n * g.L] = o
+        else:
+            out.index_copy_(0, g.dest, o.index_select(0, g.valid))
+    return out

@@ -1,0 +1,84 @@
+"""Detect the platform once: CUDA through torch, CuPy, NVML. Optional imports never crash.
+
+Nothing here runs at import time beyond cheap attribute checks; probes are cached functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger("itif.platform")
+
+
+@functools.lru_cache(maxsize=None)
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_module():
+    """The cupy module when it imports and sees a GPU, else None (logged once)."""
+    if not has_cuda():
+        return None
+    try:
+        import cupy  # noqa: PLC0415 - optional dependency
+
+        cupy.cuda.runtime.getDeviceCount()
+        return cupy
+    except Exception as e:  # ImportError, or a CUDA runtime/driver mismatch
+        log.warning("CuPy unavailable (%s): weight buffers fall back to torch allocations", e)
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def nvml():
+    """The initialised pynvml module, or None when NVML is absent."""
+    try:
+        import pynvml  # noqa: PLC0415 - provided by nvidia-ml-py
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception as e:
+        log.info("NVML unavailable (%s): GPU metrics are not exported", e)
+        return None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' picks CUDA when present. Asking for CUDA without one is a clear error."""
+    if str(device) == "auto":
+        return torch.device("cuda" if has_cuda() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not has_cuda():
+        raise RuntimeError(f"device {str(device)!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported (cpu, cuda, auto)")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is float16 on CUDA and float32 on CPU; half types on CPU are refused."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = dtype
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)} or 'auto'")
+    if device.type == "cpu" and name != "float32":
+        raise ValueError(f"dtype {name!r} is not supported on the CPU; use float32")
+    return _DTYPES[name]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform as _platform
+
+    return f"cpu-{_platform.machine()}-{torch.get_num_threads()}threads"

@@ -1,0 +1,315 @@
+"""Engine: the public face of the fused multi-tenant instance.
+
+    engine = itif.Engine("bert-base", device="cpu", dtype="float32")
+    engine.add_tenant("acme", "acme/model.safetensors")
+    res = engine.infer([itif.Request(tenant="acme", input_ids=[101, 7592, 102])])
+    res[0].logits  # numpy [num_labels]
+
+``infer`` validates every request (vectorised over the batch), plans the batch into a Layout
+(``itif.batching.strategies``), prepares the index tensors once and runs one fused forward over
+all tenants against one WeightStore snapshot, then slices each request's outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from itif.backbones.hf import CanonicalWeights, load_tenant_weights
+from itif.backbones.spec import BackboneSpec, load_spec
+from itif.batching.layout import Layout
+from itif.batching.strategies import DEFAULT_STRATEGY, plan
+from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound
+from itif.platform import resolve_device, resolve_dtype
+from itif.runtime import forward
+from itif.runtime.batch import prepare, slot_tables
+from itif.weights.store import WeightStore
+
+log = logging.getLogger("itif.engine")
+OUTPUTS = ("logits", "pooled", "last_hidden_state")
+
+
+@dataclass
+class Request:
+    """One inference input of one tenant.
+
+    Text backbones take ``input_ids`` (and optionally ``token_type_ids``), 1-D, at most the
+    backbone's max positions; ViT takes ``pixel_values`` [C, H, W] float. ``outputs`` defaults to
+    ``("logits",)`` for a tenant with a classification head and ``("pooled",)`` otherwise.
+    """
+
+    tenant: str
+    input_ids: Sequence[int] | np.ndarray | None = None
+    token_type_ids: Sequence[int] | np.ndarray | None = None
+    pixel_values: np.ndarray | None = None
+    outputs: Sequence[str] | None = None
+
+
+@dataclass
+class Result:
+    """Outputs of one request (numpy float32); fields not asked for are None."""
+
+    tenant: str
+    logits: np.ndarray | None = None  # [num_labels]
+    pooled: np.ndarray | None = None  # [hidden]
+    last_hidden_state: np.ndarray | None = None  # [length, hidden]
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {k: getattr(self, k) for k in OUTPUTS if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    tenant: str
+    num_labels: int | None
+    has_pooler: bool
+    bytes: int  # bytes of weights the tenant reads
+    exclusive_bytes: int  # bytes only this tenant holds (what removing it frees)
+
+
+@dataclass
+class _Inputs:
+    tenant_idx: np.ndarray
+    lengths: np.ndarray
+    ids: np.ndarray | None = None
+    types: np.ndarray | None = None
+    pixels: np.ndarray | None = None
+    wants: list[tuple[str, ...]] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        backbone: str | os.PathLike | BackboneSpec,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_weight_bytes: int | None = None,
+        strategy: str = DEFAULT_STRATEGY,
+    ) -> None:
+        self.spec = load_spec(backbone)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
+        self.strategy = strategy
+        self.tokenizer = _load_tokenizer(self.spec.source_dir)
+        self._tables: OrderedDict[tuple, dict[str, np.ndarray]] = OrderedDict()
+        self._tables_lock = threading.Lock()
+        self.cost_model = None  # set by the planner issue's profiler (itif.batching.costmodel)
+
+    # ---- tenants ---------------------------------------------------------------------------
+    def load_weights(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> CanonicalWeights:
+        """Read and validate a checkpoint against the backbone without adding it."""
+        weights = load_tenant_weights(self.spec, source)
+        if self.spec.is_text and weights.num_labels and not weights.has_pooler:
+            raise InvalidWeights("a text classification head needs the pooler (pooler.dense.*)")
+        return weights
+
+    def add_tenant(self, tenant: str, source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights) -> TenantInfo:
+        """Add (or atomically replace) a tenant's weights: a safetensors file, a checkpoint
+        directory, a dict of Hugging Face-named tensors, or already-validated weights."""
+        weights = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
+        self.store.add(tenant, weights)
+        return self.tenant_info(tenant)
+
+    def remove_tenant(self, tenant: str) -> None:
+        self.store.remove(tenant)
+
+    def tenant_info(self, tenant: str) -> TenantInfo:
+        entry = self.store.view.tenants.get(tenant)
+        if entry is None:
+            raise TenantNotFound(f"tenant {tenant!r} not found")
+        total, exclusive = self.store.tenant_bytes(tenant)
+        return TenantInfo(tenant, entry.num_labels, entry.has_pooler, total, exclusive)
+
+    def tenants(self) -> list[str]:
+        return self.store.tenants()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes held by the weight store (each shared tensor once)."""
+        return self.store.weight_bytes
+
+    # ---- inference -------------------------------------------------------------------------
+    def infer(self, requests: Sequence[Request], strategy: str | None = None) -> list[Result]:
+        """Run every request in one fused forward; results in request order."""
+        if not requests:
+            return []
+        with self.store.read() as view:
+            tenants = self._batch_tenants(view, [r.tenant for r in requests])
+            inputs = self._validate(requests, tenants, view)
+            layout = self.plan(inputs.tenant_idx, inputs.lengths, strategy)
+            out = self._run(view, tenants, layout, inputs)
+            return self._results(requests, tenants, layout, inputs, out)
+
+    def plan(self, tenant_idx: np.ndarray, lengths: np.ndarray, strategy: str | None = None) -> Layout:
+        return plan(strategy or self.strategy, tenant_idx, lengths, self.cost_model)
+
+    def _batch_tenants(self, view, names: list[str]) -> tuple[str, ...]:
+        """Distinct tenants of the batch, ordered so tenants sharing slots are adjacent (their
+        rows then merge into one GEMM segment)."""
+        uniq = set(names)
+        for t in uniq:
+            if t not in view.tenants:
+                raise TenantNotFound(f"tenant {t!r} not found")
+        spec_params = [p.name for p in self.spec.params(pooler=False)]
+
+        def signature(t: str) -> tuple:
+            slots = view.tenants[t].slots
+            return tuple(slots[n][1] for n in spec_params) + (t,)
+
+        return tuple(sorted(uniq, key=signature))
+
+    def _slot_tables(self, view, tenants: tuple[str, ...]) -> dict[str, np.ndarray]:
+        key = tuple((t, view.tenants[t].generation) for t in tenants)
+        with self._tables_lock:
+            tables = self._tables.get(key)
+            if tables is not None:
+                self._tables.move_to_end(key)
+                return tables
+        tables = slot_tables(self.spec, view, tenants)
+        with self._tables_lock:
+            self._tables[key] = tables
+            while len(self._tables) > 256:
+                self._tables.popitem(last=False)
+        return tables
+
+    def _validate(self, requests: Sequence[Request], tenants: tuple[str, ...], view) -> _Inputs:
+        spec = self.spec
+        index = {t: i for i, t in enumerate(tenants)}
+        tenant_idx = np.fromiter((index[r.tenant] for r in requests), np.int32, count=len(requests))
+        wants = []
+        for i, r in enumerate(requests):
+            entry = view.tenants[r.tenant]
+            outs = tuple(r.outputs) if r.outputs else (("logits",) if entry.num_labels else ("pooled",))
+            for o in outs:
+                if o not in OUTPUTS:
+                    raise InvalidRequest(f"request {i}: unknown output {o!r}; choose from {OUTPUTS}")
+            if "logits" in outs and not entry.num_labels:
+                raise InvalidRequest(f"request {i}: tenant {r.tenant!r} has no classification head")
+            wants.append(outs)
+        if spec.is_text:
+            return self._validate_text(requests, tenant_idx, wants)
+        return self._validate_pixels(requests, tenant_idx, wants)
+
+    def _validate_text(self, requests, tenant_idx, wants) -> _Inputs:
+        spec = self.spec
+        ids_list = []
+        for i, r in enumerate(requests):
+            if r.pixel_values is not None:
+                raise InvalidRequest(f"request {i}: a {spec.family} backbone takes input_ids, not pixel_values")
+            if r.input_ids is None:
+                raise InvalidRequest(f"request {i}: input_ids is required")
+            a = np.asarray(r.input_ids)
+            if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                raise InvalidRequest(f"request {i}: input_ids must be a 1-D list of integers, got shape {a.shape} {a.dtype}")
+            ids_list.append(a.astype(np.int64, copy=False))
+        lengths = np.fromiter((a.size for a in ids_list), np.int32, count=len(ids_list))
+        bad = np.flatnonzero((lengths < 1) | (lengths > spec.max_position))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidRequest(
+                f"request {i}: length {int(lengths[i])} is outside 1..{spec.max_position} "
+                f"(the backbone's max positions)")
+        ids = np.concatenate(ids_list)
+        if ids.min() < 0 or ids.max() >= spec.vocab_size:
+            pos = int(np.flatnonzero((ids < 0) | (ids >= spec.vocab_size))[0])
+            i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+            raise InvalidRequest(
+                f"request {i}: token id {int(ids[pos])} is outside the vocabulary [0, {spec.vocab_size})")
+        types = None
+        if any(r.token_type_ids is not None for r in requests):
+            tt = []
+            for i, r in enumerate(requests):
+                if r.token_type_ids is None:
+                    tt.append(np.zeros(lengths[i], np.int64))
+                    continue
+                a = np.asarray(r.token_type_ids)
+                if a.shape != (lengths[i],) or (a.size and not np.issubdtype(a.dtype, np.integer)):
+                    raise InvalidRequest(
+                        f"request {i}: token_type_ids must be {int(lengths[i])} integers like input_ids, "
+                        f"got shape {a.shape}")
+                tt.append(a.astype(np.int64, copy=False))
+            types = np.concatenate(tt)
+            if types.min() < 0 or types.max() >= spec.type_vocab_size:
+                raise InvalidRequest(f"token_type_ids must lie in [0, {spec.type_vocab_size})")
+        return _Inputs(tenant_idx, lengths, ids=ids, types=types, wants=wants)
+
+    def _validate_pixels(self, requests, tenant_idx, wants) -> _Inputs:
+        spec = self.spec
+        shape = (spec.num_channels, spec.image_size, spec.image_size)
+        pix = []
+        for i, r in enumerate(requests):
+            if r.input_ids is not None:
+                raise InvalidRequest(f"request {i}: a vit backbone takes pixel_values, not input_ids")
+            if r.pixel_values is None:
+                raise InvalidRequest(f"request {i}: pixel_values is required")
+            a = np.asarray(r.pixel_values, dtype=np.float32)
+            if a.shape != shape:
+                raise InvalidRequest(f"request {i}: pixel_values has shape {a.shape}; expected {shape}")
+            pix.append(a)
+        pixels = np.stack(pix)
+        if not np.isfinite(pixels).all():
+            raise InvalidRequest("pixel_values contain NaN or Inf")
+        lengths = np.full(len(requests), spec.num_patches + 1, np.int32)
+        return _Inputs(tenant_idx, lengths, pixels=pixels, wants=wants)
+
+    def _run(self, view, tenants, layout: Layout, inputs: _Inputs) -> forward.ForwardOutput:
+        batch = prepare(self.spec, layout, tenants, view, self._slot_tables(view, tenants),
+                        self.device, self.dtype, ids=inputs.ids, types=inputs.types,
+                        pixels=inputs.pixels)
+        want_logits = any("logits" in w for w in inputs.wants)
+        want_pooled = any("pooled" in w for w in inputs.wants)
+        return forward.run(self.spec, batch, want_pooled, want_logits)
+
+    def _results(self, requests, tenants, layout: Layout, inputs: _Inputs,
+                 out: forward.ForwardOutput) -> list[Result]:
+        n = len(requests)
+        cls_order = np.argsort(layout.tenant, kind="stable")
+        cls_pos = np.empty(n, np.int64)
+        cls_pos[cls_order] = np.arange(n)
+        run_start = {}
+        sorted_t = layout.tenant[cls_order]
+        for t in np.unique(sorted_t):
+            run_start[int(t)] = int(np.searchsorted(sorted_t, t))
+        np_of = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
+        logits = {t: np_of(v) for t, v in out.logits.items()}
+        pooled = np_of(out.pooled) if out.pooled is not None else None
+        hidden = np_of(out.hidden) if any("last_hidden_state" in w for w in inputs.wants) else None
+        results = []
+        for i, r in enumerate(requests):
+            res = Result(tenant=r.tenant)
+            wants = inputs.wants[i]
+            t = int(layout.tenant[i])
+            if "logits" in wants:
+                res.logits = logits[t][cls_pos[i] - run_start[t]]
+            if "pooled" in wants:
+                res.pooled = pooled[cls_pos[i]]
+            if "last_hidden_state" in wants:
+                o = int(layout.offset[i])
+                res.last_hidden_state = hidden[o : o + int(layout.length[i])]
+            results.append(res)
+        return results
+
+
+def _load_tokenizer(source_dir: Path | None) -> Any:
+    """The backbone's tokenizer.json through the ``tokenizers`` package, when it ships one."""
+    if source_dir is None or not (source_dir / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        return Tokenizer.from_file(str(source_dir / "tokenizer.json"))
+    except Exception as e:  # a broken tokenizer must not stop id-based serving
+        log.warning("cannot load %s/tokenizer.json: %s", source_dir, e)
+        return None
+
+
+__all__ = ["Engine", "Request", "Result", "TenantInfo"]
