@@ -253,6 +253,8 @@ PRESETS = {k: replace(v, name=k) for k, v in PRESETS.items()}
 def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None = None) -> BackboneSpec:
     """Build a spec from a Hugging Face config.json dict (bert, albert or vit model_type)."""
     family = cfg.get("model_type")
+    if family not in ("bert", "albert", "vit"):
+        raise InvalidConfig(f"model_type {family!r} is not supported (bert, albert, vit)")
     try:
         common = dict(
             hidden=int(cfg["hidden_size"]),
@@ -285,22 +287,20 @@ def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None
                     num_hidden_groups=int(cfg.get("num_hidden_groups", 1)),
                 )
             return BackboneSpec("bert", **common, **text)
-        if family == "vit":
-            if not cfg.get("qkv_bias", True):
-                raise InvalidConfig("ViT without qkv_bias is not supported")
-            return BackboneSpec(
-                "vit", **common,
-                image_size=int(cfg.get("image_size", 224)),
-                patch_size=int(cfg.get("patch_size", 16)),
-                num_channels=int(cfg.get("num_channels", 3)),
-            )
+        if not cfg.get("qkv_bias", True):
+            raise InvalidConfig("ViT without qkv_bias is not supported")
+        return BackboneSpec(
+            "vit", **common,
+            image_size=int(cfg.get("image_size", 224)),
+            patch_size=int(cfg.get("patch_size", 16)),
+            num_channels=int(cfg.get("num_channels", 3)),
+        )
     except KeyError as e:
         raise InvalidConfig(f"config.json of a {family} model lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         if isinstance(e, InvalidConfig):
             raise
         raise InvalidConfig(f"config.json has a bad value: {e}") from None
-    raise InvalidConfig(f"model_type {family!r} is not supported (bert, albert, vit)")
 
 
 def load_spec(backbone: str | os.PathLike | BackboneSpec) -> BackboneSpec:

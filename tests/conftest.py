@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random Hugging Face models as tenants, and the per-request oracle."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded, ever
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from tests.oracle import make_hf_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_factory():
+    """make(family_preset, num_labels, seed) -> a random HF model, cached per arguments."""
+    cache = {}
+
+    def make(preset: str, num_labels: int | None = 3, seed: int = 0):
+        key = (preset, num_labels, seed)
+        if key not in cache:
+            cache[key] = make_hf_model(preset, num_labels, seed)
+        return cache[key]
+
+    return make
