@@ -38,7 +38,7 @@ def test_quick_profile_is_fast_positive_and_monotone():
     start = time.perf_counter()
     model = CostModel.profile(TINY, quick=True)
     elapsed = time.perf_counter() - start
-    assert elapsed < 3.0
+    assert elapsed < 15.0  # ~0.1 s on an idle machine; generous for a loaded CI box
     assert model.lens.tolist() == [4, 16, 64]
     assert model.batches.tolist() == [1, 4, 16] and model.ns.tolist() == [1, 2, 4]
     assert np.all(model.single_ms > 0) and np.all(model.batched_ms > 0)

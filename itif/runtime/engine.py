@@ -149,6 +149,19 @@ class Engine:
             out = self._run(view, tenants, layout, inputs)
             return self._results(requests, tenants, layout, inputs, out)
 
+    def check(self, requests: Sequence[Request]) -> None:
+        """Validate requests exactly as ``infer`` would, without running them."""
+        if requests:
+            with self.store.read() as view:
+                tenants = self._batch_tenants(view, [r.tenant for r in requests])
+                self._validate(requests, tenants, view)
+
+    def request_tokens(self, request: Request) -> int:
+        """Rows a request occupies in the token buffer (its length; patches + CLS for ViT)."""
+        if self.spec.is_text:
+            return len(request.input_ids)
+        return self.spec.num_patches + 1
+
     def plan(self, tenant_idx: np.ndarray, lengths: np.ndarray, strategy: str | None = None) -> Layout:
         return plan(strategy or self.strategy, tenant_idx, lengths, self.cost_model)
 

@@ -155,8 +155,7 @@ class WeightStore:
         digests = {n: tensor_digest(t.to(self.dtype)) for n, t in weights.tensors.items()}
         with self._write:
             self._reclaim()
-            if self.max_bytes is not None:
-                self._check_budget(weights, digests)
+            self._check_budget(weights, digests)
             slots: dict[str, tuple[KindKey, int]] = {}
             taken: list[tuple[KindKey, int]] = []
             try:
@@ -193,12 +192,22 @@ class WeightStore:
             self._release(old)
             self._reclaim()
 
+    def check_budget(self, weights: CanonicalWeights) -> None:
+        """Raise Overloaded if adding ``weights`` now would exceed the memory budget."""
+        if self.max_bytes is None:
+            return
+        digests = {n: tensor_digest(t.to(self.dtype)) for n, t in weights.tensors.items()}
+        with self._write:
+            self._check_budget(weights, digests)
+
     # ---- internals (called with self._write held) ----------------------------------------
     def _publish(self, tenants: dict[str, TenantEntry]) -> None:
         buffers = MappingProxyType({k: kind.buf for k, kind in self._kinds.items()})
         self._view = StoreView(self._view.version + 1, buffers, MappingProxyType(tenants))
 
     def _check_budget(self, weights: CanonicalWeights, digests: dict[str, str]) -> None:
+        if self.max_bytes is None:
+            return
         new = 0
         for name, t in weights.tensors.items():
             kind = self._kinds.get((name, tuple(t.shape)))
