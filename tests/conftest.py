@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may be downloaded, ever
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if "ITIF_CACHE_DIR" not in os.environ:  # profiled cost models go to a throwaway dir, not ~
+    import tempfile
+
+    os.environ["ITIF_CACHE_DIR"] = tempfile.mkdtemp(prefix="itif-test-cache-")
 
 import pytest  # noqa: E402
 

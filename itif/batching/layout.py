@@ -57,6 +57,15 @@ class Layout:
         """Rows computed that hold no token."""
         return int(self.total_rows - self.length.sum())
 
+    def view(self, x, m: int):
+        """Mini-batch ``m`` of a dense layout as a ``[size, len, ...]`` view of the buffer ``x``
+        (no copy: compute-bound ops read mini-batches, memory-bound ops the whole buffer)."""
+        L = int(self.mb_len[m])
+        if L == 0:
+            raise ValueError(f"mini-batch {m} is packed (variable lengths): it has no dense view")
+        start, n = int(self.mb_start[m]), int(self.mb_size[m])
+        return x[start : start + n * L].view(n, L, *x.shape[1:])
+
     def node(self, i: int) -> dict:
         """Request ``i``'s node, for debugging and reports (not for the hot path)."""
         mb = int(self.minibatch[i])

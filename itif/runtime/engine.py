@@ -102,7 +102,7 @@ class Engine:
         self.tokenizer = _load_tokenizer(self.spec.source_dir)
         self._tables: OrderedDict[tuple, dict[str, np.ndarray]] = OrderedDict()
         self._tables_lock = threading.Lock()
-        self.cost_model = None  # set by the planner issue's profiler (itif.batching.costmodel)
+        self.cost_model = None  # itif.batching.costmodel.CostModel, profiled on first DP plan
 
     # ---- tenants ---------------------------------------------------------------------------
     def load_weights(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> CanonicalWeights:
@@ -163,7 +163,21 @@ class Engine:
         return self.spec.num_patches + 1
 
     def plan(self, tenant_idx: np.ndarray, lengths: np.ndarray, strategy: str | None = None) -> Layout:
-        return plan(strategy or self.strategy, tenant_idx, lengths, self.cost_model)
+        """Plan a batch: ``tenant_idx`` [n] batch-tenant indices, ``lengths`` [n] rows each."""
+        name = strategy or self.strategy
+        cost = self.get_cost_model() if name in ("itif_two_stage", "turbo_dp") else self.cost_model
+        return plan(name, tenant_idx, lengths, cost, self.spec.layers)
+
+    def get_cost_model(self, quick: bool = True):
+        """The profiled per-layer cost model for this device, backbone and dtype (cached on
+        disk; profiled on first use: quick by default, ``itif plan --full`` for the full grid)."""
+        if self.cost_model is None:
+            from itif.batching.costmodel import CostModel, LayerShape  # noqa: PLC0415
+
+            shape = LayerShape(self.spec.hidden, self.spec.intermediate, self.spec.heads)
+            self.cost_model = CostModel.cached(shape, device=self.device, dtype=self.dtype,
+                                               quick=quick)
+        return self.cost_model
 
     def _batch_tenants(self, view, names: list[str]) -> tuple[str, ...]:
         """Distinct tenants of the batch, ordered so tenants sharing slots are adjacent (their
