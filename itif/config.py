@@ -557,9 +557,11 @@ def _parse_scheduler(errs: _Errors, value: Any) -> SchedulerConfig | object:
 
 
 def _strategy(value: Any, path: str) -> str:
+    from itif.batching.strategies import STRATEGIES  # noqa: PLC0415 - at parse time only
+
     s = _str(value, path)
-    if not _STRATEGY_RE.match(s):
-        _fail(path, f"must match {_STRATEGY_RE.pattern}, got {s!r}")
+    if not _STRATEGY_RE.match(s) or (s != "auto" and s not in STRATEGIES):
+        _fail(path, f"must be 'auto' or one of {sorted(STRATEGIES)}, got {s!r}")
     return s
 
 

@@ -132,7 +132,7 @@ def test_full_file_all_fields(tmp_path):
         tls={"cert": "certs/s.pem", "key": "/abs/s.key", "client_ca": "certs/ca.pem"},
     )
     d["backbone"] = {"config": "ckpt", "device": "cpu", "dtype": "bfloat16", "max_seq_len": 256}
-    d["scheduler"] = {"max_batch_tokens": 4096, "max_batch_size": 32, "max_wait_ms": 0, "strategy": "fused"}
+    d["scheduler"] = {"max_batch_tokens": 4096, "max_batch_size": 32, "max_wait_ms": 0, "strategy": "itif_two_stage"}
     d["tenants"].append(
         {"id": "beta_2", "token_sha256": BETA, "max_queue": 1, "weight": 0.25, "max_seq_len": 128,
          "latency_target_ms": 20}
@@ -147,7 +147,7 @@ def test_full_file_all_fields(tmp_path):
     assert s.tls.client_ca == tmp_path / "certs" / "ca.pem"
     assert cfg.backbone == BackboneConfig(str(tmp_path / "ckpt"), "cpu", "bfloat16", 256)
     assert not cfg.backbone.is_preset
-    assert cfg.scheduler == SchedulerConfig(4096, 32, 0.0, "fused")
+    assert cfg.scheduler == SchedulerConfig(4096, 32, 0.0, "itif_two_stage")
     assert cfg.tenants[1] == Tenant("beta_2", BETA, 1, 0.25, 128, 20.0)
 
 
@@ -264,7 +264,7 @@ BAD_CASES = [
     ("preset typo", _set("backbone.config", "bert_tiny"), "backbone.config: 'bert_tiny' is neither a preset nor an existing path; did you mean 'bert-tiny'?"),
     ("batch tokens 0", _set("scheduler", {"max_batch_tokens": 0}), "scheduler.max_batch_tokens: must be >= 1, got 0"),
     ("wait negative", _set("scheduler", {"max_wait_ms": -1}), "scheduler.max_wait_ms: must be >= 0"),
-    ("strategy", _set("scheduler", {"strategy": "Fast Please"}), "scheduler.strategy: must match"),
+    ("strategy", _set("scheduler", {"strategy": "Fast Please"}), "scheduler.strategy: must be 'auto' or one of"),
     ("tls cert without key", _set("server.tls", {"cert": "c.pem"}), "server.tls.key: required when server.tls.cert is set ('/cfg/c.pem')"),
     ("tls key without cert", _set("server.tls", {"key": "k.pem"}), "server.tls.cert: required when server.tls.key is set ('/cfg/k.pem')"),
     ("tls ca only", _set("server.tls", {"client_ca": "ca.pem"}), "server.tls.cert: required (with server.tls.key) when server.tls.client_ca is set"),

@@ -93,8 +93,10 @@ class Engine:
         dtype: str = "float32",
         max_weight_bytes: int | None = None,
         strategy: str = DEFAULT_STRATEGY,
+        max_seq_len: int | None = None,
     ) -> None:
         self.spec = load_spec(backbone)
+        self.max_seq_len = min(max_seq_len or self.spec.seq_len_max, self.spec.seq_len_max)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
@@ -239,12 +241,12 @@ class Engine:
                 raise InvalidRequest(f"request {i}: input_ids must be a 1-D list of integers, got shape {a.shape} {a.dtype}")
             ids_list.append(a.astype(np.int64, copy=False))
         lengths = np.fromiter((a.size for a in ids_list), np.int32, count=len(ids_list))
-        bad = np.flatnonzero((lengths < 1) | (lengths > spec.max_position))
+        bad = np.flatnonzero((lengths < 1) | (lengths > self.max_seq_len))
         if bad.size:
             i = int(bad[0])
             raise InvalidRequest(
-                f"request {i}: length {int(lengths[i])} is outside 1..{spec.max_position} "
-                f"(the backbone's max positions)")
+                f"request {i}: length {int(lengths[i])} is outside 1..{self.max_seq_len} "
+                f"(the backbone's maximum sequence length)")
         ids = np.concatenate(ids_list)
         if ids.min() < 0 or ids.max() >= spec.vocab_size:
             pos = int(np.flatnonzero((ids < 0) | (ids >= spec.vocab_size))[0])
