@@ -1,0 +1,5 @@
+import sys
+
+from itif.cli import main
+
+sys.exit(main())

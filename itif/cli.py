@@ -1,0 +1,149 @@
+"""The ``itif`` command line: serve, upload, infer, tenants, demo, plan.
+
+On failure every command exits non-zero with one stderr line ``error: <STATUS_CODE_NAME>: <msg>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+
+def _client(args):
+    from itif.client import Client  # noqa: PLC0415 - keep `itif --help` fast
+
+    ca = open(args.ca, "rb").read() if getattr(args, "ca", None) else None
+    return Client(args.server, args.token, root_certificates=ca)
+
+
+def cmd_serve(args) -> int:
+    from itif.server.app import main  # noqa: PLC0415
+
+    return main(args.config)
+
+
+def cmd_upload(args) -> int:
+    with _client(args) as c:
+        r = c.upload(args.tenant, args.file, progress=not args.quiet)
+    print(json.dumps({"tenant": r.tenant, "sha256": r.sha256, "bytes": r.bytes,
+                      "weight_bytes": r.weight_bytes, "shared_bytes": r.shared_bytes}))
+    return 0
+
+
+def cmd_infer(args) -> int:
+    ids = [int(x) for x in args.ids.split(",") if x.strip()] if args.ids is not None else None
+    with _client(args) as c:
+        out = c.infer(args.tenant, ids, text=args.text, outputs=args.outputs or (),
+                      timeout=args.timeout)
+    if args.json:
+        print(json.dumps({k: v.tolist() for k, v in out.items()}))
+    else:
+        for k, v in out.items():
+            print(f"{k} {list(v.shape)}: {v.round(5).tolist() if v.size <= 16 else v.ravel()[:8].round(5).tolist() + ['...']}")
+    return 0
+
+
+def cmd_tenants(args) -> int:
+    from itif.server._proto.itif.v1 import itif_pb2  # noqa: PLC0415
+
+    with _client(args) as c:
+        rows = c.tenants()
+    for t in rows:
+        state = itif_pb2.TenantInfo.State.Name(t.state)
+        print(json.dumps({"id": t.id, "state": state, "sha256": t.sha256,
+                          "weight_bytes": t.weight_bytes, "exclusive_bytes": t.exclusive_bytes,
+                          "num_labels": t.num_labels, "queue_depth": t.queue_depth,
+                          **({"error": t.error} if t.error else {})}))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from itif.demo import run_demo  # noqa: PLC0415
+
+    return run_demo(tenants=args.tenants, requests=args.requests, quick=args.quick)
+
+
+def cmd_plan(args) -> int:
+    from itif.batching.report import plan_report  # noqa: PLC0415
+
+    report = plan_report(args.backbone, args.workload, args.tenants, args.requests,
+                         skew=args.skew, seed=args.seed)
+    print(json.dumps(report, indent=None if args.json else 2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="itif", description="multi-tenant shared-backbone inference")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--config", required=True, help="tenants.yaml")
+    s.set_defaults(fn=cmd_serve)
+
+    def remote(sp, tenant=True):
+        sp.add_argument("--server", default="127.0.0.1:50051", help="host:port")
+        sp.add_argument("--token", required=True, help="bearer token (tenant's or admin's)")
+        sp.add_argument("--ca", help="PEM root certificate for TLS")
+        if tenant:
+            sp.add_argument("--tenant", required=True)
+
+    s = sub.add_parser("upload", help="upload a tenant's safetensors weights")
+    remote(s)
+    s.add_argument("file")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(fn=cmd_upload)
+
+    s = sub.add_parser("infer", help="run one input")
+    remote(s)
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--ids", help="comma-separated token ids")
+    g.add_argument("--text", help="text (backbones that ship a tokenizer)")
+    s.add_argument("--outputs", nargs="*", help="logits pooled last_hidden_state")
+    s.add_argument("--timeout", type=float, default=30.0, help="deadline, seconds")
+    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    s.set_defaults(fn=cmd_infer)
+
+    s = sub.add_parser("tenants", help="list tenants (admin token)")
+    remote(s, tenant=False)
+    s.set_defaults(fn=cmd_tenants)
+
+    s = sub.add_parser("demo", help="daemon on loopback, demo tenants, mixed load, speedup")
+    s.add_argument("--tenants", type=int, default=4)
+    s.add_argument("--requests", type=int, default=64, help="requests per tenant")
+    s.add_argument("--quick", action="store_true", help="tiny random backbone, few requests")
+    s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("plan", help="plan one batch with every strategy and run it")
+    s.add_argument("--backbone", default="bert-base")
+    s.add_argument("--workload", default="uniform:2-100", help="uniform:LO-HI or normal:MEAN:VAR")
+    s.add_argument("--tenants", type=int, default=4)
+    s.add_argument("--requests", type=int, default=64)
+    s.add_argument("--skew", default=None, help="tenant popularity, e.g. zipf:1.5")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="compact JSON")
+    s.set_defaults(fn=cmd_plan)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args) or 0
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a CLI reports, it does not trace back
+        from itif.errors import ItifError  # noqa: PLC0415
+
+        code = e.code if isinstance(e, ItifError) else type(e).__name__
+        print(f"error: {code}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

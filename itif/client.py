@@ -1,0 +1,134 @@
+"""A small Python client for the itif.v1 API (used by the CLI, the demo and the tests)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
+
+CHUNK = 1 << 20
+
+
+class Client:
+    def __init__(self, address: str, token: str, *, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
+                 max_message_bytes: int = 64 * 2**20) -> None:
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = itif_pb2_grpc.ItifStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- uploads ---------------------------------------------------------------------------
+    def upload(self, tenant: str, path: str | os.PathLike, progress: bool = False,
+               timeout: float | None = None) -> itif_pb2.UploadWeightsResponse:
+        """Stream a safetensors file; with ``progress`` a tqdm bar on stderr."""
+        path = Path(path)
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK), b""):
+                digest.update(block)
+        bar = None
+        if progress:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"upload {tenant}")
+
+        def messages() -> Iterator[itif_pb2.UploadWeightsRequest]:
+            yield itif_pb2.UploadWeightsRequest(header=itif_pb2.UploadHeader(
+                tenant=tenant, sha256=digest.hexdigest(), total_size=size))
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(CHUNK), b""):
+                    if bar is not None:
+                        bar.update(len(block))
+                    yield itif_pb2.UploadWeightsRequest(chunk=block)
+
+        try:
+            return self.stub.UploadWeights(messages(), metadata=self.metadata, timeout=timeout)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    # ---- inference -------------------------------------------------------------------------
+    @staticmethod
+    def make_input(ids: Sequence[int] | None = None, text: str | None = None,
+                   pixel_values: np.ndarray | None = None,
+                   token_type_ids: Sequence[int] | None = None) -> itif_pb2.InferInput:
+        if text is not None:
+            return itif_pb2.InferInput(text=text)
+        if pixel_values is not None:
+            a = np.ascontiguousarray(pixel_values, dtype="<f4")
+            return itif_pb2.InferInput(pixel_values=itif_pb2.Tensor(shape=a.shape, data=a.tobytes()))
+        return itif_pb2.InferInput(input_ids=itif_pb2.TokenIds(
+            ids=[int(i) for i in ids], token_type_ids=[int(t) for t in token_type_ids or ()]))
+
+    @staticmethod
+    def outputs_of(resp: itif_pb2.InferResponse) -> dict[str, np.ndarray]:
+        return {t.name: np.frombuffer(t.data, "<f4").reshape(tuple(t.shape)) for t in resp.outputs}
+
+    def infer(self, tenant: str, ids=None, *, text=None, pixel_values=None, token_type_ids=None,
+              outputs: Sequence[str] = (), timeout: float | None = None,
+              priority: int | None = None) -> dict[str, np.ndarray]:
+        req = itif_pb2.InferRequest(
+            tenant=tenant, input=self.make_input(ids, text, pixel_values, token_type_ids),
+            outputs=list(outputs), priority=priority)
+        return self.outputs_of(self.stub.Infer(req, metadata=self.metadata, timeout=timeout))
+
+    def infer_batch(self, tenant: str, inputs: Sequence[itif_pb2.InferInput],
+                    outputs: Sequence[str] = (), timeout: float | None = None) -> list[dict]:
+        req = itif_pb2.InferBatchRequest(tenant=tenant, inputs=list(inputs), outputs=list(outputs))
+        resp = self.stub.InferBatch(req, metadata=self.metadata, timeout=timeout)
+        return [self.outputs_of(r) for r in resp.results]
+
+    # ---- tenants and health ----------------------------------------------------------------
+    def get_tenant(self, tenant: str) -> itif_pb2.TenantInfo:
+        return self.stub.GetTenant(itif_pb2.GetTenantRequest(tenant=tenant), metadata=self.metadata)
+
+    def tenants(self) -> list[itif_pb2.TenantInfo]:
+        return list(self.stub.ListTenants(itif_pb2.ListTenantsRequest(), metadata=self.metadata).tenants)
+
+    def delete_weights(self, tenant: str) -> itif_pb2.DeleteWeightsResponse:
+        return self.stub.DeleteWeights(itif_pb2.DeleteWeightsRequest(tenant=tenant),
+                                       metadata=self.metadata)
+
+    def health_status(self, service: str = "", timeout: float = 2.0) -> str:
+        resp = self.health.Check(health_pb2.HealthCheckRequest(service=service),
+                                 metadata=self.metadata, timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the daemon's health is SERVING."""
+        import time  # noqa: PLC0415
+
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health_status() == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > end:
+                raise TimeoutError(f"daemon not SERVING after {timeout:.0f}s")
+            time.sleep(0.1)

@@ -1,0 +1,311 @@
+"""Daemon: the domain core behind the gRPC server (no protobuf here).
+
+It owns the fused Engine, the durable BlobStore of uploaded weights, the Scheduler, and the
+live configuration, and keeps every tenant's state (NO_WEIGHTS, LOADING, READY, FAILED).
+
+Upload path (client-streamed): bytes stream into a temp file in the data directory while being
+hashed; at the end the file is checked (size, sha256), read with the hostile-input-safe
+safetensors reader, validated against the backbone (names, shapes, dtypes, finite values) and
+the memory budget, committed atomically (fsync, rename, fsync dir), and only then swapped into
+the weight store. A failure at any step leaves the previous weights serving. On start every
+configured tenant with a stored file is restored after its sha256 is re-checked; a file that
+fails marks that tenant alone FAILED.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Iterable
+
+from itif.batching.strategies import DEFAULT_STRATEGY
+from itif.config import Config, ConfigDiff, Tenant, diff_configs, hash_token
+from itif.errors import (
+    InvalidRequest,
+    ItifError,
+    NoWeights,
+    PermissionDenied,
+    TenantNotFound,
+    Unauthenticated,
+)
+from itif.runtime.engine import Engine, Request, Result
+from itif.scheduler import Scheduler, TenantQuota, Ticket
+from itif.weights.blobstore import BlobStore, Upload
+
+log = logging.getLogger("itif.daemon")
+
+
+class State(Enum):
+    NO_WEIGHTS = 0
+    LOADING = 1
+    READY = 2
+    FAILED = 3
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who is calling: a tenant (``tenant`` set) or the admin."""
+
+    tenant: str | None
+    admin: bool = False
+
+    def may_see(self, tenant: str) -> bool:
+        return self.admin or self.tenant == tenant
+
+
+@dataclass
+class TenantStatus:
+    state: State = State.NO_WEIGHTS
+    sha256: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class TenantView:
+    """What GetTenant/ListTenants report."""
+
+    id: str
+    state: State
+    sha256: str
+    weight_bytes: int
+    exclusive_bytes: int
+    num_labels: int
+    queue_depth: int
+    error: str
+
+
+class Daemon:
+    def __init__(self, config: Config, engine: Engine | None = None) -> None:
+        self.config = config
+        self.ready = False
+        self.engine = engine
+        self.blobs = BlobStore(config.server.data_dir / "store",
+                               max_upload_bytes=config.server.max_upload_bytes)
+        self.status: dict[str, TenantStatus] = {t.id: TenantStatus() for t in config.tenants}
+        self.scheduler: Scheduler | None = None
+        self._lock = threading.Lock()
+        self.reloads_ok = 0
+        self.reloads_failed = 0
+        self.last_reload_error = ""
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Load the backbone, restore stored tenants, start the scheduler (slow: run it after
+        the server already answers health checks with NOT_SERVING)."""
+        cfg = self.config
+        if self.engine is None:
+            strategy = cfg.scheduler.strategy
+            self.engine = Engine(cfg.backbone.config, device=cfg.backbone.device,
+                                 dtype=cfg.backbone.dtype, max_seq_len=cfg.backbone.max_seq_len,
+                                 strategy=DEFAULT_STRATEGY if strategy == "auto" else strategy)
+        sch = cfg.scheduler
+        self.scheduler = Scheduler(
+            self.engine.infer, max_batch_tokens=sch.max_batch_tokens,
+            max_batch_size=sch.max_batch_size, max_wait_ms=sch.max_wait_ms,
+        )
+        for t in cfg.tenants:
+            self.scheduler.set_tenant(t.id, _quota(t))
+        self.restore()
+        self.scheduler.start()
+        self.ready = True
+        log.info("ready: backbone %s on %s (%s), %d tenants, %d with weights",
+                 self.engine.spec.name, self.engine.device, self.engine.dtype,
+                 len(cfg.tenants), sum(s.state is State.READY for s in self.status.values()))
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.ready = False
+        if self.scheduler is not None:
+            self.scheduler.stop(self.config.server.grace_s if grace_s is None else grace_s)
+
+    def restore(self) -> None:
+        """Reload every configured tenant that has a committed weights file."""
+        for t in self.config.tenants:
+            if self.blobs.exists(t.id):
+                self._load_stored(t.id)
+
+    def _load_stored(self, tenant: str) -> None:
+        st = self.status.setdefault(tenant, TenantStatus())
+        st.state = State.LOADING
+        try:
+            sha = self.blobs.verify(tenant)
+            weights = self.engine.load_weights(self.blobs.path_for(tenant))
+            self.engine.add_tenant(tenant, weights)
+            st.state, st.sha256, st.error = State.READY, sha, ""
+            log.info("tenant %s restored (sha256 %s)", tenant, sha[:12])
+        except ItifError as e:
+            st.state, st.error = State.FAILED, f"stored weights refused: {e}"
+            log.error("tenant %s: stored weights refused: %s", tenant, e)
+
+    # ---- auth ------------------------------------------------------------------------------
+    def identify(self, authorization: str | None) -> Identity:
+        """Resolve ``Bearer <token>``; constant-time comparison against every configured hash."""
+        if not authorization or not authorization.startswith("Bearer "):
+            raise Unauthenticated("missing 'authorization: Bearer <token>' metadata")
+        digest = hash_token(authorization[len("Bearer "):].strip())
+        cfg = self.config
+        admin = hmac.compare_digest(digest, cfg.server.admin_token_sha256)
+        found = None
+        for t in cfg.tenants:  # no early exit: time does not depend on which tenant matched
+            if hmac.compare_digest(digest, t.token_sha256):
+                found = t.id
+        if admin:
+            return Identity(None, admin=True)
+        if found is None:
+            raise Unauthenticated("invalid token")
+        return Identity(found)
+
+    def _visible(self, who: Identity, tenant: str) -> None:
+        """Unknown tenants and other tenants' names get the same answer."""
+        if tenant not in self.status or not who.may_see(tenant):
+            raise TenantNotFound(f"tenant {tenant!r} not found")
+
+    @staticmethod
+    def _require_admin(who: Identity) -> None:
+        if not who.admin:
+            raise PermissionDenied("this operation needs the admin token")
+
+    # ---- uploads ---------------------------------------------------------------------------
+    def begin_upload(self, who: Identity, tenant: str, sha256: str, total_size: int) -> Upload:
+        """Open a streamed upload for a tenant the caller may see (size cap, one at a time)."""
+        self._visible(who, tenant)
+        return self.blobs.begin_upload(tenant, sha256, total_size)
+
+    def finish_upload(self, tenant: str, upload: Upload) -> TenantView:
+        """Verify, validate, commit durably, then swap in (see the module docstring)."""
+        loaded = {}
+
+        def validate(path: Path) -> None:
+            weights = self.engine.load_weights(path)
+            self.engine.store.check_budget(weights)
+            loaded["weights"] = weights
+
+        upload.commit(validate=validate)
+        self.engine.add_tenant(tenant, loaded["weights"])
+        st = self.status.setdefault(tenant, TenantStatus())
+        st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
+        log.info("tenant %s uploaded %d bytes (sha256 %s)", tenant, upload.total_size,
+                 upload.expected_sha256[:12])
+        return self.tenant_view(tenant)
+
+    def upload(self, who: Identity, tenant: str, sha256: str, total_size: int,
+               chunks: Iterable[bytes]) -> TenantView:
+        """Blocking form of an upload from an iterable of chunks (tools and tests)."""
+        with self.begin_upload(who, tenant, sha256, total_size) as up:
+            for chunk in chunks:
+                up.write(chunk)
+            return self.finish_upload(tenant, up)
+
+    def delete_weights(self, who: Identity, tenant: str) -> tuple[bool, int]:
+        self._require_admin(who)
+        self._visible(who, tenant)
+        freed = 0
+        if tenant in self.engine.store:
+            freed = self.engine.tenant_info(tenant).exclusive_bytes
+            self.engine.remove_tenant(tenant)
+        deleted = self.blobs.delete(tenant)
+        self.status[tenant] = TenantStatus()
+        return deleted or freed > 0, freed
+
+    # ---- inference -------------------------------------------------------------------------
+    def _ready_tenant(self, who: Identity, tenant: str) -> Tenant:
+        self._visible(who, tenant)
+        st = self.status[tenant]
+        if st.state is not State.READY:
+            why = f": {st.error}" if st.error else ""
+            raise NoWeights(f"tenant {tenant!r} has no ready weights ({st.state.name}){why}")
+        return self.config.tenant(tenant)
+
+    def tokenize(self, text: str) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise InvalidRequest("this backbone ships no tokenizer: send input_ids")
+        return tok.encode(text).ids
+
+    def submit(self, who: Identity, tenant: str, requests: list[Request],
+               deadline: float | None = None, priority: int = 0) -> list[Ticket]:
+        """Validate (nothing bad reaches the engine) and queue; all-or-nothing."""
+        conf = self._ready_tenant(who, tenant)
+        requests = [replace(r, tenant=tenant) for r in requests]
+        self.engine.check(requests)
+        tokens = [self.engine.request_tokens(r) for r in requests]
+        if conf.max_seq_len is not None:
+            for i, n in enumerate(tokens):
+                if n > conf.max_seq_len:
+                    raise InvalidRequest(
+                        f"request {i}: length {n} exceeds tenant {tenant!r}'s max_seq_len "
+                        f"{conf.max_seq_len}")
+        return self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
+                                          priority=priority)
+
+    def infer(self, who: Identity, tenant: str, requests: list[Request],
+              timeout: float | None = None, priority: int = 0) -> list[Result]:
+        """Blocking form (CLI, tests); the gRPC server awaits the tickets instead."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        tickets = self.submit(who, tenant, requests, deadline, priority)
+        return [t.result(timeout) for t in tickets]
+
+    # ---- tenants ---------------------------------------------------------------------------
+    def tenant_view(self, tenant: str) -> TenantView:
+        st = self.status[tenant]
+        total = exclusive = labels = 0
+        if self.engine is not None and tenant in self.engine.store:
+            info = self.engine.tenant_info(tenant)
+            total, exclusive, labels = info.bytes, info.exclusive_bytes, info.num_labels or 0
+        depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0
+        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error)
+
+    def get_tenant(self, who: Identity, tenant: str) -> TenantView:
+        self._visible(who, tenant)
+        return self.tenant_view(tenant)
+
+    def list_tenants(self, who: Identity) -> list[TenantView]:
+        return [self.tenant_view(t) for t in sorted(self.status) if who.may_see(t)]
+
+    # ---- live configuration ---------------------------------------------------------------
+    def apply_config(self, new: Config) -> ConfigDiff:
+        """Apply a validated tenants.yaml edit: add, remove, re-quota. Raises (and changes
+        nothing) when the edit needs a restart."""
+        with self._lock:
+            diff = diff_configs(self.config, new)
+            for t in diff.added:
+                self.status[t.id] = TenantStatus()
+                self.scheduler.set_tenant(t.id, _quota(t))
+            for t in diff.changed:
+                self.scheduler.set_tenant(t.id, _quota(t))
+            self.config = new
+            for tid in diff.removed:
+                self.scheduler.remove_tenant(tid)
+                self.status.pop(tid, None)
+                threading.Thread(target=self._retire, args=(tid,), daemon=True,
+                                 name=f"retire-{tid}").start()
+            for t in diff.added:  # weights kept on disk from an earlier life come back
+                if self.blobs.exists(t.id):
+                    self._load_stored(t.id)
+            self.reloads_ok += 1
+            log.info("config applied: +%s -%s ~%s", [t.id for t in diff.added],
+                     list(diff.removed), [t.id for t in diff.changed])
+            return diff
+
+    def config_failed(self, exc: Exception) -> None:
+        self.reloads_failed += 1
+        self.last_reload_error = str(exc)
+        log.error("config reload refused, keeping the last good config: %s", exc)
+
+    def _retire(self, tenant: str, timeout_s: float = 60.0) -> None:
+        """Drop a removed tenant's weights once its queued calls have finished."""
+        end = time.monotonic() + timeout_s
+        while self.scheduler.queue_depth(tenant) and time.monotonic() < end:
+            time.sleep(0.05)
+        if tenant not in self.status and tenant in self.engine.store:
+            self.engine.remove_tenant(tenant)  # in-flight forwards hold their own snapshot
+
+
+def _quota(t: Tenant) -> TenantQuota:
+    return TenantQuota(max_queue=t.max_queue, weight=t.weight,
+                       latency_target_ms=t.latency_target_ms, max_seq_len=t.max_seq_len)
+

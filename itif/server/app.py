@@ -1,0 +1,97 @@
+"""Assemble and run the daemon: gRPC server, health, reflection, config watcher, shutdown.
+
+Start order keeps health truthful: the port opens first with health NOT_SERVING and the itif
+service answering UNAVAILABLE; the backbone loads and stored tenants are restored in a worker
+thread; then health turns SERVING. On SIGTERM/SIGINT health turns NOT_SERVING, new calls get
+UNAVAILABLE, queued and in-flight calls finish within ``server.grace_s``, and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from itif.config import Config, ConfigWatcher, load_config
+from itif.daemon import Daemon
+from itif.server._proto.itif.v1 import itif_pb2_grpc
+from itif.server.service import SERVICE, AuthInterceptor, HealthService, ItifService
+
+log = logging.getLogger("itif.server")
+
+
+def _credentials(cfg: Config) -> grpc.ServerCredentials | None:
+    tls = cfg.server.tls
+    if tls is None:
+        return None
+    client_ca = tls.client_ca.read_bytes() if tls.client_ca else None
+    return grpc.ssl_server_credentials(
+        [(tls.key.read_bytes(), tls.cert.read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT. Returns the process exit code."""
+    config_path = Path(config_path)
+    cfg = load_config(config_path)
+    daemon = Daemon(cfg)
+    limit = cfg.server.max_message_bytes
+    server = grpc.aio.server(
+        interceptors=[AuthInterceptor(daemon)],
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=None,
+    )
+    itif_pb2_grpc.add_ItifServicer_to_server(ItifService(daemon), server)
+    health = HealthService(daemon)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    creds = _credentials(cfg)
+    listen = cfg.server.listen
+    port = server.add_secure_port(listen, creds) if creds else server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    await server.start()
+    log.info("listening on %s%s", listen, " (TLS)" if creds else "")
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await asyncio.to_thread(daemon.start)
+    watcher = ConfigWatcher(config_path, on_change=daemon.apply_config,
+                            on_error=daemon.config_failed, initial=cfg)
+    watcher.start()
+    if ready is not None:
+        ready.set()
+    print(f"itif: serving {len(cfg.tenants)} tenants on {listen}", flush=True)
+
+    await stop.wait()
+    log.info("shutting down: draining for up to %.1fs", cfg.server.grace_s)
+    health.shutting_down = True
+    watcher.stop()
+    await asyncio.to_thread(daemon.stop)  # refuse new work, finish queued and in-flight calls
+    await server.stop(cfg.server.grace_s)
+    log.info("stopped")
+    return 0
+
+
+def main(config_path: str | Path) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config_path))
+
+
+__all__ = ["serve", "main"]

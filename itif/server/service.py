@@ -1,0 +1,231 @@
+"""gRPC servicers: translate protobuf <-> domain objects and make one daemon call. Nothing else.
+
+Authentication happens twice, on purpose: ``AuthInterceptor`` refuses a call without a valid
+bearer token before any handler runs (streams included, so a refused upload writes nothing),
+and each handler resolves the caller's identity for authorisation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from itif.daemon import Daemon, Identity, State, TenantView
+from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
+from itif.runtime.engine import OUTPUTS, Request, Result
+from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
+from itif.server.errors import rpc, status_of
+
+log = logging.getLogger("itif.server")
+SERVICE = itif_pb2.DESCRIPTOR.services_by_name["Itif"].full_name  # "itif.v1.Itif"
+_PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def _authorization(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value
+    return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse calls to the itif service without a valid token, before the handler runs."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_PUBLIC_PREFIXES):
+            return handler
+        try:
+            self.daemon.identify(_authorization(details.invocation_metadata))
+            return handler
+        except ItifError as e:
+            code, msg = status_of(e)
+
+        async def refuse(request_or_iterator, context):
+            await context.abort(code, msg)
+
+        if handler.request_streaming and not handler.response_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+# ---- protobuf <-> domain ------------------------------------------------------------------
+def _tensor(name: str, a: np.ndarray) -> itif_pb2.Tensor:
+    a = np.ascontiguousarray(a, dtype="<f4")
+    return itif_pb2.Tensor(name=name, shape=a.shape, data=a.tobytes())
+
+
+def _request(daemon: Daemon, inp: itif_pb2.InferInput, outputs, index: int = 0) -> Request:
+    kind = inp.WhichOneof("input")
+    outs = tuple(outputs) or None
+    for o in outs or ():
+        if o not in OUTPUTS:
+            raise InvalidRequest(f"unknown output {o!r}; choose from {OUTPUTS}")
+    if kind == "input_ids":
+        types = list(inp.input_ids.token_type_ids) or None
+        return Request("", input_ids=np.asarray(inp.input_ids.ids, np.int64),
+                       token_type_ids=types, outputs=outs)
+    if kind == "text":
+        return Request("", input_ids=daemon.tokenize(inp.text), outputs=outs)
+    if kind == "pixel_values":
+        t = inp.pixel_values
+        numel = int(np.prod(t.shape)) if len(t.shape) else 1
+        if any(d < 0 for d in t.shape) or numel * 4 != len(t.data):
+            raise InvalidRequest(
+                f"input {index}: pixel_values data has {len(t.data)} bytes; shape "
+                f"{list(t.shape)} needs {numel * 4}")
+        return Request("", pixel_values=np.frombuffer(t.data, "<f4").reshape(tuple(t.shape)),
+                       outputs=outs)
+    raise InvalidRequest(f"input {index}: set one of input_ids, text or pixel_values")
+
+
+def _response(res: Result, sha: str) -> itif_pb2.InferResponse:
+    return itif_pb2.InferResponse(
+        outputs=[_tensor(k, v) for k, v in res.as_dict().items()], weights_sha256=sha)
+
+
+def _tenant_info(v: TenantView) -> itif_pb2.TenantInfo:
+    return itif_pb2.TenantInfo(
+        id=v.id, state=v.state.value, sha256=v.sha256, weight_bytes=v.weight_bytes,
+        exclusive_bytes=v.exclusive_bytes, num_labels=v.num_labels, queue_depth=v.queue_depth,
+        error=v.error)
+
+
+class ItifService(itif_pb2_grpc.ItifServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def _who(self, context) -> Identity:
+        if not self.daemon.ready:
+            raise Unavailable("the daemon is starting or shutting down")
+        return self.daemon.identify(_authorization(context.invocation_metadata()))
+
+    @rpc
+    async def UploadWeights(self, request_iterator, context):
+        who = self._who(context)
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("payload") != "header":
+            raise InvalidRequest("the first UploadWeights message must carry the header")
+        h = first.header
+        d = self.daemon
+        up = d.begin_upload(who, h.tenant, h.sha256, h.total_size)
+        try:
+            async for msg in request_iterator:
+                if msg.WhichOneof("payload") != "chunk":
+                    raise InvalidRequest("only chunks may follow the UploadWeights header")
+                up.write(msg.chunk)
+            view = await asyncio.to_thread(d.finish_upload, h.tenant, up)
+        finally:
+            up.abort()  # no-op after a commit; removes the temp file on any failure
+        shared = view.weight_bytes - view.exclusive_bytes
+        return itif_pb2.UploadWeightsResponse(
+            tenant=h.tenant, sha256=view.sha256, bytes=h.total_size,
+            weight_bytes=view.weight_bytes, shared_bytes=shared)
+
+    async def _run(self, context, who, tenant, requests, priority):
+        remaining = context.time_remaining()
+        loop = asyncio.get_running_loop()
+        deadline = None if remaining is None else loop.time() + remaining
+        tickets = self.daemon.submit(who, tenant, requests, deadline=deadline, priority=priority)
+        futures = []
+        for t in tickets:
+            fut = loop.create_future()
+            t.add_done_callback(lambda tk, f=fut: loop.call_soon_threadsafe(_settle, f, tk))
+            futures.append(fut)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*futures), remaining)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded("deadline exceeded before the result was ready") from None
+        finally:
+            for t in tickets:  # a cancelled or expired call frees its queued work
+                t.cancel()
+
+    @rpc
+    async def Infer(self, request, context):
+        who = self._who(context)
+        req = _request(self.daemon, request.input, request.outputs)
+        (res,) = await self._run(context, who, request.tenant, [req], request.priority)
+        return _response(res, self.daemon.status[request.tenant].sha256)
+
+    @rpc
+    async def InferBatch(self, request, context):
+        who = self._who(context)
+        if not request.inputs:
+            raise InvalidRequest("InferBatch needs at least one input")
+        reqs = [_request(self.daemon, inp, request.outputs, i) for i, inp in enumerate(request.inputs)]
+        results = await self._run(context, who, request.tenant, reqs, request.priority)
+        sha = self.daemon.status[request.tenant].sha256
+        return itif_pb2.InferBatchResponse(results=[_response(r, sha) for r in results])
+
+    @rpc
+    async def GetTenant(self, request, context):
+        return _tenant_info(self.daemon.get_tenant(self._who(context), request.tenant))
+
+    @rpc
+    async def ListTenants(self, request, context):
+        views = self.daemon.list_tenants(self._who(context))
+        return itif_pb2.ListTenantsResponse(tenants=[_tenant_info(v) for v in views])
+
+    @rpc
+    async def DeleteWeights(self, request, context):
+        who = self._who(context)
+        deleted, freed = await asyncio.to_thread(self.daemon.delete_weights, who, request.tenant)
+        return itif_pb2.DeleteWeightsResponse(tenant=request.tenant, deleted=deleted,
+                                              freed_bytes=freed)
+
+
+def _settle(fut: asyncio.Future, ticket) -> None:
+    if fut.done():
+        return
+    try:
+        fut.set_result(ticket.result(0))
+    except BaseException as e:  # the ticket's typed error travels to the awaiting handler
+        fut.set_exception(e)
+
+
+class HealthService(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1: "" and "itif.v1.Itif" answer for the daemon without a token (probes);
+    a tenant id as service name answers for that tenant, to its own token or the admin only
+    (others get NOT_FOUND, as for an unknown tenant)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.shutting_down = False
+
+    def _status(self, service: str, metadata) -> int:
+        S = health_pb2.HealthCheckResponse
+        if service in ("", SERVICE):
+            return S.SERVING if self.daemon.ready and not self.shutting_down else S.NOT_SERVING
+        who = self.daemon.identify(_authorization(metadata))
+        self.daemon._visible(who, service)
+        ok = self.daemon.ready and self.daemon.status[service].state is State.READY
+        return S.SERVING if ok else S.NOT_SERVING
+
+    @rpc
+    async def Check(self, request, context):
+        status = self._status(request.service, context.invocation_metadata())
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            try:
+                status = self._status(request.service, context.invocation_metadata())
+            except ItifError as e:
+                code, msg = status_of(e)
+                await context.abort(code, msg)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(0.5)
