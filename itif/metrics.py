@@ -1,0 +1,452 @@
+"""Prometheus metrics and per-tenant inference statistics.
+
+One :class:`Metrics` object per daemon (``daemon.metrics``, set by ``itif.server.app``). It is fed
+from three places and read by two:
+
+- :class:`MetricsInterceptor`, the first gRPC interceptor, sees the final status of every call on
+  every service (itif.v1, KServe v2, health), refusals by the auth interceptor included: this is
+  the ONE place where calls are counted by status code. The tenant label is the tenant the daemon
+  authorised the call for (``note_tenant``, called by ``Daemon.identify``/``Daemon._visible``):
+  the target tenant once the caller may see it, else the calling tenant, else ``""`` (the admin,
+  an unauthenticated caller, a probe). Names a caller may not see never become labels, so a
+  client cannot grow the label set.
+- ``Daemon.submit`` hands each accepted call's tickets to :meth:`Metrics.watch`: queue and compute
+  time per row (histograms) and per-call counts and durations (KServe ModelStatistics).
+- The scheduler runs batches through :meth:`Metrics.run_batch`: batch size, tokens, padding.
+
+Gauges (queue depth, weight bytes, tenant state, config reloads, GPU) are computed at scrape time
+by a collector that reads the daemon's state, so nothing has to keep them up to date. GPU
+utilisation and memory come from NVML (``itif.platform.nvml``); without NVML they are not exported.
+
+The HTTP endpoint (``server.metrics_listen``, any path, e.g. ``/metrics``) serves a private
+registry, so nothing else in the process leaks into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:  # pragma: no cover
+    from itif.daemon import Daemon
+    from itif.runtime.engine import Engine, Request, Result
+    from itif.scheduler import Ticket
+
+log = logging.getLogger("itif.metrics")
+
+__all__ = ["Metrics", "MetricsInterceptor", "TenantCallStats", "note_tenant", "METRIC_NAMES"]
+
+#: Every metric itif exports (docs/ecosystem.md has the table).
+METRIC_NAMES = (
+    "itif_requests_total",
+    "itif_request_duration_seconds",
+    "itif_inference_rows_total",
+    "itif_queue_seconds",
+    "itif_compute_seconds",
+    "itif_batch_size",
+    "itif_batch_tokens",
+    "itif_batch_padding_ratio",
+    "itif_queue_depth",
+    "itif_tenant_weight_bytes",
+    "itif_tenant_exclusive_weight_bytes",
+    "itif_tenant_state",
+    "itif_weight_store_bytes",
+    "itif_ready",
+    "itif_config_reloads_total",
+    "itif_gpu_utilization_ratio",
+    "itif_gpu_memory_used_bytes",
+    "itif_gpu_memory_total_bytes",
+)
+
+# ---- the tenant of the current call -----------------------------------------------------------
+_CALL_TENANT: ContextVar[list[str] | None] = ContextVar("itif_call_tenant", default=None)
+
+
+def note_tenant(tenant: str | None) -> None:
+    """Record the tenant the current gRPC call is for (no-op outside a counted call).
+
+    The holder is a list shared by reference, so a note made inside ``asyncio.to_thread`` (which
+    runs in a copy of the context) still reaches the call's counter."""
+    holder = _CALL_TENANT.get()
+    if holder is not None and tenant:
+        holder[0] = tenant
+
+
+def _code_name(code: Any) -> str | None:
+    if code is None:
+        return None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    for c in grpc.StatusCode:  # the aio context may report the raw integer
+        if c.value[0] == code:
+            return c.name
+    return "UNKNOWN"
+
+
+# ---- per-tenant call statistics (KServe ModelStatistics) --------------------------------------
+@dataclass(frozen=True)
+class TenantCallStats:
+    """Counts and cumulative durations (ns) of one tenant's inference calls since start.
+
+    A call is one Infer/InferBatch/ModelInfer that was accepted into the queue (all its rows);
+    ``inferences`` counts rows of successful calls, ``executions`` the fused batches that ran at
+    least one of the tenant's rows. A call's queue time is its slowest row's wait, its compute
+    time its slowest row's compute, its duration submit to last row done."""
+
+    success: int = 0
+    success_ns: int = 0
+    fail: int = 0
+    fail_ns: int = 0
+    queue: int = 0
+    queue_ns: int = 0
+    compute: int = 0
+    compute_ns: int = 0
+    inferences: int = 0
+    executions: int = 0
+    last_inference_ms: int = 0  # wall clock, ms since the epoch; 0 = never
+
+
+class _CallWatch:
+    __slots__ = ("tenant", "tickets", "left")
+
+    def __init__(self, tenant: str, tickets: Sequence[Ticket]) -> None:
+        self.tenant = tenant
+        self.tickets = list(tickets)
+        self.left = len(self.tickets)
+
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0, 30.0)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+class Metrics:
+    def __init__(self, daemon: Daemon | None = None, *, nvml: Any = "auto") -> None:
+        self.daemon = daemon
+        disable_created_metrics()  # no *_created series: they double every scrape for nothing
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "itif_requests", "gRPC calls by tenant, method and final status code (both APIs, "
+            "refusals by the auth interceptor included)", ("tenant", "method", "code"), registry=r)
+        self.request_seconds = Histogram(
+            "itif_request_duration_seconds", "gRPC call duration in the server, by method",
+            ("method",), buckets=_LATENCY_BUCKETS, registry=r)
+        self.rows = Counter(
+            "itif_inference_rows", "Inference rows (one input of a call) that left the queue, by "
+            "tenant and outcome", ("tenant", "code"), registry=r)
+        self.queue_seconds = Histogram(
+            "itif_queue_seconds", "Time a row waited in its tenant's queue", ("tenant",),
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.compute_seconds = Histogram(
+            "itif_compute_seconds", "Time from a row's batch start to its result", ("tenant",),
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "itif_batch_size", "Requests per fused batch", buckets=_SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "itif_batch_tokens", "Real tokens per fused batch", buckets=_TOKEN_BUCKETS, registry=r)
+        self.batch_padding = Histogram(
+            "itif_batch_padding_ratio", "Padded rows / computed rows of a fused batch",
+            buckets=_RATIO_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self._stats: dict[str, TenantCallStats] = {}
+        self._nvml = _load_nvml() if nvml == "auto" else nvml
+        self._gpus = _gpu_handles(self._nvml)
+        self._server = None
+        r.register(_StateCollector(self))
+
+    # ---- HTTP endpoint ---------------------------------------------------------------------
+    def serve(self, listen: str) -> tuple[str, int]:
+        """Serve the registry over HTTP on ``host:port`` (``[v6]:port``); returns (host, port)."""
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]")
+        server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
+        self._server = server
+        bound = server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", listen.rpartition(":")[0], bound)
+        return host, bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    # ---- feeds -----------------------------------------------------------------------------
+    def observe_rpc(self, tenant: str, method: str, code: str, seconds: float) -> None:
+        self.requests.labels(tenant, method, code).inc()
+        self.request_seconds.labels(method).observe(seconds)
+
+    def watch(self, tenant: str, tickets: Sequence[Ticket]) -> None:
+        """Account for one accepted call: its rows as they finish, the call when all have."""
+        if not tickets:
+            return
+        call = _CallWatch(tenant, tickets)
+        for t in call.tickets:
+            t.add_done_callback(lambda tk, c=call: self._row_done(c, tk))
+
+    def _row_done(self, call: _CallWatch, t: Ticket) -> None:
+        err = t.exception(0)
+        code = "OK" if err is None else getattr(err, "code", "INTERNAL")
+        self.rows.labels(call.tenant, code).inc()
+        self.queue_seconds.labels(call.tenant).observe(t.queued_ms / 1000.0)
+        compute = t.compute_ms
+        if compute is not None:
+            self.compute_seconds.labels(call.tenant).observe(compute / 1000.0)
+        with self._lock:
+            call.left -= 1
+            if call.left:
+                return
+            self._call_done(call)
+
+    def _call_done(self, call: _CallWatch) -> None:
+        """All rows done (under the lock)."""
+        ts = call.tickets
+        ok = all(t.exception(0) is None for t in ts)
+        start = min(t.enqueued_at for t in ts)
+        end = max((t.finished_at or t.enqueued_at) for t in ts)
+        total_ns = int(max(0.0, end - start) * 1e9)
+        queue_ns = int(max(t.queued_ms for t in ts) * 1e6)
+        computes = [t.compute_ms for t in ts if t.compute_ms is not None]
+        s = self._stats.get(call.tenant, TenantCallStats())
+        if ok:
+            s = replace(s, success=s.success + 1, success_ns=s.success_ns + total_ns,
+                        inferences=s.inferences + len(ts),
+                        last_inference_ms=int(time.time() * 1000))
+        else:
+            s = replace(s, fail=s.fail + 1, fail_ns=s.fail_ns + total_ns)
+        s = replace(s, queue=s.queue + 1, queue_ns=s.queue_ns + queue_ns)
+        if computes:
+            s = replace(s, compute=s.compute + 1,
+                        compute_ns=s.compute_ns + int(max(computes) * 1e6))
+        self._stats[call.tenant] = s
+
+    def run_batch(self, engine: Engine) -> Callable[[list[Request]], list[Result]]:
+        """A ``run_batch`` for the scheduler: ``engine.infer`` plus batch metrics. The batch's
+        Layout (for the padding ratio) is caught on its way out of ``engine.plan``."""
+        local = threading.local()
+        plan = engine.plan
+
+        def planned(*args, **kwargs):
+            layout = plan(*args, **kwargs)
+            local.layout = layout
+            return layout
+
+        engine.plan = planned  # instance attribute: only this engine, only this daemon
+
+        def run(requests: list[Request]) -> list[Result]:
+            local.layout = None
+            results = engine.infer(requests)
+            try:
+                self.observe_batch(requests, getattr(local, "layout", None))
+            except Exception:  # metrics never fail a batch
+                log.exception("batch metrics failed")
+            return results
+
+        return run
+
+    def observe_batch(self, requests: Sequence[Request], layout: Any) -> None:
+        self.batch_size.observe(len(requests))
+        if layout is not None:
+            rows, useful = int(layout.total_rows), int(layout.useful_tokens)
+            self.batch_tokens.observe(useful)
+            self.batch_padding.observe((rows - useful) / rows if rows else 0.0)
+        with self._lock:
+            for tenant in {r.tenant for r in requests}:
+                s = self._stats.get(tenant, TenantCallStats())
+                self._stats[tenant] = replace(s, executions=s.executions + 1)
+
+    # ---- reads -----------------------------------------------------------------------------
+    def tenant_stats(self, tenant: str) -> TenantCallStats:
+        with self._lock:
+            return self._stats.get(tenant, TenantCallStats())
+
+
+class _StateCollector:
+    """Gauges read from the daemon at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def describe(self):
+        return []  # collected at scrape time only (the label sets follow the config)
+
+    def collect(self):
+        d = self.m.daemon
+        if d is not None:
+            yield from self._daemon(d)
+        yield from self._gpu()
+
+    def _daemon(self, d: Daemon):
+        from itif.daemon import State  # noqa: PLC0415 - itif.daemon imports this module
+
+        ready = GaugeMetricFamily("itif_ready", "1 when the daemon serves (backbone loaded)")
+        ready.add_metric([], 1.0 if d.ready else 0.0)
+        yield ready
+        depth = GaugeMetricFamily("itif_queue_depth", "Requests queued per tenant",
+                                  labels=["tenant"])
+        wbytes = GaugeMetricFamily("itif_tenant_weight_bytes",
+                                   "Bytes of weights a tenant reads (shared tensors included)",
+                                   labels=["tenant"])
+        xbytes = GaugeMetricFamily("itif_tenant_exclusive_weight_bytes",
+                                   "Bytes of weights only this tenant holds", labels=["tenant"])
+        state = GaugeMetricFamily("itif_tenant_state", "1 for the tenant's current state",
+                                  labels=["tenant", "state"])
+        for tenant in sorted(list(d.status)):
+            try:
+                v = d.tenant_view(tenant)
+            except Exception:  # removed while we looked
+                continue
+            depth.add_metric([tenant], v.queue_depth)
+            wbytes.add_metric([tenant], v.weight_bytes)
+            xbytes.add_metric([tenant], v.exclusive_bytes)
+            for s in State:
+                state.add_metric([tenant, s.name], 1.0 if v.state is s else 0.0)
+        yield from (depth, wbytes, xbytes, state)
+        if d.engine is not None:
+            store = GaugeMetricFamily("itif_weight_store_bytes",
+                                      "Bytes held by the weight store (shared tensors once)")
+            store.add_metric([], d.engine.weight_bytes)
+            yield store
+        reloads = CounterMetricFamily("itif_config_reloads",
+                                      "tenants.yaml reloads applied (ok) or refused (failed)",
+                                      labels=["result"])
+        reloads.add_metric(["ok"], d.reloads_ok)
+        reloads.add_metric(["failed"], d.reloads_failed)
+        yield reloads
+
+    def _gpu(self):
+        nv, handles = self.m._nvml, self.m._gpus
+        if nv is None or not handles:
+            return
+        util = GaugeMetricFamily("itif_gpu_utilization_ratio",
+                                 "GPU busy fraction over NVML's last sample period", labels=["gpu"])
+        used = GaugeMetricFamily("itif_gpu_memory_used_bytes", "GPU memory in use",
+                                 labels=["gpu"])
+        total = GaugeMetricFamily("itif_gpu_memory_total_bytes", "GPU memory", labels=["gpu"])
+        for i, h in handles:
+            try:
+                rates = nv.nvmlDeviceGetUtilizationRates(h)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+            except Exception as e:  # a GPU that fell off the bus must not break the scrape
+                log.debug("NVML read of GPU %d failed: %s", i, e)
+                continue
+            util.add_metric([str(i)], rates.gpu / 100.0)
+            used.add_metric([str(i)], mem.used)
+            total.add_metric([str(i)], mem.total)
+        yield from (util, used, total)
+
+
+def _load_nvml():
+    from itif.platform import nvml  # noqa: PLC0415
+
+    return nvml()
+
+
+def _gpu_handles(nv) -> list[tuple[int, Any]]:
+    if nv is None:
+        return []
+    try:
+        return [(i, nv.nvmlDeviceGetHandleByIndex(i)) for i in range(nv.nvmlDeviceGetCount())]
+    except Exception as e:
+        log.info("NVML lists no GPUs (%s): GPU metrics are not exported", e)
+        return []
+
+
+# ---- the counting interceptor -----------------------------------------------------------------
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Count every call by (tenant, method, final status code). Put it FIRST in the server's
+    interceptors, so it also wraps the handlers other interceptors substitute (auth refusals)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rpartition("/")[2] or details.method
+        m = self.metrics
+        kw = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+
+        def finish(holder, context, start, code):
+            m.observe_rpc(holder[0], method, code or _code_name(context.code()) or "OK",
+                          time.perf_counter() - start)
+
+        if handler.unary_unary or handler.stream_unary:
+            inner = handler.unary_unary or handler.stream_unary
+
+            async def unary(request, context):
+                holder, start, code = [""], time.perf_counter(), None
+                token = _CALL_TENANT.set(holder)
+                try:
+                    out = inner(request, context)
+                    return (await out) if inspect.isawaitable(out) else out
+                except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:
+                    code = "CANCELLED"
+                    raise
+                except BaseException:
+                    code = "UNKNOWN"  # what gRPC answers for an exception that escapes
+                    raise
+                finally:
+                    _CALL_TENANT.reset(token)
+                    finish(holder, context, start, code)
+
+            if handler.unary_unary:
+                return grpc.unary_unary_rpc_method_handler(unary, **kw)
+            return grpc.stream_unary_rpc_method_handler(unary, **kw)
+
+        inner = handler.unary_stream or handler.stream_stream
+
+        async def streaming(request, context):
+            holder, start, code = [""], time.perf_counter(), None
+            token = _CALL_TENANT.set(holder)
+            try:
+                out = inner(request, context)
+                if inspect.isasyncgen(out):
+                    async for item in out:
+                        yield item
+                elif inspect.isawaitable(out):
+                    await out  # writes through context.write
+                elif out is not None:
+                    for item in out:
+                        yield item
+            except grpc.aio.AbortError:
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                code = "CANCELLED"
+                raise
+            except BaseException:
+                code = "UNKNOWN"
+                raise
+            finally:
+                try:
+                    _CALL_TENANT.reset(token)
+                except ValueError:  # finalised in another context (a dropped stream)
+                    pass
+                finish(holder, context, start, code)
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)

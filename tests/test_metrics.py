@@ -1,0 +1,153 @@
+"""Prometheus metrics: a scripted workload on both APIs, then a scrape of /metrics over HTTP."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from itif.platform import nvml
+from itif.weights.safetensors_io import save_safetensors
+from tests.daemon_harness import Daemon, free_port
+from tests.oracle import make_hf_model
+
+tg = pytest.importorskip("tritonclient.grpc")
+parser = pytest.importorskip("prometheus_client.parser")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+TOKENS = {"acme": "acme-tok", "beta": "beta-tok"}
+N_ITIF, N_KSERVE, KSERVE_BATCH = 4, 3, 2
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in parser.text_string_to_metric_families(body) for s in fam.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def total(samples, name: str, **labels) -> float:
+    """Sum over the samples of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    root = tmp_path_factory.mktemp("metrics")
+    port = free_port()
+    d = Daemon(root, dict(TOKENS), server_extra=f"  metrics_listen: 127.0.0.1:{port}\n").start()
+    d.metrics_port = port
+    for i, (tid, tok) in enumerate(TOKENS.items()):
+        m = make_hf_model("bert-tiny", 2, seed=400 + i)
+        path = root / f"{tid}.safetensors"
+        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, path)
+        with d.client(tok) as c:
+            c.upload(tid, path)
+    yield d
+    d.stop()
+
+
+def _kserve_ids(ids: np.ndarray, name: str = "input_ids"):
+    t = tg.InferInput(name, list(ids.shape), "INT64")
+    t.set_data_from_numpy(ids)
+    return t
+
+
+def test_scrape_after_a_scripted_workload(daemon):
+    rng = np.random.default_rng(0)
+    triton = tg.InferenceServerClient(daemon.addr)
+    rows = {}
+    for tid, tok in TOKENS.items():
+        headers = {"authorization": f"Bearer {tok}"}
+        with daemon.client(tok) as c:
+            for k in range(N_ITIF):
+                c.infer(tid, rng.integers(0, 1000, 3 + k).tolist())
+            with pytest.raises(grpc.RpcError) as e:
+                c.infer(tid, [1, 10**6])  # INVALID_ARGUMENT: outside the vocabulary
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for _ in range(N_KSERVE):
+            triton.infer(tid, [_kserve_ids(rng.integers(0, 1000, (KSERVE_BATCH, 6)))],
+                         headers=headers)
+        holes = np.array([[1, 0, 1]], np.int64)
+        with pytest.raises(InferenceServerException) as e:
+            triton.infer(tid, [_kserve_ids(np.ones((1, 3), np.int64)),
+                               _kserve_ids(holes, "attention_mask")], headers=headers)
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        rows[tid] = N_ITIF + N_KSERVE * KSERVE_BATCH
+    # three refused for a wrong token (two on itif, one on KServe); one for another's model
+    with daemon.client("wrong") as c:
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as e:
+                c.infer("acme", [1, 2])
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(InferenceServerException):
+        triton.infer("acme", [_kserve_ids(np.ones((1, 2), np.int64))],
+                     headers={"authorization": "Bearer wrong"})
+    with daemon.client(TOKENS["acme"]) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.infer("beta", [1, 2])
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    triton.close()
+
+    s = scrape(daemon.metrics_port)
+    req = "itif_requests_total"
+    for tid in TOKENS:
+        assert value(s, req, tenant=tid, method="Infer", code="OK") == N_ITIF
+        assert value(s, req, tenant=tid, method="ModelInfer", code="OK") == N_KSERVE
+        assert value(s, req, tenant=tid, method="Infer", code="INVALID_ARGUMENT") == 1
+        assert value(s, req, tenant=tid, method="ModelInfer", code="INVALID_ARGUMENT") == 1
+        assert value(s, req, tenant=tid, method="UploadWeights", code="OK") == 1
+        # rows queued = rows run: refused calls never reach the queue
+        assert value(s, "itif_queue_seconds_count", tenant=tid) == rows[tid]
+        assert value(s, "itif_compute_seconds_count", tenant=tid) == rows[tid]
+        assert value(s, "itif_compute_seconds_sum", tenant=tid) > 0
+        assert value(s, "itif_inference_rows_total", tenant=tid, code="OK") == rows[tid]
+        assert value(s, "itif_tenant_weight_bytes", tenant=tid) > 0
+        assert value(s, "itif_tenant_exclusive_weight_bytes", tenant=tid) > 0
+        assert value(s, "itif_tenant_state", tenant=tid, state="READY") == 1
+        assert value(s, "itif_tenant_state", tenant=tid, state="FAILED") == 0
+        assert value(s, "itif_queue_depth", tenant=tid) == 0
+    # refusals before any handler ran are counted too, with no tenant (the token named none)
+    assert value(s, req, tenant="", method="Infer", code="UNAUTHENTICATED") == 2
+    assert value(s, req, tenant="", method="ModelInfer", code="UNAUTHENTICATED") == 1
+    assert total(s, req, code="UNAUTHENTICATED") == 3
+    # another tenant's model: counted for the caller, never under the name it asked for
+    assert value(s, req, tenant="acme", method="Infer", code="NOT_FOUND") == 1
+    assert total(s, req, tenant="beta", code="NOT_FOUND") == 0
+    assert value(s, "itif_request_duration_seconds_count", method="ModelInfer") == 2 * N_KSERVE + 3
+
+    batches = value(s, "itif_batch_size_count")
+    assert batches >= 1 and value(s, "itif_batch_size_sum") == sum(rows.values())
+    assert value(s, "itif_batch_padding_ratio_count") == batches
+    assert value(s, "itif_batch_tokens_count") == batches
+    assert value(s, "itif_batch_tokens_sum") == sum(
+        2 * [sum(3 + k for k in range(N_ITIF)) + N_KSERVE * KSERVE_BATCH * 6])
+    assert value(s, "itif_weight_store_bytes") > 0 and value(s, "itif_ready") == 1
+    if nvml() is None:
+        assert not [k for k in s if k[0].startswith("itif_gpu_")]
+
+
+def test_config_reload_counters(daemon):
+    s = scrape(daemon.metrics_port)
+    ok0 = value(s, "itif_config_reloads_total", result="ok")
+    failed0 = value(s, "itif_config_reloads_total", result="failed")
+    daemon.extra = {"beta": {"weight": 2.0}}
+    daemon.write_config()
+    end = time.monotonic() + 15
+    while value(scrape(daemon.metrics_port), "itif_config_reloads_total", result="ok") == ok0:
+        assert time.monotonic() < end, "the valid edit was never applied"
+        time.sleep(0.1)
+    daemon.write_config("server: [this is not\n  valid yaml")
+    while value(scrape(daemon.metrics_port), "itif_config_reloads_total",
+                result="failed") == failed0:
+        assert time.monotonic() < end, "the broken edit was never refused"
+        time.sleep(0.1)
+    daemon.extra = {}
+    daemon.write_config()  # leave a valid file behind
