@@ -1,0 +1,206 @@
+"""``itif bench``: the fused engine against one-instance-per-tenant baselines, and a serving sweep.
+
+    itif bench --quick --json                 # CI smoke run: tiny presets, < 2 minutes on a CPU
+    itif bench                                # full run: writes bench/results/<name>.json + PNGs
+    itif bench --models albert-large --tenants 2 4 8 --suites table batch
+
+This module only parses and orchestrates; importing it is cheap (``itif --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SUITE_HELP = ("table: the thesis' Table 5.2 (2-5 tenants, one request each, seq 128 / 224x224); "
+              "scale: more tenants (8-64); batch: requests per tenant up to 64 at seq 64 "
+              "(Fig. 5.2-5.4); serve: Poisson load through the real daemon")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="tiny presets, 2-4 tenants, few repeats, a short serving sweep (CI)")
+    p.add_argument("--json", action="store_true",
+                   help="print the rows as one JSON list on stdout (progress goes to stderr)")
+    p.add_argument("--models", nargs="+", help="backbone presets (default: bert-base albert-large "
+                   "vit-base; --quick: the -tiny ones)")
+    p.add_argument("--tenants", nargs="+", type=int, help="tenant counts for table/scale/batch")
+    p.add_argument("--requests", nargs="+", type=int, help="requests per tenant for batch")
+    p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve"),
+                   help=SUITE_HELP)
+    p.add_argument("--systems", nargs="+", choices=("seq", "multi_stream", "mps", "hf", "itif"),
+                   help="offline systems (default: all)")
+    p.add_argument("--strategies", nargs="+", help="planner strategies of the itif rows "
+                   "(default: all)")
+    p.add_argument("--repeats", type=int, help="timed runs per system (after a warm-up)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto")
+    p.add_argument("--fine-tune", default="full",
+                   help="what tenants own: full (all weights; the thesis), head, or last:K")
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("serving sweep")
+    g.add_argument("--serve-model", help="text backbone (default: bert-base; --quick bert-tiny)")
+    g.add_argument("--serve-tenants", type=int, help="tenants (default 8; --quick 4)")
+    g.add_argument("--mixes", nargs="+", help="length mix[+popularity], e.g. uniform:2-100 "
+                   "normal:20:20 uniform:2-100+zipf:1.2 (the default)")
+    g.add_argument("--serve-rates", nargs="+", type=float,
+                   help="absolute rates in req/s (default: fractions of a calibrated capacity)")
+    g.add_argument("--serve-duration", type=float, help="seconds of arrivals per rate")
+    g.add_argument("--serve-strategies", nargs="+", help="fused daemons' strategies")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="result JSON (default for full runs: bench/results/<name>.json; "
+                   "--quick writes nothing unless given)")
+    o.add_argument("--name", help="result name (default: <device>-<date>)")
+    o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+    import logging  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from itif.batching.strategies import DEFAULT_STRATEGY, STRATEGIES  # noqa: PLC0415
+    from itif.bench import offline  # noqa: PLC0415
+    from itif.bench import workloads as wl  # noqa: PLC0415
+    from itif.bench.meta import collect_meta, result_name  # noqa: PLC0415
+    from itif.bench.roofline import device_peak  # noqa: PLC0415
+    from itif.bench.tenants import parse_fine_tune  # noqa: PLC0415
+    from itif.errors import InvalidRequest  # noqa: PLC0415
+    from itif.platform import resolve_device, resolve_dtype  # noqa: PLC0415
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("bench: %(message)s"))
+    blog = logging.getLogger("itif.bench")
+    blog.addHandler(handler)
+    blog.setLevel(logging.INFO)
+    blog.propagate = False
+
+    t_start = time.monotonic()
+    quick = args.quick
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    gpu = device.type == "cuda"
+    parse_fine_tune(args.fine_tune)
+    models = tuple(args.models or (wl.QUICK_MODELS if quick else wl.FULL_MODELS))
+    suites = tuple(args.suites or wl.SUITES)
+    systems = tuple(args.systems or offline.SYSTEMS)
+    strategies = list(args.strategies or STRATEGIES)
+    for s in strategies:
+        if s not in STRATEGIES:
+            raise InvalidRequest(f"unknown strategy {s!r}; choose from {sorted(STRATEGIES)}")
+    if DEFAULT_STRATEGY in strategies:  # the default first: it is the reference of the checks
+        strategies.remove(DEFAULT_STRATEGY)
+        strategies.insert(0, DEFAULT_STRATEGY)
+    repeats = args.repeats or (3 if quick else (10 if gpu else 5))
+    if repeats < 1:
+        raise InvalidRequest("--repeats must be >= 1")
+    if any(t < 1 for t in args.tenants or ()) or any(r < 1 for r in args.requests or ()):
+        raise InvalidRequest("--tenants and --requests take counts >= 1")
+
+    peak = device_peak(device, dtype, quick)
+    blog.info("device %s, %s; peak %s", device, dtype_name, peak.source)
+    opt = offline.OfflineSettings(device=str(device), dtype=dtype_name, systems=systems,
+                                  strategies=tuple(strategies), repeats=repeats,
+                                  warmup=1, fine_tune=args.fine_tune, seed=args.seed)
+    rows: list[dict] = []
+    groups: dict[tuple[str, int], list] = {}
+    for w in wl.offline_workloads(suites, models, args.tenants, args.requests, quick, gpu):
+        groups.setdefault((w.model, w.tenants), []).append(w)
+    for (model, n), ws in groups.items():
+        t0 = time.monotonic()
+        try:
+            rows += offline.run_group(model, n, ws, opt, peak)
+        except Exception as e:  # noqa: BLE001 - one group's failure is reported, not fatal
+            blog.warning("%s x%d tenants failed: %s: %s", model, n, type(e).__name__, e)
+            rows += [dict(suite=w.suite, model=model, tenants=n,
+                          requests_per_tenant=w.requests_per_tenant, seq_len=w.seq_len,
+                          system=s, strategy=None, status="error",
+                          reason=f"{type(e).__name__}: {e}", latency_ms=None)
+                     for w in ws for s in systems]
+        blog.info("%s x%d tenants: %d workloads in %.1f s", model, n, len(ws),
+                  time.monotonic() - t0)
+
+    if "serve" in suites:
+        rows += _serve(args, quick, gpu, models, strategies, device, dtype_name, blog)
+
+    meta = collect_meta(device, dtype, peak, args, dict(
+        quick=quick, suites=suites, models=models, systems=systems, strategies=strategies,
+        repeats=repeats, fine_tune=args.fine_tune, wall_s=round(time.monotonic() - t_start, 1)))
+    out = Path(args.out) if args.out else None
+    if out is None and not quick:
+        out = Path("bench/results") / f"{args.name or result_name(device, meta['date'])}.json"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not args.no_plots:
+            try:
+                from itif.bench.plots import make_plots  # noqa: PLC0415
+
+                meta["plots"] = [str(p) for p in make_plots(rows, meta, out.with_suffix(""))]
+            except ImportError as e:
+                blog.warning("no plots (%s): pip install matplotlib", e)
+        out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+        blog.info("wrote %s", out)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        _print_table(rows)
+    blog.info("done in %.1f s", time.monotonic() - t_start)
+    return 0
+
+
+def _serve(args, quick, gpu, models, strategies, device, dtype_name, blog) -> list[dict]:
+    from itif.backbones.spec import load_spec  # noqa: PLC0415
+    from itif.bench import serving  # noqa: PLC0415
+    from itif.bench import workloads as wl  # noqa: PLC0415
+    from itif.platform import device_name  # noqa: PLC0415
+
+    model = args.serve_model
+    if model is None:
+        text = [m for m in models if load_spec(m).is_text]
+        default = "bert-tiny" if quick else "bert-base"
+        model = default if args.models is None or not text else text[0]
+    mixes = tuple(wl.parse_mix(m) for m in args.mixes) if args.mixes else (
+        wl.DEFAULT_MIXES[:1] if quick else wl.DEFAULT_MIXES)
+    serve_strats = tuple(args.serve_strategies or ([strategies[0]] if quick else
+                                                   [strategies[0]] + [s for s in strategies[1:]
+                                                                      if s == "itif_two_stage"]))
+    tenants = args.serve_tenants or (4 if quick else 8)
+    cfg = serving.ServeSettings(
+        model=model, tenants=tenants, device=str(device.type), dtype=dtype_name, mixes=mixes,
+        strategies=serve_strats,
+        fractions=(0.5, 1.0, 1.5) if quick else (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
+        rates=tuple(args.serve_rates) if args.serve_rates else None,
+        duration_s=args.serve_duration or (1.0 if quick else 10.0),
+        max_requests=600 if quick else 20000, timeout_s=20.0 if quick else 60.0,
+        max_wait_ms=2.0 if quick else 5.0, calibrate_requests=16 * tenants,
+        extra_rates=1 if quick else 4,
+        fine_tune=args.fine_tune, seed=args.seed)
+    try:
+        rows = serving.serve_sweep(cfg)
+        for r in rows:
+            r.update(device=device_name(device), dtype=dtype_name)
+        return rows
+    except Exception as e:  # noqa: BLE001 - report the sweep as failed, keep the offline rows
+        blog.warning("serving sweep failed: %s: %s", type(e).__name__, e)
+        return [dict(suite="serve", model=model, tenants=tenants, requests_per_tenant=None,
+                     seq_len=None, system=s, strategy=None, status="error",
+                     reason=f"{type(e).__name__}: {e}", latency_ms=None)
+                for s in ("itif", "per_tenant")]
+
+
+def _print_table(rows: list[dict]) -> None:
+    hdr = (f"{'suite':16s} {'model':12s} {'T':>3s} {'R':>6s} {'len':>4s} {'system':13s} "
+           f"{'strategy':15s} {'ms':>10s} {'req/s':>9s} {'vs seq':>7s}  note")
+    print(hdr)
+    for r in rows:
+        ms = r.get("latency_ms")
+        note = r.get("reason") or (f"rate {r['rate_rps']}, p99 {r.get('p99_ms')} ms"
+                                   if "rate_rps" in r else "")
+        rpt = "" if r.get("requests_per_tenant") is None else r["requests_per_tenant"]
+        sl = "" if r.get("seq_len") is None else r["seq_len"]
+        print(f"{r['suite']:16s} {r['model']:12s} {r['tenants']:3d} {rpt:>6} {sl:>4} "
+              f"{r['system']:13s} {r.get('strategy') or '':15s} "
+              f"{'-' if ms is None else f'{ms:.2f}':>10s} "
+              f"{r.get('throughput_rps') or '':>9} {r.get('speedup_vs_seq') or '':>7}  {note}")

@@ -1,0 +1,348 @@
+"""Serving sweep through the real daemon over gRPC: open-loop Poisson arrivals at rising rates.
+
+Each mode is one ``itif serve`` subprocess on 127.0.0.1 (started exactly as an operator would,
+tenants uploaded over gRPC as Hugging Face-named safetensors):
+
+- ``itif``: the scheduler mixes every tenant's queued requests into one fused batch;
+- ``per_tenant``: the same daemon with ``scheduler.isolate_tenants: true``: a batch never mixes
+  tenants, so each tenant is batched alone, as a separate model in Triton would be. Batches of
+  different tenants then run one after another on the one engine (time-shared, as model
+  instances sharing one device are under load).
+
+Rates are fractions of a capacity calibrated on the ``itif`` daemon (a burst of requests sent at
+once); every mode gets the same absolute rates. Each point sends Poisson arrivals for a bounded
+time and count, one channel, ``Infer.future`` per request; latency runs from each request's
+*scheduled* arrival (so a lagging sender cannot hide queueing) to its answer. Throughput is the
+answered requests over the time from the first arrival to the last answer (past saturation the
+queue drains after the window, so this converges to the service capacity).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from itif.backbones.spec import BackboneSpec, load_spec
+from itif.bench.tenants import tenant_weights, to_hf
+from itif.bench.workloads import ServeMix, poisson_arrivals, sample_lengths, sample_tenants
+from itif.client import Client
+from itif.config import hash_token
+from itif.weights.safetensors_io import save_safetensors
+
+log = logging.getLogger("itif.bench")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class ServeDaemon:
+    """One ``itif serve`` subprocess with the benchmark's tenants."""
+
+    root: Path
+    port: int
+    model: str
+    device: str
+    dtype: str
+    tokens: dict[str, str]  # tenant -> bearer token
+    strategy: str
+    isolate: bool
+    max_wait_ms: float
+    proc: subprocess.Popen | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.admin = secrets.token_urlsafe(16)
+        lines = ["server:", f"  listen: {self.addr}", "  data_dir: ./data",
+                 f"  admin_token_sha256: {hash_token(self.admin)}", "backbone:",
+                 f"  config: {self.model}", f"  device: {self.device}", f"  dtype: {self.dtype}",
+                 "scheduler:", f"  max_wait_ms: {self.max_wait_ms}",
+                 f"  strategy: {self.strategy}",
+                 f"  isolate_tenants: {'true' if self.isolate else 'false'}", "tenants:"]
+        for t, tok in self.tokens.items():
+            lines += [f"  - id: {t}", f"    token_sha256: {hash_token(tok)}",
+                      "    max_queue: 1000000"]
+        cfg = self.root / "tenants.yaml"
+        cfg.write_text("\n".join(lines) + "\n")
+        self._log = open(self.root / "daemon.log", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "itif", "serve", "--config", str(cfg)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root,
+                                     env=env)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        end = time.monotonic() + timeout
+        with Client(self.addr, self.admin) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"daemon exited {self.proc.returncode}: {self.logs()[-2000:]}")
+                try:
+                    if c.health_status() == "SERVING":
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > end:
+                    raise TimeoutError(
+                        f"daemon not SERVING after {timeout:.0f} s: {self.logs()[-2000:]}")
+                time.sleep(0.1)
+
+    def upload(self, files: dict[str, Path]) -> None:
+        for t, path in files.items():
+            with Client(self.addr, self.tokens[t]) as c:
+                c.upload(t, path, timeout=600)
+
+    def logs(self) -> str:
+        try:
+            return (self.root / "daemon.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        self._log.close()
+
+
+class LoadGen:
+    """Open-loop sender over one channel to one daemon."""
+
+    def __init__(self, addr: str, tokens: dict[str, str], spec: BackboneSpec) -> None:
+        from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: PLC0415
+
+        self._pb = itif_pb2
+        opts = [("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20)]
+        self.channel = grpc.insecure_channel(addr, options=opts)
+        self.stub = itif_pb2_grpc.ItifStub(self.channel)
+        self.names = list(tokens)
+        self.metadata = {t: (("authorization", f"Bearer {tok}"),) for t, tok in tokens.items()}
+        self.spec = spec
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def requests(self, mix: ServeMix, n: int, rng: np.random.Generator):
+        """n (tenant, message, length) of the mix, built before the clock starts."""
+        tenant = sample_tenants(len(self.names), n, mix.skew, rng)
+        lengths = sample_lengths(mix.lengths, n, self.spec.max_position, rng)
+        pb = self._pb
+        out = []
+        for t, L in zip(tenant, lengths):
+            ids = rng.integers(0, self.spec.vocab_size, int(L)).tolist()
+            msg = pb.InferRequest(tenant=self.names[t],
+                                  input=pb.InferInput(input_ids=pb.TokenIds(ids=ids)))
+            out.append((self.names[t], msg, int(L)))
+        return out
+
+    def send(self, arrivals: np.ndarray, reqs, timeout_s: float, drain_s: float) -> dict:
+        """Send ``reqs[i]`` at ``arrivals[i]`` seconds from now; wait for the answers."""
+        n = len(arrivals)
+        done = np.full(n, np.nan)
+        ok = np.zeros(n, bool)
+        errors: dict[str, int] = {}
+        lock = threading.Lock()
+        left = [n]
+        all_done = threading.Event()
+        clock = time.perf_counter
+
+        def callback(i):
+            def cb(fut):
+                now = clock()
+                code = None
+                if fut.cancelled():
+                    code = "CANCELLED"
+                elif fut.exception() is not None:
+                    c = fut.exception().code() if hasattr(fut.exception(), "code") else None
+                    code = c.name if c is not None else type(fut.exception()).__name__
+                with lock:
+                    done[i] = now
+                    ok[i] = code is None
+                    if code is not None:
+                        errors[code] = errors.get(code, 0) + 1
+                    left[0] -= 1
+                    if left[0] == 0:
+                        all_done.set()
+            return cb
+
+        futs = []
+        lag = np.zeros(n)
+        start = clock() + 0.02
+        infer = self.stub.Infer.future
+        for i in range(n):
+            target = start + arrivals[i]
+            delay = target - clock()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                lag[i] = -delay
+            tenant, msg, _ = reqs[i]
+            f = infer(msg, metadata=self.metadata[tenant], timeout=timeout_s)
+            f.add_done_callback(callback(i))
+            futs.append(f)
+        all_done.wait(drain_s)
+        for f in futs:
+            f.cancel()
+        all_done.wait(5.0)
+        with lock:
+            lat = (done - (start + arrivals))[ok] * 1e3
+            last = np.nanmax(done[ok]) if ok.any() else np.nan
+        span = (last - start) if ok.any() else np.nan
+        window = float(arrivals[-1]) if n > 1 else 0.0
+        return dict(sent=n, completed=int(ok.sum()), errors=errors,
+                    offered_rps=round(n / window, 3) if window > 0 else None,
+                    throughput_rps=(round(float(ok.sum() / span), 3)
+                                    if ok.any() and span > 0 else 0.0),
+                    p50_ms=_pct(lat, 50), p90_ms=_pct(lat, 90), p99_ms=_pct(lat, 99),
+                    mean_ms=round(float(lat.mean()), 3) if lat.size else None,
+                    send_lag_p99_ms=round(float(np.percentile(lag, 99) * 1e3), 3))
+
+
+SATURATED = 0.9  # a point is saturated when it answers less than this share of the offered rate
+
+
+def _pct(x: np.ndarray, q: float):
+    return round(float(np.percentile(x, q)), 3) if x.size else None
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model: str
+    tenants: int
+    device: str
+    dtype: str
+    mixes: tuple[ServeMix, ...]
+    strategies: tuple[str, ...]  # fused daemons, one per strategy
+    fractions: tuple[float, ...]  # rates as fractions of the calibrated capacity
+    rates: tuple[float, ...] | None  # absolute rates (req/s) instead of fractions
+    duration_s: float
+    max_requests: int
+    timeout_s: float
+    max_wait_ms: float
+    calibrate_requests: int
+    extra_rates: int = 3  # rates added (x1.5 each) while the fused daemon is not saturated
+    fine_tune: str = "full"
+    seed: int = 0
+
+
+def serve_sweep(cfg: ServeSettings) -> list[dict]:
+    """Rows of the sweep: one per (mode, mix, rate), plus one saturation row per (mode, mix)."""
+    spec = load_spec(cfg.model)
+    if not spec.is_text:
+        raise ValueError(f"the serving sweep takes a text backbone; {cfg.model!r} is {spec.family}")
+    names = [f"t{i}" for i in range(cfg.tenants)]
+    tokens = {t: secrets.token_urlsafe(12) for t in names}
+    modes = [("itif", s, False) for s in cfg.strategies] + [("per_tenant", cfg.strategies[0], True)]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="itif-bench-serve-") as tmp:
+        tmp = Path(tmp)
+        files = {}
+        for i, t in enumerate(names):
+            files[t] = tmp / f"{t}.safetensors"
+            save_safetensors(to_hf(spec, tenant_weights(spec, i, cfg.fine_tune)), files[t])
+        ports = _free_ports(len(modes))
+        daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
+                               strategy, isolate, cfg.max_wait_ms)
+                   for k, (_, strategy, isolate) in enumerate(modes)]
+        try:
+            for d in daemons:  # start together: the slow part (imports) overlaps
+                d.start()
+            for d in daemons:
+                d.wait_ready()
+                d.upload(files)
+            rng = np.random.default_rng(cfg.seed)
+            gens = [LoadGen(d.addr, tokens, spec) for d in daemons]
+            try:
+                for mix in cfg.mixes:
+                    rows += _sweep_mix(cfg, spec, mix, modes, gens, rng)
+            finally:
+                for g in gens:
+                    g.close()
+        finally:
+            for d in daemons:
+                d.stop()
+    return rows
+
+
+def _sweep_mix(cfg, spec, mix, modes, gens, rng) -> list[dict]:
+    n_cal = cfg.calibrate_requests
+    for g in gens:  # warm-up: first batches, cost-model profiling of the DP planners
+        reqs = g.requests(mix, max(8, n_cal // 4), rng)
+        g.send(np.zeros(len(reqs)), reqs, cfg.timeout_s, cfg.timeout_s)
+    if cfg.rates:
+        rates = list(cfg.rates)
+        capacity = None
+    else:
+        reqs = gens[0].requests(mix, n_cal, rng)
+        cal = gens[0].send(np.zeros(len(reqs)), reqs, cfg.timeout_s, cfg.timeout_s)
+        capacity = max(cal["throughput_rps"], 1.0)
+        rates = [round(f * capacity, 2) for f in cfg.fractions]
+        log.info("serve %s: calibrated capacity %.1f req/s -> rates %s", mix.name, capacity, rates)
+    base = dict(suite="serve", model=cfg.model, tenants=cfg.tenants, workload=mix.lengths,
+                skew=mix.skew, mix=mix.name, fine_tune=cfg.fine_tune, device=cfg.device,
+                status="ok", calibrated_rps=capacity)
+    rows = []
+    for k, ((system, strategy, _), g) in enumerate(zip(modes, gens)):
+        points = []
+        i = 0
+        while i < len(rates):
+            rate = rates[i]
+            arrivals = poisson_arrivals(rate, cfg.duration_s, cfg.max_requests, rng)
+            reqs = g.requests(mix, len(arrivals), rng)
+            res = g.send(arrivals, reqs, cfg.timeout_s,
+                         drain_s=max(5.0, 2 * cfg.duration_s) + cfg.timeout_s / 4)
+            row = dict(base, system=system, strategy=strategy, rate_rps=rate,
+                       requests_per_tenant=round(len(reqs) / cfg.tenants, 2),
+                       seq_len=int(round(np.mean([r[2] for r in reqs]))),
+                       latency_ms=res["p50_ms"], **res)
+            offered = res["offered_rps"] or rate
+            row["saturated"] = bool(res["throughput_rps"] < SATURATED * offered)
+            points.append(row)
+            log.info("serve %s %s/%s rate %.1f: %.1f req/s p50 %s p99 %s ms", mix.name, system,
+                     strategy, rate, res["throughput_rps"], res["p50_ms"], res["p99_ms"])
+            i += 1
+            # The first mode sets the rates: past the planned ones, keep rising until it
+            # saturates (the calibration burst can underestimate the capacity).
+            if (k == 0 and not cfg.rates and i == len(rates) and not row["saturated"]
+                    and len(rates) < len(cfg.fractions) + cfg.extra_rates):
+                rates.append(round(rate * 1.5, 2))
+        rows += points
+        best = max(points, key=lambda r: r["throughput_rps"])
+        rows.append(dict(base, suite="serve_saturation", system=system, strategy=strategy,
+                         requests_per_tenant=best["requests_per_tenant"], seq_len=best["seq_len"],
+                         rate_rps=best["rate_rps"], throughput_rps=best["throughput_rps"],
+                         latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"]))
+    return rows

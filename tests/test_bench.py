@@ -1,0 +1,333 @@
+"""``itif bench``: one real ``--quick --json`` run (as CI runs it) and the pieces it is made of.
+
+The run is checked for behaviour, not speed: every required system is there (mps skipped with
+its reason on the CPU), every number is positive, the ratios agree with the latencies, the
+baselines answer like the fused engine (same weights), and the serving sweep ran both modes
+through the daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from itif.backbones.hf import to_canonical
+from itif.backbones.spec import load_spec
+from itif.batching.strategies import STRATEGIES
+from itif.bench import roofline as rl
+from itif.bench.tenants import tenant_weights, to_hf
+from itif.bench.workloads import (
+    ServeMix,
+    offline_workloads,
+    parse_mix,
+    poisson_arrivals,
+    sample_lengths,
+    sample_tenants,
+)
+from itif.errors import InvalidConfig, InvalidRequest
+from itif.runtime.engine import Engine, Request, Result
+
+REQUIRED = ("model", "tenants", "requests_per_tenant", "seq_len", "system", "latency_ms")
+
+
+@pytest.fixture(scope="module")
+def quick_rows():
+    proc = subprocess.run([sys.executable, "-m", "itif", "bench", "--quick", "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)  # stdout is the JSON list and nothing else
+    assert isinstance(rows, list) and rows
+    return rows
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- the quick run -----------------------------------------------------------------------------
+def test_quick_rows_have_the_schema(quick_rows):
+    for r in quick_rows:
+        for k in REQUIRED:
+            assert k in r, (k, r)
+        assert r["status"] in ("ok", "skipped", "error"), r
+        if r["status"] == "ok":
+            assert r["latency_ms"] > 0, r
+            if r.get("throughput_rps") is not None:
+                assert r["throughput_rps"] > 0, r
+        else:
+            assert r["latency_ms"] is None and r["reason"], r
+    assert not [r for r in quick_rows if r["status"] == "error"], "a system failed"
+
+
+def test_quick_run_has_every_system(quick_rows):
+    offline = [r for r in quick_rows if r["suite"] in ("table", "scale", "batch")]
+    ok = {r["system"] for r in offline if r["status"] == "ok"}
+    assert {"seq", "multi_stream", "itif"} <= ok
+    if _has_transformers():
+        assert "hf" in ok
+    else:
+        assert all(r["status"] == "skipped" for r in offline if r["system"] == "hf")
+    mps = [r for r in offline if r["system"] == "mps"]
+    assert mps
+    if not torch.cuda.is_available():
+        assert all(r["status"] == "skipped" and "CUDA" in r["reason"] for r in mps)
+    assert {r["strategy"] for r in offline if r["system"] == "itif"} == set(STRATEGIES)
+    assert {r["suite"] for r in offline} == {"table", "batch"}
+    assert {r["model"] for r in offline} == {"bert-tiny", "albert-tiny", "vit-tiny"}
+
+
+def test_quick_ratios_agree_with_latencies(quick_rows):
+    offline = [r for r in quick_rows if r["suite"] in ("table", "batch") and r["status"] == "ok"]
+    by = {}
+    for r in offline:
+        key = (r["suite"], r["model"], r["tenants"], r["requests_per_tenant"])
+        by.setdefault(key, []).append(r)
+    for rows in by.values():
+        seq = next(r for r in rows if r["system"] == "seq")
+        for r in rows:
+            n = r["tenants"] * r["requests_per_tenant"]
+            assert r["throughput_rps"] == pytest.approx(n / r["latency_ms"] * 1e3, rel=1e-3)
+            assert r["speedup_vs_seq"] == pytest.approx(seq["latency_ms"] / r["latency_ms"],
+                                                        rel=1e-3)
+            assert r["latency_ms_min"] <= r["latency_ms"] <= r["latency_ms_max"]
+            if r["system"] == "itif":
+                assert r["flops"] > 0 and r["weight_bytes"] > 0 and r["bound_ms"] > 0
+                assert r["bound_by"] in ("compute", "memory")
+                assert r["roofline_fraction"] == pytest.approx(r["bound_ms"] / r["latency_ms"],
+                                                               rel=1e-2, abs=1e-4)
+            # same weights, same inputs: every system answers like the fused engine
+            assert r["max_abs_diff_vs_itif"] < 1e-3, r
+
+
+def test_quick_serving_sweep(quick_rows):
+    serve = [r for r in quick_rows if r["suite"] == "serve"]
+    assert {r["system"] for r in serve} == {"itif", "per_tenant"}
+    for r in serve:
+        assert r["status"] == "ok", r
+        assert r["completed"] > 0 and r["sent"] >= r["completed"]
+        assert 0 < r["p50_ms"] <= r["p99_ms"]
+        assert r["latency_ms"] == r["p50_ms"]
+    rates = {s: sorted(r["rate_rps"] for r in serve if r["system"] == s)
+             for s in ("itif", "per_tenant")}
+    assert len(rates["itif"]) >= 2 and rates["itif"] == rates["per_tenant"]  # same loads
+    sat = [r for r in quick_rows if r["suite"] == "serve_saturation"]
+    assert {r["system"] for r in sat} == {"itif", "per_tenant"}
+    for r in sat:
+        best = max(x["throughput_rps"] for x in serve if x["system"] == r["system"])
+        assert r["throughput_rps"] == best > 0
+
+
+# ---- roofline --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,dtype,tflops,tbs", [
+    ("NVIDIA H100 80GB HBM3", torch.float16, 989.4, 3.35),
+    ("NVIDIA H100 PCIe", torch.bfloat16, 756.5, 2.0),
+    ("NVIDIA H100 NVL", torch.float16, 835.5, 3.9),
+    ("NVIDIA H200", torch.float16, 989.4, 4.8),
+    ("NVIDIA A100-SXM4-80GB", torch.float16, 312.0, 2.039),
+    ("NVIDIA A100 80GB PCIe", torch.float16, 312.0, 1.935),
+    ("NVIDIA A100-SXM4-40GB", torch.float16, 312.0, 1.555),
+    ("NVIDIA RTX A5000", torch.float16, 111.1, 0.768),
+])
+def test_spec_sheet_peaks(name, dtype, tflops, tbs):
+    p = rl.spec_sheet_peak(name, dtype)
+    assert p.flops == pytest.approx(tflops * 1e12) and p.bandwidth == pytest.approx(tbs * 1e12)
+    assert p.source.startswith("spec sheet")
+
+
+def test_spec_sheet_fp32_and_unknown():
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        h100 = "NVIDIA H100 80GB HBM3"
+        assert rl.spec_sheet_peak(h100, torch.float32).flops == pytest.approx(66.9e12)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert rl.spec_sheet_peak(h100, torch.float32).flops == pytest.approx(494.7e12)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert rl.spec_sheet_peak("Some Future GPU", torch.float16) is None
+
+
+def test_measured_cpu_peak_is_labelled():
+    p = rl.measure_peak(torch.device("cpu"), torch.float32, quick=True)
+    assert p.flops > 0 and p.bandwidth > 0 and p.source.startswith("measured")
+
+
+def test_roofline_bound_and_fraction():
+    peak = rl.Peak("x", flops=1e12, bandwidth=1e11, source="test")
+    r = rl.roofline(flops=2e9, weight_bytes=10**8, measured_ms=4.0, peak=peak)
+    assert r["bound_ms"] == pytest.approx(2.0) and r["bound_by"] == "compute"  # 2 ms vs 1 ms
+    assert r["roofline_fraction"] == pytest.approx(0.5)
+    r = rl.roofline(flops=1e9, weight_bytes=5 * 10**8, measured_ms=10.0, peak=peak)
+    assert r["bound_ms"] == pytest.approx(5.0) and r["bound_by"] == "memory"
+    assert r["achieved_tflops"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("preset", ["bert-tiny", "albert-tiny", "vit-tiny"])
+def test_forward_flops_match_torch_flop_counter(preset):
+    """Our count equals torch's FLOP counter on the Hugging Face model with eager attention."""
+    pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from itif.bench.tenants import hf_model
+
+    spec = load_spec(preset)
+    m = hf_model(spec, tenant_weights(spec, 0), torch.device("cpu"), torch.float32)
+    if not hasattr(m, "set_attn_implementation"):
+        pytest.skip("transformers without set_attn_implementation")
+    m.set_attn_implementation("eager")
+    with FlopCounterMode(display=False) as fc, torch.inference_mode():
+        if spec.is_text:
+            m(input_ids=torch.randint(0, spec.vocab_size, (1, 37)))
+            n = 37
+        else:
+            m(pixel_values=torch.randn(1, spec.num_channels, spec.image_size, spec.image_size))
+            n = spec.num_patches + 1
+    assert rl.forward_flops(spec, [n]) == fc.get_total_flops()
+    assert rl.forward_flops(spec, [n, n]) == 2 * fc.get_total_flops()
+
+
+def test_batch_weight_bytes_counts_shared_weights_once():
+    spec = load_spec("bert-tiny")
+    full, head = Engine("bert-tiny"), Engine("bert-tiny")
+    for i in range(3):
+        full.add_tenant(f"t{i}", tenant_weights(spec, i, "full"))
+        head.add_tenant(f"t{i}", tenant_weights(spec, i, "head"))
+    names = ["t0", "t1", "t2"]
+    one = rl.batch_weight_bytes(full, ["t0"], tokens=10)
+    assert rl.batch_weight_bytes(full, names, tokens=10) == pytest.approx(3 * one, rel=0.01)
+    shared = rl.batch_weight_bytes(head, names, tokens=10)
+    assert one < shared < 1.2 * one  # one backbone, three heads and poolers
+
+
+# ---- weights and workloads ---------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["bert-tiny", "albert-tiny", "vit-tiny"])
+@pytest.mark.parametrize("fine_tune", ["full", "head", "last:1"])
+def test_to_hf_is_the_inverse_of_the_importer(preset, fine_tune):
+    spec = load_spec(preset)
+    w = tenant_weights(spec, 3, fine_tune)
+    schemes = ("hub", "v5") if spec.family == "vit" else ("hub",)
+    for scheme in schemes:
+        for prefix in (True, False):
+            back = to_canonical(spec, to_hf(spec, w, scheme, prefix))
+            assert back.num_labels == w.num_labels and back.has_pooler == w.has_pooler
+            assert back.tensors.keys() == w.tensors.keys()
+            for k, t in w.tensors.items():
+                assert torch.equal(back.tensors[k], t), k
+
+
+def test_fine_tune_modes_share_what_they_say():
+    spec = load_spec("bert-tiny")
+    a, b = (tenant_weights(spec, i, "last:1") for i in (0, 1))
+    assert torch.equal(a.tensors["layers.0.qkv.weight"], b.tensors["layers.0.qkv.weight"])
+    assert not torch.equal(a.tensors["layers.1.qkv.weight"], b.tensors["layers.1.qkv.weight"])
+    assert not torch.equal(a.tensors["head.weight"], b.tensors["head.weight"])
+    with pytest.raises(InvalidRequest):
+        tenant_weights(spec, 0, "some")
+
+
+def test_poisson_arrivals():
+    rng = np.random.default_rng(0)
+    t = poisson_arrivals(1000.0, 10.0, 100_000, rng)
+    assert np.all(np.diff(t) >= 0) and t[-1] <= 10.0
+    assert len(t) == pytest.approx(10_000, rel=0.05)
+    gaps = np.diff(t)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)  # exponential gaps
+    assert len(poisson_arrivals(1000.0, 10.0, 50, rng)) == 50
+    assert len(poisson_arrivals(0.001, 0.01, 10, rng)) == 1
+    with pytest.raises(InvalidRequest):
+        poisson_arrivals(0, 1, 1, rng)
+
+
+def test_length_and_tenant_samplers():
+    rng = np.random.default_rng(1)
+    u = sample_lengths("uniform:2-100", 5000, 512, rng)
+    assert u.min() >= 2 and u.max() <= 100 and abs(u.mean() - 51) < 2
+    nrm = sample_lengths("normal:20:20", 5000, 512, rng)
+    assert nrm.min() >= 1 and abs(nrm.mean() - 20) < 0.5 and abs(nrm.var() - 20) < 3
+    assert sample_lengths("uniform:2-100", 100, 16, rng).max() <= 16  # clipped to the model
+    z = sample_tenants(8, 20000, "zipf:1.2", rng)
+    counts = np.bincount(z, minlength=8)
+    assert counts[0] > counts[1] > counts[3] > counts[7]
+    assert counts[0] / counts[1] == pytest.approx(2 ** 1.2, rel=0.1)
+    flat = np.bincount(sample_tenants(4, 20000, None, rng), minlength=4)
+    assert flat.min() > 0.9 * flat.max()
+
+
+def test_parse_mix():
+    assert parse_mix("uniform:2-100") == ServeMix("uniform:2-100")
+    assert parse_mix("normal:20:20+zipf:1.2") == ServeMix("normal:20:20", "zipf:1.2")
+    for bad in ("uniform:2", "normal:20:20+zipf", "zipf:1.2"):
+        with pytest.raises(InvalidRequest):
+            parse_mix(bad)
+
+
+def test_offline_workloads():
+    quick = offline_workloads(("table", "scale", "batch"), ("bert-tiny", "albert-tiny", "vit-tiny"),
+                              quick=True)
+    assert {(w.suite, w.model) for w in quick if w.suite == "batch"} == {("batch", "albert-tiny")}
+    assert {w.tenants for w in quick if w.suite == "table"} == {2, 3, 4}
+    assert all(w.requests_per_tenant == 1 and w.seq_len in (128, None)
+               for w in quick if w.suite == "table")
+    gpu = offline_workloads(("table", "scale", "batch"), ("bert-base", "albert-large", "vit-base"),
+                            gpu=True)
+    assert {w.tenants for w in gpu if w.suite == "scale"} == {8, 16, 32, 64}
+    assert max(w.requests_per_tenant for w in gpu if w.suite == "batch") == 64
+    assert all(w.seq_len == 64 for w in gpu if w.suite == "batch")
+    mine = offline_workloads(("table", "scale"), ("bert-base",), tenants=(4, 16))
+    assert [(w.suite, w.tenants) for w in mine] == [("table", 4), ("scale", 16)]
+
+
+# ---- the per-tenant batching switch ------------------------------------------------------------
+def _batches(isolate: bool) -> list[set[str]]:
+    from itif.scheduler import Scheduler
+
+    seen, gate = [], threading.Event()
+
+    def run_batch(reqs):
+        gate.wait(10)
+        seen.append({r.tenant for r in reqs})
+        return [Result(r.tenant) for r in reqs]
+
+    s = Scheduler(run_batch, max_wait_ms=0, isolate_tenants=isolate)
+    for t in ("a", "b", "c"):
+        s.set_tenant(t)
+    s.start()
+    try:
+        first = s.submit(Request("a", input_ids=[1]), tokens=1)  # holds the engine at the gate
+        time.sleep(0.05)
+        tickets = [s.submit(Request(t, input_ids=[1]), tokens=1) for t in "abcabc"]
+        gate.set()
+        for tk in [first, *tickets]:
+            tk.result(timeout=10)
+    finally:
+        s.stop()
+    return seen
+
+
+def test_scheduler_isolate_tenants():
+    assert all(len(b) == 1 for b in _batches(True))
+    assert any(len(b) > 1 for b in _batches(False))
+
+
+def test_config_isolate_tenants():
+    from itif.config import parse_config
+
+    base = ("server: {listen: '127.0.0.1:0', data_dir: d, admin_token_sha256: '%s'}\n"
+            "backbone: {config: bert-tiny}\n" % ("0" * 64))
+    assert parse_config(base, ".").scheduler.isolate_tenants is False
+    cfg = parse_config(base + "scheduler: {isolate_tenants: true}\n", ".")
+    assert cfg.scheduler.isolate_tenants is True
+    with pytest.raises(InvalidConfig, match="scheduler.isolate_tenants"):
+        parse_config(base + "scheduler: {isolate_tenants: 'yes'}\n", ".")
+
