@@ -345,9 +345,9 @@ def _check_index(op: str, name: str, t, rows: int, device: torch.device, rows_of
 def _check_rot(op: str, name: str, p, rows: int, row_shape: tuple, like: torch.Tensor,
                like_name: str) -> None:
     """A RotParam whose buffer is [capacity, *row_shape] and whose slot has one entry a row."""
-    if not (isinstance(p, tuple) and len(p) == 2):
+    if not (isinstance(p, tuple) and len(p) in (2, 3)):
         _fail(op, f"{name} must be a RotParam(buf, slot), got {type(p).__name__}")
-    buf, slot = p
+    buf, slot = p[0], p[1]
     _check_like(op, f"{name}.buf", buf, like, like_name)
     if buf.dim() != 1 + len(row_shape) or tuple(buf.shape[1:]) != tuple(row_shape):
         _fail(op, f"{name}.buf has shape {tuple(buf.shape)} but {like_name} needs "
@@ -401,7 +401,7 @@ def validate_bias_residual_layernorm(x, bias, residual, gamma, beta, eps, keep_s
 def validate_embed_text(word, pos, type_, ids, positions, types, *,
                         require_cuda: bool = True) -> None:
     op = "embed_text"
-    if not (isinstance(word, tuple) and len(word) == 2):
+    if not (isinstance(word, tuple) and len(word) in (2, 3)):
         _fail(op, f"word must be a RotParam(buf, slot), got {type(word).__name__}")
     wbuf = word[0]
     _check_main(op, "word.buf", wbuf, 3, require_cuda)
@@ -414,7 +414,7 @@ def validate_embed_text(word, pos, type_, ids, positions, types, *,
     _check_index(op, "types", types, t, wbuf.device, "ids")
     _check_rot(op, "word", word, t, tuple(wbuf.shape[1:]), wbuf, "word.buf")
     for name, p in (("pos", pos), ("type_", type_)):
-        if not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], torch.Tensor)):
+        if not (isinstance(p, tuple) and len(p) in (2, 3) and isinstance(p[0], torch.Tensor)):
             _fail(op, f"{name} must be a RotParam(buf, slot)")
         if p[0].dim() != 3 or p[0].shape[2] != e:
             _fail(op, f"{name}.buf has shape {tuple(p[0].shape)} but word.buf has width {e}: "

@@ -20,15 +20,31 @@ import torch.nn.functional as F
 
 
 class RotParam(NamedTuple):
-    """A rotated parameter: all slots of one kind, and the slot each row reads."""
+    """A rotated parameter: all slots of one kind, and the slot each row reads.
+
+    ``segments`` optionally lists the same information as runs of rows sharing a slot
+    (``itif.runtime.gemm.Segments``). Kernels read ``slot``; the CPU reference, given runs,
+    broadcasts each run's parameters instead of materialising ``[T, *shape]`` per-row copies.
+    """
 
     buf: torch.Tensor  # [capacity, *shape]
     slot: torch.Tensor  # [T] int64, values in [0, capacity)
+    segments: object = None  # Segments(start, end, slot) covering all T rows, or None
 
 
 def rows_of(p: RotParam) -> torch.Tensor:
-    """Per-row parameter values ``[T, *shape]`` (the reference materialises them)."""
+    """Per-row parameter values ``[T, *shape]`` (materialised)."""
     return p.buf.index_select(0, p.slot)
+
+
+def _apply(x: torch.Tensor, p: RotParam, op: str) -> torch.Tensor:
+    """``x.<op>_(p[row])`` for every row, in place: per run when runs are known."""
+    if p.segments is None:
+        return getattr(x, op)(rows_of(p))
+    segs = p.segments
+    for s, e, k in zip(segs.start, segs.end, segs.slot):
+        getattr(x[s:e], op)(p.buf[k])
+    return x
 
 
 _ACT = {
@@ -48,7 +64,7 @@ def activation(name: str):
 
 def bias_act(x: torch.Tensor, bias: RotParam, act: str = "none") -> torch.Tensor:
     """``x = act(x + bias[row])``. x: [T, N], modified in place and returned."""
-    x.add_(rows_of(bias))
+    _apply(x, bias, "add_")
     if act != "none":
         x.copy_(_ACT[act](x))
     return x
@@ -70,16 +86,16 @@ def bias_residual_layernorm(
     """
     s = x if keep_sum else x.clone()
     if bias is not None:
-        s.add_(rows_of(bias))
+        _apply(s, bias, "add_")
     if residual is not None:
         s.add_(residual)
     y = F.layer_norm(s, (s.shape[-1],), eps=eps)
-    return y.mul_(rows_of(gamma)).add_(rows_of(beta))
+    return _apply(_apply(y, gamma, "mul_"), beta, "add_")
 
 
 def bias_residual(x: torch.Tensor, bias: RotParam, residual: torch.Tensor) -> torch.Tensor:
     """``x = x + bias[row] + residual``, in place (pre-LN residual adds)."""
-    return x.add_(rows_of(bias)).add_(residual)
+    return _apply(x, bias, "add_").add_(residual)
 
 
 def embed_text(

@@ -49,15 +49,17 @@ class Params:
         if slot is None:
             t = torch.from_numpy(table).to(self.row_tenant.device)
             slot = self._row_slot[key] = t[self.row_tenant]
-        return RotParam(self.buffer(name), slot)
+        return RotParam(self.buffer(name), slot, self._segments(table, key))
 
     def segments(self, name: str) -> tuple[torch.Tensor, Segments]:
         table = self.tables[name]
-        key = table.tobytes()
+        return self.buffer(name), self._segments(table, table.tobytes())
+
+    def _segments(self, table: np.ndarray, key: bytes) -> Segments:
         segs = self._segs.get(key)
         if segs is None:
             segs = self._segs[key] = segments_for(self.runs, table)
-        return self.buffer(name), segs
+        return segs
 
 
 def slot_tables(spec: BackboneSpec, view: StoreView, tenants: tuple[str, ...]) -> dict[str, np.ndarray]:
