@@ -1,4 +1,4 @@
-"""The ``itif`` command line: serve, upload, infer, tenants, demo, plan.
+"""The ``itif`` command line: serve, upload, infer, tenants, demo, plan, bench.
 
 On failure every command exits non-zero with one stderr line ``error: <STATUS_CODE_NAME>: <msg>``.
 """
@@ -75,6 +75,12 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from itif.bench.cli import run  # noqa: PLC0415
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="itif", description="multi-tenant shared-backbone inference")
     sub = p.add_subparsers(dest="command", required=True)
@@ -125,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", action="store_true", help="compact JSON")
     s.set_defaults(fn=cmd_plan)
+
+    from itif.bench.cli import add_arguments as bench_arguments  # noqa: PLC0415 - argparse only
+
+    s = sub.add_parser("bench", help="fused engine vs per-tenant baselines; serving sweep")
+    bench_arguments(s)
+    s.set_defaults(fn=cmd_bench)
     return p
 
 

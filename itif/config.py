@@ -4,8 +4,9 @@ The operator's file has four top-level sections::
 
     server:     listen, data_dir, admin_token_sha256, metrics_listen, max_message_bytes,
                 max_upload_bytes, grace_s, tls {cert, key, client_ca}
-    backbone:   config (checkpoint dir / config.json / preset name), device, dtype, max_seq_len
-    scheduler:  max_batch_tokens, max_batch_size, max_wait_ms, strategy
+    backbone:   config (checkpoint dir / config.json / preset name), device, dtype, max_seq_len,
+                max_weight_bytes
+    scheduler:  max_batch_tokens, max_batch_size, max_wait_ms, strategy, isolate_tenants
     tenants:    - {id, token_sha256, max_queue, weight, max_seq_len, latency_target_ms}
 
 Everything is parsed into frozen dataclasses. Validation is strict: unknown keys, wrong types,
@@ -153,6 +154,9 @@ class BackboneConfig:
     device: Device = "auto"
     dtype: DType = "auto"
     max_seq_len: int | None = None
+    #: Budget of the weight store in bytes (all tenants, shared tensors once); an upload that
+    #: would exceed it is refused with RESOURCE_EXHAUSTED. None: no budget.
+    max_weight_bytes: int | None = None
 
     @property
     def is_preset(self) -> bool:
@@ -165,6 +169,9 @@ class SchedulerConfig:
     max_batch_size: int = 256
     max_wait_ms: float = 5.0
     strategy: str = "auto"
+    #: Never mix tenants in one batch (each tenant batched alone, as separate models are in
+    #: Triton): the per-tenant baseline of ``itif bench``, not a production setting.
+    isolate_tenants: bool = False
 
 
 @dataclass(frozen=True)
@@ -536,9 +543,11 @@ def _parse_backbone(errs: _Errors, value: Any, base_dir: Path) -> BackboneConfig
     device = sec.get("device", _choice, "auto", choices=DEVICES)
     dtype = sec.get("dtype", _choice, "auto", choices=DTYPES)
     max_seq_len = sec.get("max_seq_len", _int, None, lo=1, hi=MAX_SEQ_LEN_LIMIT)
+    max_weight_bytes = sec.get("max_weight_bytes", _size, None, lo=1, hi=64 * TiB)
     if not sec.ok:
         return _BAD
-    return BackboneConfig(config=cfg, device=device, dtype=dtype, max_seq_len=max_seq_len)
+    return BackboneConfig(config=cfg, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                          max_weight_bytes=max_weight_bytes)
 
 
 def _parse_scheduler(errs: _Errors, value: Any) -> SchedulerConfig | object:
@@ -550,10 +559,17 @@ def _parse_scheduler(errs: _Errors, value: Any) -> SchedulerConfig | object:
         max_batch_size=sec.get("max_batch_size", _int, d.max_batch_size, lo=1, hi=1 << 16),
         max_wait_ms=sec.get("max_wait_ms", _float, d.max_wait_ms, lo=0.0, hi=60_000.0),
         strategy=sec.get("strategy", _strategy, d.strategy),
+        isolate_tenants=sec.get("isolate_tenants", _flag, d.isolate_tenants),
     )
     if not sec.ok:
         return _BAD
     return SchedulerConfig(**kw)
+
+
+def _flag(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(path, f"must be true or false, got {_describe(value)}")
+    return value
 
 
 def _strategy(value: Any, path: str) -> str:

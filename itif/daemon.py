@@ -23,6 +23,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterable
 
+from itif import faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.config import Config, ConfigDiff, Tenant, diff_configs, hash_token
 from itif.errors import (
@@ -33,6 +34,7 @@ from itif.errors import (
     TenantNotFound,
     Unauthenticated,
 )
+from itif.metrics import note_tenant
 from itif.runtime.engine import Engine, Request, Result
 from itif.scheduler import Scheduler, TenantQuota, Ticket
 from itif.weights.blobstore import BlobStore, Upload
@@ -92,6 +94,7 @@ class Daemon:
         self.reloads_ok = 0
         self.reloads_failed = 0
         self.last_reload_error = ""
+        self.metrics = None  # itif.metrics.Metrics, set by the server before start()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,11 +105,15 @@ class Daemon:
             strategy = cfg.scheduler.strategy
             self.engine = Engine(cfg.backbone.config, device=cfg.backbone.device,
                                  dtype=cfg.backbone.dtype, max_seq_len=cfg.backbone.max_seq_len,
+                                 max_weight_bytes=cfg.backbone.max_weight_bytes,
                                  strategy=DEFAULT_STRATEGY if strategy == "auto" else strategy)
+        faults.install(self)  # test-only hooks (ITIF_FAULT_INJECT); nothing when it is unset
         sch = cfg.scheduler
         self.scheduler = Scheduler(
-            self.engine.infer, max_batch_tokens=sch.max_batch_tokens,
+            self.engine.infer if self.metrics is None else self.metrics.run_batch(self.engine),
+            max_batch_tokens=sch.max_batch_tokens,
             max_batch_size=sch.max_batch_size, max_wait_ms=sch.max_wait_ms,
+            isolate_tenants=sch.isolate_tenants,
         )
         for t in cfg.tenants:
             self.scheduler.set_tenant(t.id, _quota(t))
@@ -144,6 +151,7 @@ class Daemon:
     # ---- auth ------------------------------------------------------------------------------
     def identify(self, authorization: str | None) -> Identity:
         """Resolve ``Bearer <token>``; constant-time comparison against every configured hash."""
+        authorization = (authorization or "").strip()  # perf_analyzer -H 'k: v' keeps the space
         if not authorization or not authorization.startswith("Bearer "):
             raise Unauthenticated("missing 'authorization: Bearer <token>' metadata")
         digest = hash_token(authorization[len("Bearer "):].strip())
@@ -157,12 +165,14 @@ class Daemon:
             return Identity(None, admin=True)
         if found is None:
             raise Unauthenticated("invalid token")
+        note_tenant(found)
         return Identity(found)
 
     def _visible(self, who: Identity, tenant: str) -> None:
         """Unknown tenants and other tenants' names get the same answer."""
         if tenant not in self.status or not who.may_see(tenant):
             raise TenantNotFound(f"tenant {tenant!r} not found")
+        note_tenant(tenant)
 
     @staticmethod
     def _require_admin(who: Identity) -> None:
@@ -214,7 +224,9 @@ class Daemon:
     # ---- inference -------------------------------------------------------------------------
     def _ready_tenant(self, who: Identity, tenant: str) -> Tenant:
         self._visible(who, tenant)
-        st = self.status[tenant]
+        st = self.status.get(tenant)
+        if st is None:  # removed by a config reload a moment ago
+            raise TenantNotFound(f"tenant {tenant!r} not found")
         if st.state is not State.READY:
             why = f": {st.error}" if st.error else ""
             raise NoWeights(f"tenant {tenant!r} has no ready weights ({st.state.name}){why}")
@@ -239,8 +251,11 @@ class Daemon:
                     raise InvalidRequest(
                         f"request {i}: length {n} exceeds tenant {tenant!r}'s max_seq_len "
                         f"{conf.max_seq_len}")
-        return self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
-                                          priority=priority)
+        tickets = self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
+                                             priority=priority)
+        if self.metrics is not None:
+            self.metrics.watch(tenant, tickets)
+        return tickets
 
     def infer(self, who: Identity, tenant: str, requests: list[Request],
               timeout: float | None = None, priority: int = 0) -> list[Result]:
@@ -277,6 +292,13 @@ class Daemon:
                 self.scheduler.set_tenant(t.id, _quota(t))
             for t in diff.changed:
                 self.scheduler.set_tenant(t.id, _quota(t))
+            if diff.scheduler_changed:
+                sch = new.scheduler
+                self.scheduler.configure(max_batch_tokens=sch.max_batch_tokens,
+                                         max_batch_size=sch.max_batch_size,
+                                         max_wait_ms=sch.max_wait_ms,
+                                         isolate_tenants=sch.isolate_tenants)
+                self.engine.strategy = DEFAULT_STRATEGY if sch.strategy == "auto" else sch.strategy
             self.config = new
             for tid in diff.removed:
                 self.scheduler.remove_tenant(tid)
@@ -297,12 +319,21 @@ class Daemon:
         log.error("config reload refused, keeping the last good config: %s", exc)
 
     def _retire(self, tenant: str, timeout_s: float = 60.0) -> None:
-        """Drop a removed tenant's weights once its queued calls have finished."""
+        """Drop a removed tenant's weights once its accepted calls have finished: the queued
+        ones and those in a batch that is running (a batch leaves the queue before the engine
+        takes its weight snapshot, so an empty queue alone is not enough)."""
         end = time.monotonic() + timeout_s
-        while self.scheduler.queue_depth(tenant) and time.monotonic() < end:
+        while self._outstanding(tenant) and time.monotonic() < end:
             time.sleep(0.05)
         if tenant not in self.status and tenant in self.engine.store:
             self.engine.remove_tenant(tenant)  # in-flight forwards hold their own snapshot
+
+    def _outstanding(self, tenant: str) -> int:
+        """The tenant's accepted requests that have not finished (queued or running)."""
+        st = self.scheduler.stats.tenants.get(tenant)
+        if st is None:
+            return 0
+        return st.submitted - st.completed - st.failed - st.expired - st.cancelled
 
 
 def _quota(t: Tenant) -> TenantQuota:

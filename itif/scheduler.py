@@ -416,7 +416,7 @@ class Scheduler:
 
     # ---- configuration ---------------------------------------------------------------------
     def configure(self, *, max_batch_tokens: int | None = None, max_batch_size: int | None = None,
-                  max_wait_ms: float | None = None) -> None:
+                  max_wait_ms: float | None = None, isolate_tenants: bool | None = None) -> None:
         """Change batch limits live (a config reload); applies from the next batch."""
         def positive_int(name: str, v: Any) -> int:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -434,6 +434,8 @@ class Scheduler:
                     raise InvalidConfig(
                         f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
                 self.max_wait_ms = float(max_wait_ms)
+            if isolate_tenants is not None:
+                self.isolate_tenants = bool(isolate_tenants)
             self._cv.notify_all()
 
     def set_tenant(self, tenant: str, quota: TenantQuota | None = None) -> None:

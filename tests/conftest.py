@@ -14,6 +14,7 @@ if "ITIF_CACHE_DIR" not in os.environ:  # profiled cost models go to a throwaway
 import pytest  # noqa: E402
 
 from tests.oracle import make_hf_model  # noqa: E402
+from tests.reliability_util import rel  # noqa: E402, F401 - the reliability suite's fixture
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,6 +26,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item (``item.rep_call``): the reliability suite's ``rel``
+    fixture records whether its test passed."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
 
 
 @pytest.fixture(scope="session")

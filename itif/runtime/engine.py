@@ -245,14 +245,15 @@ class Engine:
         if bad.size:
             i = int(bad[0])
             raise InvalidRequest(
-                f"request {i}: length {int(lengths[i])} is outside 1..{self.max_seq_len} "
-                f"(the backbone's maximum sequence length)")
+                f"request {i}: input_ids length {int(lengths[i])} is outside "
+                f"1..{self.max_seq_len} (the backbone's maximum sequence length)")
         ids = np.concatenate(ids_list)
         if ids.min() < 0 or ids.max() >= spec.vocab_size:
             pos = int(np.flatnonzero((ids < 0) | (ids >= spec.vocab_size))[0])
             i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
             raise InvalidRequest(
-                f"request {i}: token id {int(ids[pos])} is outside the vocabulary [0, {spec.vocab_size})")
+                f"request {i}: input_ids holds token id {int(ids[pos])}, which is outside the "
+                f"vocabulary [0, {spec.vocab_size})")
         types = None
         if any(r.token_type_ids is not None for r in requests):
             tt = []

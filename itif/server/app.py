@@ -19,8 +19,10 @@ from grpc_reflection.v1alpha import reflection
 
 from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon
+from itif.metrics import Metrics, MetricsInterceptor
 from itif.server._proto.itif.v1 import itif_pb2_grpc
-from itif.server.service import SERVICE, AuthInterceptor, HealthService, ItifService
+from itif.server import kserve
+from itif.server.service import SERVICE, HealthService, ItifService
 
 log = logging.getLogger("itif.server")
 
@@ -42,9 +44,11 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     config_path = Path(config_path)
     cfg = load_config(config_path)
     daemon = Daemon(cfg)
+    metrics = daemon.metrics = Metrics(daemon)
     limit = cfg.server.max_message_bytes
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(daemon)],
+        # metrics first: it sees the final status of every call, auth refusals included
+        interceptors=[MetricsInterceptor(metrics), kserve.ProbeAuthInterceptor(daemon)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -55,8 +59,9 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     itif_pb2_grpc.add_ItifServicer_to_server(ItifService(daemon), server)
     health = HealthService(daemon)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    kserve.add_to_server(daemon, server, health)  # KServe v2 / Triton, same port and auth
     reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (SERVICE, kserve.SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     creds = _credentials(cfg)
     listen = cfg.server.listen
@@ -64,6 +69,8 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     if port == 0:
         raise OSError(f"cannot listen on {listen}")
     await server.start()
+    if cfg.server.metrics_listen:
+        metrics.serve(cfg.server.metrics_listen)
     log.info("listening on %s%s", listen, " (TLS)" if creds else "")
 
     loop = asyncio.get_running_loop()
@@ -85,6 +92,7 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     watcher.stop()
     await asyncio.to_thread(daemon.stop)  # refuse new work, finish queued and in-flight calls
     await server.stop(cfg.server.grace_s)
+    metrics.close()
     log.info("stopped")
     return 0
 

@@ -55,7 +55,7 @@ from itif.errors import (
 from itif.metrics import TenantCallStats
 from itif.runtime.engine import OUTPUTS, Request
 from itif.server.errors import rpc
-from itif.server.service import AuthInterceptor
+from itif.server.service import AuthInterceptor, reject_malformed
 
 log = logging.getLogger("itif.server.kserve")
 
@@ -92,7 +92,7 @@ class ProbeAuthInterceptor(AuthInterceptor):
 
     async def intercept_service(self, continuation, details):
         if details.method in PROBES:
-            return await continuation(details)
+            return reject_malformed(await continuation(details))
         return await super().intercept_service(continuation, details)
 
 

@@ -8,7 +8,9 @@ and each handler resolves the caller's identity for authorisation.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import math
 
 import grpc
 import numpy as np
@@ -40,11 +42,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_PUBLIC_PREFIXES):
+        if handler is None:
             return handler
+        if details.method.startswith(_PUBLIC_PREFIXES):
+            return reject_malformed(handler)
         try:
             self.daemon.identify(_authorization(details.invocation_metadata))
-            return handler
+            return reject_malformed(handler)
         except ItifError as e:
             code, msg = status_of(e)
 
@@ -58,6 +62,70 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+_MALFORMED = object()  # what a request message that does not parse deserializes to
+
+
+def reject_malformed(handler):
+    """The same handler, but a request message that does not parse answers INVALID_ARGUMENT
+    (left to gRPC it would be UNKNOWN, with the parser's exception text in the details)."""
+    parse = None if handler is None else handler.request_deserializer
+    if parse is None:
+        return handler
+
+    def deserialize(raw: bytes):
+        try:
+            return parse(raw)
+        except Exception:  # noqa: BLE001 - DecodeError, bad UTF-8 in a string field, ...
+            return _MALFORMED
+
+    async def refuse(context):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "the request message is not a valid protobuf of its type")
+
+    async def messages(request_iterator, context):
+        async for msg in request_iterator:
+            if msg is _MALFORMED:
+                await refuse(context)
+            yield msg
+
+    kw = dict(request_deserializer=deserialize, response_serializer=handler.response_serializer)
+    if handler.unary_unary or handler.stream_unary:
+        inner, streamed = handler.unary_unary or handler.stream_unary, handler.stream_unary
+
+        async def unary(request, context):
+            if streamed:
+                request = messages(request, context)
+            elif request is _MALFORMED:
+                await refuse(context)
+            out = inner(request, context)
+            return (await out) if inspect.isawaitable(out) else out
+
+        if streamed:
+            return grpc.stream_unary_rpc_method_handler(unary, **kw)
+        return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+    inner, streamed = handler.unary_stream or handler.stream_stream, handler.stream_stream
+
+    async def streaming(request, context):
+        if streamed:
+            request = messages(request, context)
+        elif request is _MALFORMED:
+            await refuse(context)
+        out = inner(request, context)
+        if inspect.isasyncgen(out):
+            async for item in out:
+                yield item
+        elif inspect.isawaitable(out):
+            await out  # writes through context.write
+        elif out is not None:
+            for item in out:
+                yield item
+
+    if streamed:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_stream_rpc_method_handler(streaming, **kw)
 
 
 # ---- protobuf <-> domain ------------------------------------------------------------------
@@ -80,7 +148,7 @@ def _request(daemon: Daemon, inp: itif_pb2.InferInput, outputs, index: int = 0) 
         return Request("", input_ids=daemon.tokenize(inp.text), outputs=outs)
     if kind == "pixel_values":
         t = inp.pixel_values
-        numel = int(np.prod(t.shape)) if len(t.shape) else 1
+        numel = math.prod(t.shape)  # exact: np.prod wraps around int64 for absurd shapes
         if any(d < 0 for d in t.shape) or numel * 4 != len(t.data):
             raise InvalidRequest(
                 f"input {index}: pixel_values data has {len(t.data)} bytes; shape "
@@ -125,13 +193,25 @@ class ItifService(itif_pb2_grpc.ItifServicer):
                 if msg.WhichOneof("payload") != "chunk":
                     raise InvalidRequest("only chunks may follow the UploadWeights header")
                 up.write(msg.chunk)
-            view = await asyncio.to_thread(d.finish_upload, h.tenant, up)
-        finally:
-            up.abort()  # no-op after a commit; removes the temp file on any failure
+        except BaseException:  # a bad or broken stream, or the client went away
+            up.abort()  # removes the temp file and frees the tenant's upload lock
+            raise
+        # From here the commit owns the upload (Upload.commit aborts it on its own failures) and
+        # runs to its end even if this call is cancelled: aborting under a running commit would
+        # free the tenant's upload lock, and delete the file, while the commit still uses them.
+        commit = asyncio.ensure_future(asyncio.to_thread(d.finish_upload, h.tenant, up))
+        commit.add_done_callback(_retrieve)
+        view = await asyncio.shield(commit)
         shared = view.weight_bytes - view.exclusive_bytes
         return itif_pb2.UploadWeightsResponse(
             tenant=h.tenant, sha256=view.sha256, bytes=h.total_size,
             weight_bytes=view.weight_bytes, shared_bytes=shared)
+
+    def _sha(self, tenant: str, default: str = "") -> str:
+        """The tenant's current weights sha256; ``default`` once the tenant was removed by a
+        config reload (its accepted calls still finish and are answered)."""
+        st = self.daemon.status.get(tenant)
+        return st.sha256 if st is not None else default
 
     async def _run(self, context, who, tenant, requests, priority):
         remaining = context.time_remaining()
@@ -155,8 +235,9 @@ class ItifService(itif_pb2_grpc.ItifServicer):
     async def Infer(self, request, context):
         who = self._who(context)
         req = _request(self.daemon, request.input, request.outputs)
+        sha = self._sha(request.tenant)
         (res,) = await self._run(context, who, request.tenant, [req], request.priority)
-        return _response(res, self.daemon.status[request.tenant].sha256)
+        return _response(res, self._sha(request.tenant, sha))
 
     @rpc
     async def InferBatch(self, request, context):
@@ -164,8 +245,9 @@ class ItifService(itif_pb2_grpc.ItifServicer):
         if not request.inputs:
             raise InvalidRequest("InferBatch needs at least one input")
         reqs = [_request(self.daemon, inp, request.outputs, i) for i, inp in enumerate(request.inputs)]
+        sha = self._sha(request.tenant)
         results = await self._run(context, who, request.tenant, reqs, request.priority)
-        sha = self.daemon.status[request.tenant].sha256
+        sha = self._sha(request.tenant, sha)
         return itif_pb2.InferBatchResponse(results=[_response(r, sha) for r in results])
 
     @rpc
@@ -183,6 +265,12 @@ class ItifService(itif_pb2_grpc.ItifServicer):
         deleted, freed = await asyncio.to_thread(self.daemon.delete_weights, who, request.tenant)
         return itif_pb2.DeleteWeightsResponse(tenant=request.tenant, deleted=deleted,
                                               freed_bytes=freed)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark the outcome of a commit whose caller may be gone as seen (no asyncio warning)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _settle(fut: asyncio.Future, ticket) -> None:
@@ -216,6 +304,15 @@ class HealthService(health_pb2_grpc.HealthServicer):
     async def Check(self, request, context):
         status = self._status(request.service, context.invocation_metadata())
         return health_pb2.HealthCheckResponse(status=status)
+
+    @rpc
+    async def List(self, request, context):
+        """The daemon's own entries ("" and itif.v1.Itif); tenants are never listed here,
+        as this method needs no token. (Left to the generated base class, every call would
+        log a NotImplementedError traceback.)"""
+        status = self._status("", ())
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name in ("", SERVICE)})
 
     async def Watch(self, request, context):
         last = None

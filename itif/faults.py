@@ -1,0 +1,107 @@
+"""Test-only fault injection for the reliability suite (``tests/test_reliability_*.py``).
+
+Nothing in ``tenants.yaml`` reaches this module: the hooks are read from the environment variable
+``ITIF_FAULT_INJECT`` when the daemon starts (never at import), and the daemon logs a warning
+naming every active hook. Unset (production), :func:`install` does nothing at all.
+
+``ITIF_FAULT_INJECT`` is a comma-separated list of hooks:
+
+``oom:<tenant>``
+    every forward whose batch holds a request of ``<tenant>`` raises the error CUDA raises when
+    the device runs out of memory (``torch.OutOfMemoryError: CUDA out of memory...``), before any
+    work is done: the out-of-memory path on a CPU-only machine.
+``slow:<ms>``
+    every forward sleeps ``<ms>`` milliseconds first (the GIL is released): a device whose
+    forward costs a fixed time, for queue-full, deadline and noisy-neighbour tests.
+``start_delay:<ms>``
+    the daemon sleeps ``<ms>`` milliseconds while starting (after the port opened, before it
+    reports ready), so the window in which health answers NOT_SERVING can be observed.
+
+An unknown or malformed hook stops the daemon from starting (a typo must not silently test
+nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    from itif.daemon import Daemon
+
+log = logging.getLogger("itif.faults")
+
+ENV = "ITIF_FAULT_INJECT"
+
+__all__ = ["ENV", "Faults", "install", "parse"]
+
+
+@dataclass(frozen=True)
+class Faults:
+    oom_tenants: frozenset[str] = frozenset()
+    slow_ms: float = 0.0
+    start_delay_ms: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.oom_tenants or self.slow_ms or self.start_delay_ms)
+
+
+def parse(spec: str) -> Faults:
+    """``"oom:acme,slow:50"`` -> :class:`Faults`; ValueError naming the bad hook."""
+    oom: set[str] = set()
+    slow = delay = 0.0
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, sep, arg = item.partition(":")
+        if not sep or not arg:
+            raise ValueError(f"{ENV}: hook {item!r} needs an argument (kind:arg)")
+        if kind == "oom":
+            oom.add(arg)
+        elif kind in ("slow", "start_delay"):
+            try:
+                ms = float(arg)
+            except ValueError:
+                raise ValueError(f"{ENV}: {item!r}: {arg!r} is not a number of ms") from None
+            if not 0 <= ms <= 600_000:
+                raise ValueError(f"{ENV}: {item!r}: ms must lie in [0, 600000]")
+            if kind == "slow":
+                slow = ms
+            else:
+                delay = ms
+        else:
+            raise ValueError(f"{ENV}: unknown hook {kind!r} (known: oom, slow, start_delay)")
+    return Faults(frozenset(oom), slow, delay)
+
+
+def install(daemon: Daemon, environ: Mapping[str, str] = os.environ) -> Faults:
+    """Apply the hooks named in ``environ[ENV]`` to a starting daemon (before its scheduler is
+    built). Returns what was installed; with the variable unset, nothing."""
+    faults = parse(environ.get(ENV, ""))
+    if not faults.active:
+        return faults
+    log.warning("TEST FAULT INJECTION ACTIVE (%s=%r): never use this in production",
+                ENV, environ[ENV])
+    if faults.start_delay_ms:
+        time.sleep(faults.start_delay_ms / 1000.0)
+    if faults.oom_tenants or faults.slow_ms:
+        engine = daemon.engine
+        engine.infer = _faulty(engine.infer, faults)  # instance attribute: this engine only
+    return faults
+
+
+def _faulty(infer: Callable, faults: Faults) -> Callable:
+    def run(requests, *args, **kwargs):
+        if faults.slow_ms:
+            time.sleep(faults.slow_ms / 1000.0)
+        if faults.oom_tenants and any(r.tenant in faults.oom_tenants for r in requests):
+            import torch  # noqa: PLC0415
+
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (injected by "
+                f"{ENV} for tenant(s) {sorted(faults.oom_tenants & {r.tenant for r in requests})})")
+        return infer(requests, *args, **kwargs)
+
+    return run

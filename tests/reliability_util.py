@@ -1,0 +1,497 @@
+"""Shared pieces of the reliability suite (tests/test_reliability_*.py).
+
+Every test drives a REAL ``itif serve`` subprocess on loopback (``RDaemon``), and records what it
+tried in a ``Tally`` (``rel`` fixture): inputs sent, faults injected, unexpected outcomes. With
+``ITIF_RELIABILITY_REPORT=<file>`` each test appends one JSON line to that file at teardown;
+``bench/reliability_report.py`` renders the table of docs/reliability.md from it.
+
+Test hooks reach the daemon only through the environment variable ``ITIF_FAULT_INJECT``
+(itif/faults.py): ``oom:<tenant>``, ``slow:<ms>``, ``start_delay:<ms>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import grpc
+import pytest
+
+from itif.client import Client
+from itif.config import hash_token
+from itif.server._proto.itif.v1 import itif_pb2
+from itif.weights.safetensors_io import save_safetensors
+
+ADMIN = "admin-secret"
+REPORT_ENV = "ITIF_RELIABILITY_REPORT"
+SUSTAIN_ENV = "ITIF_RELIABILITY_SUSTAIN_S"
+ROOT = Path(__file__).resolve().parent.parent
+OK = grpc.StatusCode.OK
+
+
+# ---- bookkeeping ----------------------------------------------------------------------------
+def promise(*numbers: int):
+    """Mark a test with the reliability.md promise numbers it demonstrates."""
+
+    def mark(fn):
+        fn.reliability_promises = numbers
+        return fn
+
+    return mark
+
+
+@dataclass
+class Tally:
+    """What one test did: ``inputs`` sent, ``faults`` injected, ``failures`` (unexpected
+    outcomes; a passing test ends with 0), and free-form ``notes`` (measurements)."""
+
+    inputs: int = 0
+    faults: int = 0
+    failures: int = 0
+    notes: dict = field(default_factory=dict)
+    codes: Counter = field(default_factory=Counter)
+
+    def saw(self, code: grpc.StatusCode, n: int = 1) -> None:
+        self.codes[code.name] += n
+
+
+@pytest.fixture
+def rel(request) -> Iterator[Tally]:
+    tally = Tally()
+    start = time.monotonic()
+    yield tally
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    rep = getattr(request.node, "rep_call", None)
+    record = {
+        "test": request.node.nodeid,
+        "promises": list(getattr(request.function, "reliability_promises", ())),
+        "doc": (request.function.__doc__ or "").strip().split("\n")[0],
+        "passed": bool(rep is not None and rep.passed),
+        "inputs": tally.inputs,
+        "faults": tally.faults,
+        "failures": tally.failures + (0 if rep is not None and rep.passed else 1),
+        "codes": dict(tally.codes),
+        "notes": tally.notes,
+        "seconds": round(time.monotonic() - start, 2),
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# ---- gRPC helpers ---------------------------------------------------------------------------
+def code_of(fn: Callable[[], object]) -> grpc.StatusCode:
+    """The status code a call ends with (OK when it returns)."""
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code()
+    except grpc.FutureCancelledError:  # the result of a call this client cancelled
+        return grpc.StatusCode.CANCELLED
+    return OK
+
+
+def error_of(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code(), e.details() or ""
+    return OK, ""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def upload_messages(tenant: str, data: bytes, *, sha: str | None = None,
+                    size: int | None = None, chunk: int = 64 * 1024,
+                    pace_s: float = 0.0) -> Iterator[itif_pb2.UploadWeightsRequest]:
+    """An UploadWeights stream: the header (its sha/size may lie), then the chunks."""
+    yield itif_pb2.UploadWeightsRequest(header=itif_pb2.UploadHeader(
+        tenant=tenant, sha256=sha256(data) if sha is None else sha,
+        total_size=len(data) if size is None else size))
+    for i in range(0, len(data), chunk):
+        if pace_s:
+            time.sleep(pace_s)
+        yield itif_pb2.UploadWeightsRequest(chunk=data[i:i + chunk])
+
+
+def upload_bytes(c: Client, tenant: str, data: bytes, timeout: float = 60, **kw):
+    return c.stub.UploadWeights(upload_messages(tenant, data, **kw), metadata=c.metadata,
+                                timeout=timeout)
+
+
+def infer_sha(c: Client, tenant: str, ids, timeout: float = 30) -> tuple[bytes, str]:
+    """(logits bytes, weights_sha256 that produced them)."""
+    resp = c.stub.Infer(itif_pb2.InferRequest(tenant=tenant, input=c.make_input(ids)),
+                        metadata=c.metadata, timeout=timeout)
+    return resp.outputs[0].data, resp.weights_sha256
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 20.0, step: float = 0.02,
+               what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(step)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- weights --------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def state_dict(seed: int, num_labels: int = 2, preset: str = "bert-tiny") -> dict:
+    """HF-named tensors of a random fine-tune (cached; tensors are shared, copy to modify)."""
+    from tests.oracle import make_hf_model  # noqa: PLC0415 - imports transformers
+
+    m = make_hf_model(preset, num_labels, seed=seed)
+    return {k: v.detach().contiguous().clone() for k, v in m.state_dict().items()}
+
+
+@functools.lru_cache(maxsize=None)
+def weights_bytes(seed: int, num_labels: int = 2) -> bytes:
+    """A valid safetensors file for bert-tiny (distinct per seed)."""
+    import tempfile  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "w.safetensors"
+        save_safetensors(state_dict(seed, num_labels), p)
+        return p.read_bytes()
+
+
+def weights_file(dirpath: Path, seed: int, num_labels: int = 2) -> Path:
+    p = dirpath / f"w{seed}-{num_labels}.safetensors"
+    if not p.exists():
+        p.write_bytes(weights_bytes(seed, num_labels))
+    return p
+
+
+# ---- the daemon -----------------------------------------------------------------------------
+def tenant_yaml(tenants: dict[str, str], extra: dict[str, dict] | None = None) -> str:
+    lines = []
+    for tid, token in tenants.items():
+        lines += [f"  - id: {tid}", f"    token_sha256: {hash_token(token)}"]
+        lines += [f"    {k}: {v}" for k, v in (extra or {}).get(tid, {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class TLS:
+    """PEM files/bytes for a TLS daemon and its clients."""
+
+    ca: bytes
+    client_key: bytes | None = None
+    client_cert: bytes | None = None
+
+
+@dataclass
+class RDaemon:
+    """A real ``python -m itif serve`` on 127.0.0.1 with knobs for the reliability suite."""
+
+    root: Path
+    tenants: dict[str, str]  # id -> token
+    tenant_extra: dict[str, dict] = field(default_factory=dict)
+    scheduler: dict = field(default_factory=lambda: {"max_wait_ms": 1})
+    server_extra: dict = field(default_factory=dict)
+    faults: str = ""
+    backbone: str = "bert-tiny"
+    backbone_extra: dict = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    tls: TLS | None = None
+    proc: subprocess.Popen | None = None
+
+    # -- layout --
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "tenants.yaml"
+
+    @property
+    def store(self) -> Path:
+        return self.root / "data" / "store"
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.store / "weights"
+
+    @property
+    def tmp_dir(self) -> Path:
+        return self.store / "tmp"
+
+    def tmp_files(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.tmp_dir))
+        except FileNotFoundError:
+            return []
+
+    def stored(self, tenant: str) -> tuple[bytes | None, str | None]:
+        """(committed file bytes, digest in its sidecar) -- either may be None."""
+        data = self.weights_dir / f"{tenant}.safetensors"
+        side = self.weights_dir / f"{tenant}.sha256"
+        return (data.read_bytes() if data.exists() else None,
+                side.read_text().split()[0] if side.exists() else None)
+
+    # -- config --
+    def yaml(self, tenants: dict[str, str] | None = None, *,
+             tenant_extra: dict[str, dict] | None = None, scheduler: dict | None = None,
+             server_extra: dict | None = None) -> str:
+        server = {"listen": self.addr, "data_dir": "./data",
+                  "admin_token_sha256": hash_token(ADMIN),
+                  **(self.server_extra if server_extra is None else server_extra)}
+        out = ["server:"]
+        for k, v in server.items():
+            if isinstance(v, dict):
+                out.append(f"  {k}:")
+                out += [f"    {kk}: {vv}" for kk, vv in v.items()]
+            else:
+                out.append(f"  {k}: {v}")
+        out += ["backbone:", f"  config: {self.backbone}", "  device: cpu"]
+        out += [f"  {k}: {v}" for k, v in self.backbone_extra.items()]
+        out.append("scheduler:")
+        out += [f"  {k}: {v}" for k, v in (self.scheduler if scheduler is None
+                                            else scheduler).items()]
+        tenants = self.tenants if tenants is None else tenants
+        extra = self.tenant_extra if tenant_extra is None else tenant_extra
+        out.append("tenants:" + ("" if tenants else " []"))
+        return "\n".join(out) + "\n" + (tenant_yaml(tenants, extra) if tenants else "")
+
+    def write_config(self, text: str | None = None) -> None:
+        """Replace the config the way editors do: write a temp file, then rename it over."""
+        tmp = self.config.with_name(".tenants.yaml.tmp")
+        tmp.write_text(self.yaml() if text is None else text)
+        os.replace(tmp, self.config)
+
+    # -- process --
+    def start(self, timeout: float = 90.0, wait: bool = True) -> RDaemon:
+        """Launch the daemon (and by default wait until it is SERVING). If another process took
+        the port between ``free_port()`` and the daemon's bind, move to a new port and retry."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.config.exists():
+            self.write_config()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("ITIF_FAULT_INJECT", None)
+        if self.faults:
+            env["ITIF_FAULT_INJECT"] = self.faults
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        for attempt in range(3):
+            log_start = len(self.logs())
+            self._log = open(self.root / "daemon.log", "a")  # noqa: SIM115 - closed in stop()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "itif", "serve", "--config", str(self.config)],
+                stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root, env=env)
+            if not wait:
+                return self
+            try:
+                self.wait_serving(timeout)
+                return self
+            except RuntimeError:
+                taken = "cannot listen" in self.logs()[log_start:]
+                generated = self.config.read_text() == self.yaml()
+                self.proc = None
+                self._log.close()
+                if not (taken and generated) or attempt == 2:
+                    raise
+                self.port = free_port()
+                self.config.write_text(self.yaml())  # in place: a symlinked config stays one
+        return self
+
+    def port_open(self) -> bool:
+        """Whether the daemon accepts TCP connections (polled with plain sockets: a gRPC channel
+        that failed to connect backs off for a second or more before it tries again)."""
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def wait_port(self, timeout: float = 90.0) -> None:
+        end = time.monotonic() + timeout
+        while not self.port_open():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.logs()}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"daemon port not open:\n{self.logs()[-4000:]}")
+            time.sleep(0.02)
+
+    def wait_serving(self, timeout: float = 90.0) -> None:
+        self.wait_port(timeout)
+        with self.client(ADMIN) as c:
+            end = time.monotonic() + timeout
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.logs()}")
+                try:
+                    if c.health_status(timeout=1.0) == "SERVING":
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > end:
+                    raise TimeoutError(f"daemon not ready:\n{self.logs()[-4000:]}")
+                time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        if self.proc is None:
+            return 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.proc = None
+        self._log.close()
+        return code
+
+    def sigkill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+        self._log.close()
+
+    def restart(self) -> RDaemon:
+        self.stop()
+        return self.start()
+
+    def logs(self) -> str:
+        try:
+            return (self.root / "daemon.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- process introspection (Linux /proc) --
+    def fds(self) -> list[str]:
+        """Targets of the daemon's open descriptors."""
+        out = []
+        base = f"/proc/{self.pid}/fd"
+        for name in os.listdir(base):
+            try:
+                out.append(os.readlink(f"{base}/{name}"))
+            except OSError:  # closed while we looked
+                pass
+        return out
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    # -- clients --
+    def client(self, token: str, *, tls: TLS | None | bool = True, **kw) -> Client:
+        t = self.tls if tls is True else (tls or None)
+        if t is None:
+            return Client(self.addr, token, **kw)
+        return Client(self.addr, token, root_certificates=t.ca, private_key=t.client_key,
+                      certificate_chain=t.client_cert, **kw)
+
+    def __enter__(self) -> RDaemon:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.stop()
+
+
+def make_tokens(names: Iterable[str]) -> dict[str, str]:
+    return {n: f"{n}-token-{hashlib.sha256(n.encode()).hexdigest()[:12]}" for n in names}
+
+
+def sustain_seconds(default: float = 60.0) -> float:
+    """Length of the sustained mixed run: ``ITIF_RELIABILITY_SUSTAIN_S`` (seconds)."""
+    return float(os.environ.get(SUSTAIN_ENV, default))
+
+
+# ---- a load generator in its own process ------------------------------------------------------
+def flood_main() -> None:
+    """``python -c 'from tests.reliability_util import flood_main; flood_main()' ADDR TOKEN
+    TENANT RATE DIR``: send Infer calls of TENANT at RATE per second (open loop: one call
+    started every 1/RATE s, whatever the answers) while ``DIR/on`` exists; write the cumulative
+    counts by status code to ``DIR/counts.json`` twice a second. Runs until killed.
+
+    A separate process, so that the flood's client work never competes for the GIL of the
+    process that measures the quiet tenant's latency."""
+    addr, token, tenant, rate, folder = sys.argv[1:6]
+    from itif.server._proto.itif.v1 import itif_pb2 as pb  # noqa: PLC0415
+
+    folder_p = Path(folder)
+    raw = pb.InferRequest(tenant=tenant, input=pb.InferInput(
+        input_ids=pb.TokenIds(ids=list(range(1, 17))))).SerializeToString()
+    channel = grpc.insecure_channel(addr)
+    call = channel.unary_unary("/itif.v1.Itif/Infer")
+    md = (("authorization", f"Bearer {token}"),)
+    counts: Counter = Counter()
+    lock = threading.Lock()
+    period = 1.0 / float(rate)
+
+    def done(fut) -> None:
+        try:
+            fut.result()
+            code = "OK"
+        except grpc.RpcError as e:
+            code = e.code().name
+        with lock:
+            counts[code] += 1
+
+    next_at = last_dump = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if now - last_dump >= 0.5:
+            tmp = folder_p / "counts.tmp"
+            with lock:
+                tmp.write_text(json.dumps(dict(counts)))
+            os.replace(tmp, folder_p / "counts.json")
+            last_dump = now
+        if not (folder_p / "on").exists():
+            time.sleep(0.01)
+            next_at = time.monotonic()
+            continue
+        if now < next_at:
+            time.sleep(min(next_at - now, 0.01))
+            continue
+        next_at += period
+        with lock:
+            counts["sent"] += 1
+        call.future(raw, metadata=md, timeout=30).add_done_callback(done)
+
+
+# ---- Prometheus -------------------------------------------------------------------------------
+def scrape(port: int) -> dict[tuple[str, frozenset], float]:
+    """The daemon's /metrics as {(sample name, labels): value}."""
+    import urllib.request  # noqa: PLC0415
+
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
