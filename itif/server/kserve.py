@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import struct
-import time
 
 import grpc
 import numpy as np
@@ -55,7 +54,7 @@ from itif.errors import (
 from itif.metrics import TenantCallStats
 from itif.runtime.engine import OUTPUTS, Request
 from itif.server.errors import rpc
-from itif.server.service import AuthInterceptor, reject_malformed
+from itif.server.service import AuthInterceptor, await_tickets, reject_malformed
 
 log = logging.getLogger("itif.server.kserve")
 
@@ -489,7 +488,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                 raise InvalidRequest(f"parameter {key!r}: itif models are not sequence models")
         reqs, outs = self._requests(request, view)
         remaining = self._deadline(request, context)
-        results = await _await_all(self.daemon, who, name, reqs, remaining)
+        results = await await_tickets(self.daemon, who, name, reqs, remaining)
 
         tensors, raws = [], []
         for o in outs:
@@ -541,41 +540,6 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     CudaSharedMemoryRegister = _unimplemented
     TraceSetting = _unimplemented
     LogSettings = _unimplemented
-
-
-async def _await_all(daemon: Daemon, who: Identity, tenant: str, requests: list[Request],
-                     remaining: float | None):
-    """Queue every row at once (all-or-nothing), await them all; any failure fails the call and
-    withdraws the rows still queued."""
-    loop = asyncio.get_running_loop()
-    deadline = None if remaining is None else time.monotonic() + remaining
-    tickets = daemon.submit(who, tenant, requests, deadline=deadline)
-    futures = []
-    for t in tickets:
-        fut = loop.create_future()
-        t.add_done_callback(lambda tk, f=fut: loop.call_soon_threadsafe(_settle, f, tk))
-        futures.append(fut)
-    try:
-        return await asyncio.wait_for(asyncio.gather(*futures), remaining)
-    except asyncio.TimeoutError:
-        raise DeadlineExceeded("deadline exceeded before the result was ready") from None
-    finally:
-        for t in tickets:
-            t.cancel()
-        for f in futures:  # settle every future so none logs "exception never retrieved"
-            if not f.done():
-                f.cancel()
-            elif not f.cancelled():
-                f.exception()
-
-
-def _settle(fut: asyncio.Future, ticket) -> None:
-    if fut.done():
-        return
-    try:
-        fut.set_result(ticket.result(0))
-    except BaseException as e:  # the ticket's typed error reaches the awaiting handler
-        fut.set_exception(e)
 
 
 def add_to_server(daemon: Daemon, server, health=None) -> KServeService:

@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import logging
 import math
+import time
 
 import grpc
 import numpy as np
@@ -214,22 +215,8 @@ class ItifService(itif_pb2_grpc.ItifServicer):
         return st.sha256 if st is not None else default
 
     async def _run(self, context, who, tenant, requests, priority):
-        remaining = context.time_remaining()
-        loop = asyncio.get_running_loop()
-        deadline = None if remaining is None else loop.time() + remaining
-        tickets = self.daemon.submit(who, tenant, requests, deadline=deadline, priority=priority)
-        futures = []
-        for t in tickets:
-            fut = loop.create_future()
-            t.add_done_callback(lambda tk, f=fut: loop.call_soon_threadsafe(_settle, f, tk))
-            futures.append(fut)
-        try:
-            return await asyncio.wait_for(asyncio.gather(*futures), remaining)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded("deadline exceeded before the result was ready") from None
-        finally:
-            for t in tickets:  # a cancelled or expired call frees its queued work
-                t.cancel()
+        return await await_tickets(self.daemon, who, tenant, requests, context.time_remaining(),
+                                   priority)
 
     @rpc
     async def Infer(self, request, context):
@@ -271,6 +258,36 @@ def _retrieve(fut: asyncio.Future) -> None:
     """Mark the outcome of a commit whose caller may be gone as seen (no asyncio warning)."""
     if not fut.cancelled():
         fut.exception()
+
+
+async def await_tickets(daemon: Daemon, who: Identity, tenant: str, requests: list[Request],
+                        remaining: float | None, priority: int = 0) -> list[Result]:
+    """Queue every request at once (all-or-nothing) and await them all without holding a thread.
+
+    ``remaining`` is the call's gRPC time left (None: no deadline); it becomes the scheduler's
+    absolute deadline on its own clock (time.monotonic). Any failure fails the call and withdraws
+    the requests still queued, so a cancelled or expired call frees its work.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if remaining is None else time.monotonic() + remaining
+    tickets = daemon.submit(who, tenant, requests, deadline=deadline, priority=priority)
+    futures = []
+    for t in tickets:
+        fut = loop.create_future()
+        t.add_done_callback(lambda tk, f=fut: loop.call_soon_threadsafe(_settle, f, tk))
+        futures.append(fut)
+    try:
+        return await asyncio.wait_for(asyncio.gather(*futures), remaining)
+    except asyncio.TimeoutError:
+        raise DeadlineExceeded("deadline exceeded before the result was ready") from None
+    finally:
+        for t in tickets:
+            t.cancel()
+        for f in futures:  # settle every future so none logs "exception never retrieved"
+            if not f.done():
+                f.cancel()
+            elif not f.cancelled():
+                f.exception()
 
 
 def _settle(fut: asyncio.Future, ticket) -> None:
