@@ -310,7 +310,8 @@ def test_infer_through_generated_stub(server):
     assert struct.unpack("<3f", resp.outputs[0].data) == (3.0, 3.0, 3.0)
     assert resp.weights_sha256 == "cd" * 32
     # the gRPC deadline is what reaches the server
-    assert servicer.seen_deadline[-1] is not None and 0 < servicer.seen_deadline[-1] <= 10
+    # the server's reading of time left can exceed the 10 s sent slightly (10.099 s seen in CI)
+    assert servicer.seen_deadline[-1] is not None and 0 < servicer.seen_deadline[-1] <= 10.5
     assert servicer.seen_metadata[-1]["authorization"] == "Bearer acme-token"
 
     with pytest.raises(grpc.RpcError) as ei:
