@@ -22,13 +22,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tenant_yaml(tenants: dict[str, str], extra: dict[str, str] | None = None) -> str:
+def tenant_yaml(tenants: dict[str, str], extra: dict[str, dict] | None = None) -> str:
+    """The ``tenants:`` entries of a config (newline-terminated) for {id: token}."""
     lines = []
     for tid, token in tenants.items():
         lines += [f"  - id: {tid}", f"    token_sha256: {hash_token(token)}"]
-        for k, v in (extra or {}).get(tid, {}).items():
-            lines.append(f"    {k}: {v}")
-    return "\n".join(lines)
+        lines += [f"    {k}: {v}" for k, v in (extra or {}).get(tid, {}).items()]
+    return "\n".join(lines) + "\n"
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Daemon:
             "  device: cpu\n"
             "scheduler:\n"
             "  max_wait_ms: 1\n"
-            "tenants:\n" + tenant_yaml(self.tenants if tenants is None else tenants, self.extra) + "\n"
+            "tenants:\n" + tenant_yaml(self.tenants if tenants is None else tenants, self.extra)
         )
 
     def write_config(self, text: str | None = None) -> None:

@@ -33,8 +33,8 @@ from itif.client import Client
 from itif.config import hash_token
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.weights.safetensors_io import save_safetensors
+from tests.daemon_harness import ADMIN, free_port, tenant_yaml  # noqa: F401 - re-exported
 
-ADMIN = "admin-secret"
 REPORT_ENV = "ITIF_RELIABILITY_REPORT"
 SUSTAIN_ENV = "ITIF_RELIABILITY_SUSTAIN_S"
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,12 +150,6 @@ def wait_until(pred: Callable[[], bool], timeout: float = 20.0, step: float = 0.
         time.sleep(step)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- weights --------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def state_dict(seed: int, num_labels: int = 2, preset: str = "bert-tiny") -> dict:
@@ -185,14 +179,6 @@ def weights_file(dirpath: Path, seed: int, num_labels: int = 2) -> Path:
 
 
 # ---- the daemon -----------------------------------------------------------------------------
-def tenant_yaml(tenants: dict[str, str], extra: dict[str, dict] | None = None) -> str:
-    lines = []
-    for tid, token in tenants.items():
-        lines += [f"  - id: {tid}", f"    token_sha256: {hash_token(token)}"]
-        lines += [f"    {k}: {v}" for k, v in (extra or {}).get(tid, {}).items()]
-    return "\n".join(lines) + "\n"
-
-
 @dataclass
 class TLS:
     """PEM files/bytes for a TLS daemon and its clients."""
