@@ -4,8 +4,9 @@
   the exact text the loader hands to NVRTC (skipped only when nvcc is absent);
 * the host logic of ``itif.ops.cuda``: entry-point discovery, launch configurations (Eq.
   4.3-4.4), argument validation;
-* ``itif.ops.dispatch`` falls back to the reference on the CPU, and after a failed build;
-* the GEMM plans of ``itif.runtime.gemm_cuda`` that torch can run on the CPU.
+* ``itif.ops.dispatch`` falls back to the reference on the CPU, and after a failed build.
+
+The GEMM plans are tested in tests/test_gemm.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 
 from itif.ops import cuda, dispatch, reference
 from itif.ops.reference import AttnGroup, RotParam
-from itif.runtime import gemm_cuda
 
 NVCC = shutil.which("nvcc")
 STORAGE = ["float", "__half", "__nv_bfloat16"]
@@ -278,99 +278,6 @@ def test_dispatch_validation_errors_propagate(monkeypatch):
     monkeypatch.setattr(dispatch, "_backend_for", lambda t: Strict())
     with pytest.raises(ValueError, match="x is bad"):
         dispatch.bias_act(torch.randn(2, 4), _tenant_params(2, 4)[0])
-
-
-# ---------------------------------------------------------------------------------------------
-# GEMM backends whose plans torch can run on the CPU (the GPU file covers the rest)
-
-
-def _loop_ref(x, w, start, end, slot):
-    y = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
-    for a, b, c in zip(start, end, slot):
-        y[a:b] = x[a:b] @ w[c].t()
-    return y
-
-
-GEMM_CASES = {
-    "consecutive": ([0, 8, 16, 24], [8, 16, 24, 32], [1, 2, 3, 4]),
-    "slot_step_2": ([0, 8, 16], [8, 16, 24], [0, 2, 4]),
-    "spaced_rows": ([0, 10, 20], [6, 16, 26], [2, 3, 4]),
-    "one_slot": ([0, 9, 20], [9, 20, 32], [3, 3, 3]),
-    "sorted_unequal": ([0, 5, 5, 17], [5, 5, 17, 32], [0, 1, 3, 5]),
-    "arbitrary": ([0, 7, 13, 30], [7, 13, 30, 32], [4, 0, 4, 1]),
-    "empty": ([], [], []),
-}
-
-
-@pytest.mark.parametrize("case", GEMM_CASES)
-@pytest.mark.parametrize("backend", ["loop", "single_mm", "bmm_consecutive", "streams"])
-def test_gemm_cpu_backends_match_loop(case, backend):
-    start, end, slot = GEMM_CASES[case]
-    g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(32, 16, generator=g), torch.randn(6, 24, 16, generator=g)
-    y = gemm_cuda.BACKENDS[backend](x, w, start, end, slot)
-    if y is None:
-        assert backend in ("single_mm", "bmm_consecutive")
-        return
-    torch.testing.assert_close(y, _loop_ref(x, w, start, end, slot))
-    out = torch.full((32, 24), 7.0)
-    y2 = gemm_cuda.BACKENDS[backend](x, w, start, end, slot, out=out)
-    assert y2 is out
-    covered = torch.zeros(32, dtype=torch.bool)
-    for a, b in zip(start, end):
-        covered[a:b] = True
-    torch.testing.assert_close(out[covered], y[covered])
-    assert bool((out[~covered] == 7.0).all()), "rows outside every segment must be untouched"
-
-
-def test_gemm_bmm_applicability():
-    x, w = torch.randn(32, 16), torch.randn(6, 24, 16)
-    assert gemm_cuda.linear_bmm_consecutive(x, w, *GEMM_CASES["arbitrary"]) is None
-    assert gemm_cuda.linear_bmm_consecutive(x, w, *GEMM_CASES["sorted_unequal"]) is None
-    assert gemm_cuda.choose(x, w, *GEMM_CASES["consecutive"])[0] == "bmm_consecutive"
-    assert gemm_cuda.choose(x, w, *GEMM_CASES["one_slot"])[0] == "single_mm"
-    assert gemm_cuda.choose(x, w, *GEMM_CASES["arbitrary"])[0] == "loop"
-
-
-@pytest.mark.parametrize("case", GEMM_CASES)
-def test_gemm_grouped_mm_plan_on_cpu(case, monkeypatch):
-    monkeypatch.setattr(gemm_cuda, "_grouped_mm_supported", lambda device: True)
-    start, end, slot = GEMM_CASES[case]
-    x = torch.randn(32, 16, dtype=torch.bfloat16)
-    w = torch.randn(6, 24, 16, dtype=torch.bfloat16)
-    y = gemm_cuda.linear_grouped_mm(x, w, start, end, slot)
-    if case in ("spaced_rows", "arbitrary", "empty"):
-        assert y is None
-        return
-    torch.testing.assert_close(y.float(), _loop_ref(x, w, start, end, slot).float(),
-                               atol=0.1, rtol=0.02)
-
-
-def test_grouped_offsets_skip_empty_slots():
-    plan = gemm_cuda.Plan((4, 9), (9, 20), (1, 4), False)
-    assert gemm_cuda.grouped_offsets(plan) == (1, 4, [5, 5, 5, 16])
-
-
-@pytest.mark.parametrize("args,match", [
-    (([0], [40], [0]), "not within x's 32 rows"),
-    (([0, 4], [8, 12], [0, 1]), "before the previous segment's end 8"),
-    (([0], [8], [6]), "slot 6 is not within w's capacity 6"),
-    (([0, 8], [8], [0, 1]), "lengths 2, 1, 2"),
-])
-def test_gemm_validation(args, match):
-    x, w = torch.randn(32, 16), torch.randn(6, 24, 16)
-    with pytest.raises(ValueError, match=match):
-        gemm_cuda.linear_loop(x, w, *args)
-
-
-def test_gemm_validation_shapes():
-    x, w = torch.randn(32, 16), torch.randn(6, 24, 16)
-    with pytest.raises(ValueError, match="w has K=16 but x has K=15"):
-        gemm_cuda.linear_loop(x[:, :15].contiguous(), w, [0], [32], [0])
-    with pytest.raises(ValueError, match=r"out has shape \(32, 23\)"):
-        gemm_cuda.linear_loop(x, w, [0], [32], [0], out=torch.empty(32, 23))
-    with pytest.raises(ValueError, match="w has dtype torch.float16 but x has torch.float32"):
-        gemm_cuda.linear_loop(x, w.half(), [0], [32], [0])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,14 +22,15 @@ import torch.nn.functional as F
 class RotParam(NamedTuple):
     """A rotated parameter: all slots of one kind, and the slot each row reads.
 
-    ``segments`` optionally lists the same information as runs of rows sharing a slot
-    (``itif.runtime.gemm.Segments``). Kernels read ``slot``; the CPU reference, given runs,
-    broadcasts each run's parameters instead of materialising ``[T, *shape]`` per-row copies.
+    ``plan`` optionally gives the same information as the batch's GEMM plan for this slot table
+    (``itif.runtime.gemm.GemmPlan``). Kernels read ``slot``; the CPU reference, given a plan,
+    broadcasts each run's parameters as a view (one op for ``mm``/``bmm`` plans) instead of
+    materialising ``[T, *shape]`` per-row copies.
     """
 
     buf: torch.Tensor  # [capacity, *shape]
     slot: torch.Tensor  # [T] int64, values in [0, capacity)
-    segments: object = None  # Segments(start, end, slot) covering all T rows, or None
+    plan: object = None  # GemmPlan covering all T rows, or None
 
 
 def rows_of(p: RotParam) -> torch.Tensor:
@@ -38,13 +39,23 @@ def rows_of(p: RotParam) -> torch.Tensor:
 
 
 def _apply(x: torch.Tensor, p: RotParam, op: str) -> torch.Tensor:
-    """``x.<op>_(p[row])`` for every row, in place: per run when runs are known."""
-    if p.segments is None:
-        return getattr(x, op)(rows_of(p))
-    segs = p.segments
-    for s, e, k in zip(segs.start, segs.end, segs.slot):
-        getattr(x[s:e], op)(p.buf[k])
-    return x
+    """``x.<op>_(p[row])`` for every row, in place: one broadcast op when the plan allows it,
+    per segment when there are few, else through materialised per-row values."""
+    plan = p.plan
+    if plan is not None and p.buf.dim() == 2:
+        from itif.runtime.gemm import broadcast_rows  # noqa: PLC0415 - avoid an import cycle
+
+        view = broadcast_rows(p.buf, plan)
+        if view is not None:
+            target = x.view(plan.n, plan.L, x.shape[-1]) if plan.backend == "bmm" else x
+            getattr(target, op)(view)
+            return x
+        if len(plan.segs) <= 4:
+            segs = plan.segs
+            for s, e, k in zip(segs.start, segs.end, segs.slot):
+                getattr(x[s:e], op)(p.buf[k])
+            return x
+    return getattr(x, op)(rows_of(p))
 
 
 _ACT = {

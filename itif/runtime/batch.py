@@ -1,97 +1,229 @@
-"""PreparedBatch: the index tensors one fused forward reads, derived from a Layout.
+"""PreparedBatch: everything one fused forward reads, built on the host in bulk before it runs.
 
-Everything per request is computed here with numpy in bulk (no per-token Python), moved to the
-device once, and then read by every layer: the row -> tenant map, token ids / positions / token
-types of every row, attention groups, the CLS rows, and the parameter resolver that turns a
-canonical parameter name into a rotated parameter (per-row slots) or GEMM segments.
+``prepare`` turns a Layout into (1) one int64 host buffer holding every index array of the batch
+(token ids, positions, token types, the batch-tenant of every row, the slot tables of every
+parameter kind, grouped-GEMM offsets, attention lengths / gather rows, CLS rows and head slots),
+pinned on CUDA so it travels to the device in one non-blocking copy; (2) for ViT, one float
+buffer of the patches; and (3) the Python-level structure the forward follows: a GEMM plan per
+distinct slot table (``itif.runtime.gemm``), attention groups, head groups and where each output
+lands in the one flat output buffer. The forward (``itif.runtime.forward``) reads only device
+views of those buffers: nothing inside it reads a tensor on the host.
+
+``key`` names the structure: two batches with equal keys run the same kernels on buffers of the
+same sizes, so a CUDA graph captured for one replays for the other (``itif.runtime.graphs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from itif.backbones.spec import BackboneSpec
 from itif.batching.layout import Layout
-from itif.ops.reference import AttnGroup, RotParam
-from itif.runtime.gemm import Segments, segments_for, tenant_runs
+from itif.runtime.gemm import GemmPlan, Segments, plan_gemm, segments_for, tenant_runs
 from itif.weights.store import StoreView
 
 
-class Params:
-    """Resolves canonical parameter names for one batch against one store snapshot.
+class Packer:
+    """Named int64 arrays laid end to end in one host buffer; device views by name."""
 
-    ``table(name)`` is the slot of each batch tenant; rotated params and GEMM segments are
-    memoised per distinct slot table, so tenants sharing a layer share the index work too.
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self.slices: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.size = 0
+
+    def add(self, name: str, arr) -> str:
+        a = np.ascontiguousarray(arr, dtype=np.int64)
+        if name in self.slices:
+            raise KeyError(f"{name} packed twice")
+        self.slices[name] = (self.size, a.shape)
+        self._parts.append(a.reshape(-1))
+        self.size += a.size
+        return name
+
+    def host(self, pin: bool) -> torch.Tensor:
+        buf = torch.empty(max(self.size, 1), dtype=torch.int64, pin_memory=pin)
+        if self._parts:
+            np.concatenate(self._parts, out=buf.numpy()[: self.size])
+        return buf
+
+    def view(self, dev: torch.Tensor, name: str) -> torch.Tensor:
+        start, shape = self.slices[name]
+        n = int(np.prod(shape, dtype=np.int64))
+        return dev[start : start + n].view(shape)
+
+
+class Params:
+    """Canonical parameter names of one batch against one store snapshot (host side).
+
+    Every name has a slot table (the slot of each batch tenant); equal tables share one packed
+    row, one per-row slot vector on the device and one GEMM plan, so tenants sharing a layer
+    share the index work too.
     """
 
-    def __init__(self, view: StoreView, tenants: tuple[str, ...], row_tenant: torch.Tensor,
-                 runs, tables: dict[str, np.ndarray]) -> None:
+    def __init__(self, view: StoreView, tenants: tuple[str, ...], runs, tables: dict[str, np.ndarray],
+                 rows: int, device: torch.device, dtype: torch.dtype) -> None:
         self.view = view
         self.tenants = tenants
-        self.row_tenant = row_tenant
-        self.runs = runs
-        self.tables = tables
+        self.rows = rows
         entry = view.tenants[tenants[0]]
         self._kind = {name: kind for name, (kind, _) in entry.slots.items()}
-        self._row_slot: dict[bytes, torch.Tensor] = {}
-        self._segs: dict[bytes, Segments] = {}
+        self._row: dict[str, int] = {}  # name -> row of the packed table matrix
+        self._plans: list[GemmPlan] = []
+        uniq: dict[bytes, int] = {}
+        mats = []
+        for name, table in tables.items():
+            key = table.tobytes()
+            k = uniq.get(key)
+            if k is None:
+                k = uniq[key] = len(mats)
+                mats.append(table)
+                self._plans.append(plan_gemm(segments_for(runs, table), rows, device, dtype))
+            self._row[name] = k
+        self.table_matrix = (np.stack(mats) if mats
+                             else np.zeros((0, len(tenants)), np.int64))
+
+    @property
+    def plans(self) -> list[GemmPlan]:
+        return self._plans
 
     def buffer(self, name: str) -> torch.Tensor:
         return self.view.buffers[self._kind[name]]
 
-    def rot(self, name: str) -> RotParam:
-        table = self.tables[name]
-        key = table.tobytes()
-        slot = self._row_slot.get(key)
-        if slot is None:
-            t = torch.from_numpy(table).to(self.row_tenant.device)
-            slot = self._row_slot[key] = t[self.row_tenant]
-        return RotParam(self.buffer(name), slot, self._segments(table, key))
+    def index(self, name: str) -> int:
+        return self._row[name]
+
+    def plan(self, name: str) -> GemmPlan:
+        return self._plans[self._row[name]]
 
     def segments(self, name: str) -> tuple[torch.Tensor, Segments]:
-        table = self.tables[name]
-        return self.buffer(name), self._segments(table, table.tobytes())
-
-    def _segments(self, table: np.ndarray, key: bytes) -> Segments:
-        segs = self._segs.get(key)
-        if segs is None:
-            segs = self._segs[key] = segments_for(self.runs, table)
-        return segs
+        return self.buffer(name), self.plan(name).segs
 
 
-def slot_tables(spec: BackboneSpec, view: StoreView, tenants: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Slot of each batch tenant for every shared (non-head) canonical parameter."""
-    entries = [view.tenants[t].slots for t in tenants]
-    return {
-        p.name: np.fromiter((e[p.name][1] for e in entries), np.int64, count=len(entries))
-        for p in spec.params(pooler=False)
-    }
+@dataclass(frozen=True)
+class AttnSpec:
+    """One attention call: ``n`` sequences of ``L`` rows. View form (``gather`` False): rows
+    ``start : start + n*L`` of the token buffer. Gather form: packed ``rows`` [n, L], ``valid``
+    and ``dest`` (see ``itif.ops.reference.AttnGroup``). ``lens`` is packed when some sequence
+    is shorter than L (the key mask is built from it on the device)."""
+
+    n: int
+    L: int
+    start: int = 0
+    gather: bool = False
+    masked: bool = False
+    name: str = ""  # prefix of this group's packed arrays
+    host_rows: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def rows(self):  # None for a view group (tests and reports read this)
+        return self.host_rows if self.gather else None
+
+
+@dataclass(frozen=True)
+class HeadGroup:
+    """CLS rows ``[a, b)`` (in cls order) of tenants sharing one head kind."""
+
+    a: int
+    b: int
+    labels: int
+    weight_kind: object
+    bias_kind: object
+    weight_plan: GemmPlan
+    bias_plan: GemmPlan
+    name: str
 
 
 @dataclass
 class PreparedBatch:
+    spec: BackboneSpec
     layout: Layout
     tenants: tuple[str, ...]  # batch-tenant index -> tenant id
-    row_tenant: torch.Tensor  # [T] int64
-    ids: torch.Tensor | None  # [T] int64 (text)
-    positions: torch.Tensor  # [T] int64, restarting per request
-    types: torch.Tensor | None  # [T] int64 (text)
-    patches: torch.Tensor | None  # [T, C*p*p] (vit): zeros on CLS and padding rows
-    attn: list[AttnGroup]
-    cls_order: np.ndarray  # request indices sorted by tenant
-    cls_rows: torch.Tensor  # [n] int64 rows of the CLS tokens, in cls_order
-    cls_runs: tuple  # tenant runs over cls_order
+    rows: int  # T rows of the token buffer
+    n: int  # requests
+    packer: Packer
+    host_ints: torch.Tensor  # [packer.size] int64 (pinned on CUDA)
+    host_floats: torch.Tensor | None  # ViT patches [n*g*g*C*p*p] float32 (pinned on CUDA)
     params: Params
+    attn: list[AttnSpec]
+    cls_order: np.ndarray  # request indices in CLS-row order (pooler first, then tenant)
+    head_order: np.ndarray  # request indices in logits-row order (head kind, then tenant)
+    head_permuted: bool  # head_order differs from cls_order (the forward gathers "head_perm")
+    pooler_rows: int  # CLS rows [0, pooler_rows) go through the pooler
+    pooler_plans: tuple[GemmPlan, GemmPlan] | None  # (weight, bias) over those rows
+    heads: list[HeadGroup]
+    want_pooled: bool
+    want_logits: bool
+    want_hidden: bool
+    max_labels: int
+    labels: np.ndarray  # [n_tenants] label count of each batch tenant (0: no head)
+    key: tuple = ()
+
+    # flat float32 output: [logits n x max_labels][pooled n x H][hidden T x H]
+    @property
+    def out_sizes(self) -> tuple[int, int, int]:
+        H = self.spec.hidden
+        return (self.n * self.max_labels if self.want_logits else 0,
+                self.n * H if self.want_pooled else 0,
+                self.rows * H if self.want_hidden else 0)
+
+    def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch's buffers on ``device``: one non-blocking copy each (pinned sources)."""
+        if device.type != "cuda":
+            return self.host_ints, self.host_floats
+        ints = self.host_ints.to(device, non_blocking=True)
+        floats = (None if self.host_floats is None
+                  else self.host_floats.to(device, non_blocking=True))
+        return ints, floats
 
 
-def _attention_groups(layout: Layout, device: torch.device) -> list[AttnGroup]:
+@dataclass(frozen=True)
+class SlotTables:
+    """Per batch tenant: the slot of every backbone parameter, and what its head looks like.
+    Built once per (tenants, generations) and cached by the engine, so ``prepare`` has no loop
+    over tenants."""
+
+    backbone: dict[str, np.ndarray]  # canonical name -> [n_tenants] slot
+    head: dict[str, np.ndarray]  # pooler.* / head.* -> [n_tenants] slot (-1: none)
+    has_pooler: np.ndarray  # [n_tenants] bool
+    labels: np.ndarray  # [n_tenants] int64 (0: no head)
+    head_kind: np.ndarray  # [n_tenants] int64 index into head_kinds (-1: no head)
+    head_kinds: tuple  # KindKey of each head.weight kind in the batch
+
+
+HEAD_PARAMS = ("pooler.weight", "pooler.bias", "head.weight", "head.bias")
+
+
+def slot_tables(spec: BackboneSpec, view: StoreView, tenants: tuple[str, ...]) -> SlotTables:
+    """Slot tables of a batch's tenants (one pass over the tenants; cache the result)."""
+    entries = [view.tenants[t] for t in tenants]
+    n = len(entries)
+    backbone = {
+        p.name: np.fromiter((e.slots[p.name][1] for e in entries), np.int64, count=n)
+        for p in spec.params(pooler=False)
+    }
+    head = {name: np.fromiter((e.slots[name][1] if name in e.slots else -1 for e in entries),
+                              np.int64, count=n) for name in HEAD_PARAMS}
+    kinds: dict[object, int] = {}
+    head_kind = np.fromiter(
+        (kinds.setdefault(e.slots["head.weight"][0], len(kinds)) if "head.weight" in e.slots
+         else -1 for e in entries), np.int64, count=n)
+    return SlotTables(
+        backbone=backbone, head=head,
+        has_pooler=np.fromiter((e.has_pooler for e in entries), bool, count=n),
+        labels=np.fromiter((e.num_labels or 0 for e in entries), np.int64, count=n),
+        head_kind=head_kind, head_kinds=tuple(kinds),
+    )
+
+
+def _attention(layout: Layout, pk: Packer) -> list[AttnSpec]:
     """Dense mini-batches become view groups (neighbours of equal padded length merge into one
     call); packed requests are bucketed by length (each bucket padded to < 1.25x its shortest
-    request) and gathered, so no mask ever spans requests."""
-    groups: list[AttnGroup] = []
+    request); a bucket whose requests have one length and sit back to back is a view group too,
+    others are gathered, so no mask ever spans requests."""
+    groups: list[AttnSpec] = []
     length, offset = layout.length, layout.offset
     dense = np.flatnonzero(layout.mb_len > 0)
     i = 0
@@ -109,11 +241,11 @@ def _attention_groups(layout: Layout, device: torch.device) -> list[AttnGroup]:
         reqs = np.flatnonzero(np.isin(layout.minibatch, mbs))
         reqs = reqs[np.argsort(offset[reqs], kind="stable")]
         lens = length[reqs]
-        mask = None
-        if lens.min() < L:
-            keys = np.arange(L)[None, :] < lens[:, None]
-            mask = torch.from_numpy(keys).to(device).view(n, 1, 1, L)
-        groups.append(AttnGroup(n=n, L=L, start=start, key_mask=mask))
+        name = f"attn{len(groups)}"
+        masked = bool(lens.min() < L)
+        if masked:
+            pk.add(name + ".lens", lens)
+        groups.append(AttnSpec(n=n, L=L, start=start, masked=masked, name=name))
         i = j
     packed = np.flatnonzero(layout.mb_len[layout.minibatch] == 0)
     if packed.size:
@@ -121,18 +253,35 @@ def _attention_groups(layout: Layout, device: torch.device) -> list[AttnGroup]:
         bucket = np.floor(np.log(lens) / np.log(1.25)).astype(np.int64)
         for b in np.unique(bucket):
             reqs = packed[bucket == b]
+            reqs = reqs[np.argsort(offset[reqs], kind="stable")]
             lens_b = length[reqs]
             L = int(lens_b.max())
+            name = f"attn{len(groups)}"
+            off = offset[reqs]
+            if np.all(lens_b == L) and np.all(off == off[0] + L * np.arange(len(reqs))):
+                groups.append(AttnSpec(n=len(reqs), L=L, start=int(off[0]), name=name))
+                continue
             pos = np.arange(L)[None, :]
             keys = pos < lens_b[:, None]
-            rows = np.where(keys, offset[reqs][:, None] + pos, 0)
+            rows = np.where(keys, off[:, None] + pos, 0)
             valid = np.flatnonzero(keys.reshape(-1))
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-            groups.append(AttnGroup(
-                n=len(reqs), L=L, rows=t(rows), valid=t(valid), dest=t(rows.reshape(-1)[valid]),
-                key_mask=None if keys.all() else t(keys).view(len(reqs), 1, 1, L),
-            ))
+            pk.add(name + ".rows", rows)
+            pk.add(name + ".valid", valid)
+            pk.add(name + ".dest", rows.reshape(-1)[valid])
+            masked = not bool(keys.all())
+            if masked:
+                pk.add(name + ".lens", lens_b)
+            groups.append(AttnSpec(n=len(reqs), L=L, gather=True, masked=masked, name=name,
+                                   host_rows=rows))
     return groups
+
+
+def _head_plan(table: np.ndarray, tsorted: np.ndarray, a: int, b: int, device,
+               dtype) -> GemmPlan:
+    """GEMM plan of a head parameter (slot ``table`` per batch tenant) over CLS rows [a, b)
+    whose tenants are ``tsorted[a:b]``."""
+    sub = tsorted[a:b]
+    return plan_gemm(segments_for(tenant_runs(sub), table), b - a, device, dtype)
 
 
 def prepare(
@@ -140,26 +289,30 @@ def prepare(
     layout: Layout,
     tenants: tuple[str, ...],
     view: StoreView,
-    tables: dict[str, np.ndarray],
+    tables: SlotTables,
     device: torch.device,
     dtype: torch.dtype,
     ids: np.ndarray | None = None,
     types: np.ndarray | None = None,
     pixels: np.ndarray | None = None,
+    want_pooled: bool = True,
+    want_logits: bool = True,
+    want_hidden: bool = False,
 ) -> PreparedBatch:
-    """Index tensors for one forward.
+    """Host buffers and structure of one forward.
 
     ids/types: concatenation of every request's tokens in request order ([sum(length)] int64);
     pixels: [n, C, H, W] float32 (vit).
     """
     T = layout.total_rows
+    n = layout.num_requests
     order = layout.row_order  # requests in row order
-    row_tenant_np = np.repeat(layout.tenant[order], layout.padded_len[order]).astype(np.int64)
+    pk = Packer()
+    row_tenant = np.repeat(layout.tenant[order], layout.padded_len[order]).astype(np.int64)
     row_req_start = np.repeat(layout.offset[order], layout.padded_len[order])
-    positions_np = np.arange(T, dtype=np.int64) - row_req_start
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-
-    ids_t = types_t = patches = None
+    pk.add("row_tenant", row_tenant)
+    pk.add("positions", np.arange(T, dtype=np.int64) - row_req_start)
+    floats = None
     if spec.is_text:
         # Row of every real token, in request order: the request's offset plus 0..length-1.
         first = np.concatenate([[0], np.cumsum(layout.length)[:-1]])
@@ -170,23 +323,81 @@ def prepare(
         types_np = np.zeros(T, np.int64)
         if types is not None:
             types_np[tok_row] = types
-        ids_t, types_t = to(ids_np), to(types_np)
+        pk.add("ids", ids_np)
+        pk.add("types", types_np)
     else:
-        n, C, P = pixels.shape[0], spec.num_channels, spec.patch_size
+        C, P = spec.num_channels, spec.patch_size
         g = spec.image_size // P
-        flat = (pixels.reshape(n, C, g, P, g, P).transpose(0, 2, 4, 1, 3, 5)
-                .reshape(n * g * g, C * P * P))
-        patch_rows = (layout.offset[:, None] + 1 + np.arange(g * g)[None, :]).reshape(-1)
-        patches = torch.zeros(T, C * P * P, dtype=dtype, device=device)
-        patches[to(patch_rows)] = to(flat).to(dtype)
+        flat = (np.asarray(pixels, np.float32).reshape(n, C, g, P, g, P)
+                .transpose(0, 2, 4, 1, 3, 5).reshape(-1))
+        floats = torch.empty(flat.size, dtype=torch.float32, pin_memory=device.type == "cuda")
+        floats.numpy()[:] = flat
+        pk.add("patch_rows", (layout.offset[:, None] + 1 + np.arange(g * g)[None, :]).reshape(-1))
+        pk.add("cls_token_rows", layout.offset)
 
-    cls_order = np.argsort(layout.tenant, kind="stable")
-    row_tenant = to(row_tenant_np)
-    runs = tenant_runs(row_tenant_np)
+    params = Params(view, tenants, tenant_runs(row_tenant), tables.backbone, T, device, dtype)
+    pk.add("tables", params.table_matrix)
+    for k, plan in enumerate(params.plans):
+        if plan.backend == "grouped_mm":
+            pk.add(f"offs{k}", plan.offs)
+    attn = _attention(layout, pk)
+
+    # ---- heads ------------------------------------------------------------------------------
+    # CLS rows in (pooler first, tenant) order: the pooler's slots then follow the tenants'
+    # order, as the encoder's do. The classifiers need the rows grouped by head kind (label
+    # count) instead: one gather by ``head_perm`` reorders them when the two orders differ.
+    req_tenant = layout.tenant.astype(np.int64)
+    cls_order = np.lexsort((req_tenant, ~tables.has_pooler[req_tenant]))
+    tsorted = req_tenant[cls_order]
+    pk.add("cls_rows", layout.offset[cls_order])
+    pooler_rows = int(tables.has_pooler[tsorted].sum())
+    pooler_plans = None
+    if spec.is_text and pooler_rows and (want_pooled or want_logits):
+        pw = _head_plan(tables.head["pooler.weight"], tsorted, 0, pooler_rows, device, dtype)
+        pb = _head_plan(tables.head["pooler.bias"], tsorted, 0, pooler_rows, device, dtype)
+        pooler_plans = (pw, pb)
+        _pack_head(pk, "pool", tsorted[:pooler_rows], tables.head["pooler.bias"], pw)
+    head_perm = np.lexsort((tsorted, tables.head_kind[tsorted]))
+    permuted = bool(np.any(head_perm != np.arange(n)))
+    if permuted and want_logits:
+        pk.add("head_perm", head_perm)
+    group_of = tables.head_kind
+    tsorted = tsorted[head_perm]
+    heads: list[HeadGroup] = []
+    max_labels = 1
+    if want_logits:
+        cut = np.flatnonzero(np.diff(group_of[tsorted])) + 1
+        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [n]])):
+            a, b = int(a), int(b)
+            t0 = int(tsorted[a])
+            labels = int(tables.labels[t0])
+            if not labels:
+                continue
+            wp = _head_plan(tables.head["head.weight"], tsorted, a, b, device, dtype)
+            bp = _head_plan(tables.head["head.bias"], tsorted, a, b, device, dtype)
+            kind = tables.head_kinds[int(tables.head_kind[t0])]
+            name = f"head{len(heads)}"
+            _pack_head(pk, name, tsorted[a:b], tables.head["head.bias"], wp)
+            heads.append(HeadGroup(a, b, labels, kind, ("head.bias", (labels,)), wp, bp, name))
+            max_labels = max(max_labels, labels)
+
+    host = pk.host(pin=device.type == "cuda")
+    key = (view.version, tenants, layout.tenant.tobytes(), layout.length.tobytes(),
+           layout.offset.tobytes(), layout.padded_len.tobytes(), layout.mb_len.tobytes(),
+           want_pooled, want_logits, want_hidden, pk.size)
     return PreparedBatch(
-        layout=layout, tenants=tenants, row_tenant=row_tenant, ids=ids_t, positions=to(positions_np),
-        types=types_t, patches=patches, attn=_attention_groups(layout, device),
-        cls_order=cls_order, cls_rows=to(layout.offset[cls_order]),
-        cls_runs=tenant_runs(layout.tenant[cls_order].astype(np.int64)),
-        params=Params(view, tenants, row_tenant, runs, tables),
+        spec=spec, layout=layout, tenants=tenants, rows=T, n=n, packer=pk, host_ints=host,
+        host_floats=floats, params=params, attn=attn, cls_order=cls_order,
+        head_order=cls_order[head_perm], head_permuted=permuted,
+        pooler_rows=pooler_rows if pooler_plans is not None else 0, pooler_plans=pooler_plans,
+        heads=heads, want_pooled=want_pooled, want_logits=want_logits, want_hidden=want_hidden,
+        max_labels=max_labels, labels=tables.labels, key=key,
     )
+
+
+def _pack_head(pk: Packer, name: str, tsub: np.ndarray, bias_table: np.ndarray,
+               w_plan: GemmPlan) -> None:
+    """Per-row slots of a head's bias (for plans that cannot broadcast) and grouped offsets."""
+    if w_plan.backend == "grouped_mm":
+        pk.add(name + ".offs", w_plan.offs)
+    pk.add(name + ".bias_slots", bias_table[tsub])

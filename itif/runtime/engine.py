@@ -30,7 +30,8 @@ from itif.batching.strategies import DEFAULT_STRATEGY, plan
 from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound
 from itif.platform import resolve_device, resolve_dtype
 from itif.runtime import forward
-from itif.runtime.batch import prepare, slot_tables
+from itif.runtime.batch import PreparedBatch, SlotTables, prepare, slot_tables
+from itif.runtime.graphs import GraphCache
 from itif.weights.store import WeightStore
 
 log = logging.getLogger("itif.engine")
@@ -94,6 +95,7 @@ class Engine:
         max_weight_bytes: int | None = None,
         strategy: str = DEFAULT_STRATEGY,
         max_seq_len: int | None = None,
+        cuda_graphs: str | bool = "auto",
     ) -> None:
         self.spec = load_spec(backbone)
         self.max_seq_len = min(max_seq_len or self.spec.seq_len_max, self.spec.seq_len_max)
@@ -102,9 +104,25 @@ class Engine:
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
         self.strategy = strategy
         self.tokenizer = _load_tokenizer(self.spec.source_dir)
-        self._tables: OrderedDict[tuple, dict[str, np.ndarray]] = OrderedDict()
+        self._tables: OrderedDict[tuple, SlotTables] = OrderedDict()
         self._tables_lock = threading.Lock()
         self.cost_model = None  # itif.batching.costmodel.CostModel, profiled on first DP plan
+        self._graphs = GraphCache(self.device) if self.device.type == "cuda" else None
+        self.cuda_graphs = cuda_graphs  # type: ignore[assignment] - the setter parses it
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether forwards replay CUDA graphs (captured per batch structure). Settable with a
+        bool or "on" / "off" / "auto" (on where the device is CUDA); always False on the CPU."""
+        return self._use_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, value: str | bool) -> None:
+        if isinstance(value, str):
+            if value not in ("on", "off", "auto"):
+                raise ValueError(f"cuda_graphs {value!r} is not 'on', 'off' or 'auto'")
+            value = value != "off"
+        self._use_graphs = bool(value) and self._graphs is not None
 
     # ---- tenants ---------------------------------------------------------------------------
     def load_weights(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> CanonicalWeights:
@@ -196,7 +214,7 @@ class Engine:
 
         return tuple(sorted(uniq, key=signature))
 
-    def _slot_tables(self, view, tenants: tuple[str, ...]) -> dict[str, np.ndarray]:
+    def _slot_tables(self, view, tenants: tuple[str, ...]) -> SlotTables:
         key = tuple((t, view.tenants[t].generation) for t in tenants)
         with self._tables_lock:
             tables = self._tables.get(key)
@@ -291,35 +309,42 @@ class Engine:
         lengths = np.full(len(requests), spec.num_patches + 1, np.int32)
         return _Inputs(tenant_idx, lengths, pixels=pixels, wants=wants)
 
-    def _run(self, view, tenants, layout: Layout, inputs: _Inputs) -> forward.ForwardOutput:
+    def _run(self, view, tenants, layout: Layout, inputs: _Inputs) -> tuple[PreparedBatch, np.ndarray]:
+        """One forward; returns the batch and its flat float32 output, on the host."""
         batch = prepare(self.spec, layout, tenants, view, self._slot_tables(view, tenants),
                         self.device, self.dtype, ids=inputs.ids, types=inputs.types,
-                        pixels=inputs.pixels)
-        want_logits = any("logits" in w for w in inputs.wants)
-        want_pooled = any("pooled" in w for w in inputs.wants)
-        return forward.run(self.spec, batch, want_pooled, want_logits)
+                        pixels=inputs.pixels,
+                        want_pooled=any("pooled" in w for w in inputs.wants),
+                        want_logits=any("logits" in w for w in inputs.wants),
+                        want_hidden=any("last_hidden_state" in w for w in inputs.wants))
+        if self._use_graphs:
+            with self._graphs.lock:
+                out = self._graphs.run(self.spec, batch)
+                if out is not None:
+                    return batch, out.cpu().numpy()  # the one device-to-host copy
+        ints, floats = batch.upload(self.device)
+        out = forward.run(self.spec, batch, ints, floats)
+        return batch, out.cpu().numpy()
 
     def _results(self, requests, tenants, layout: Layout, inputs: _Inputs,
-                 out: forward.ForwardOutput) -> list[Result]:
-        n = len(requests)
-        cls_order = np.argsort(layout.tenant, kind="stable")
+                 out: tuple[PreparedBatch, np.ndarray]) -> list[Result]:
+        batch, flat = out
+        n, H = len(requests), self.spec.hidden
+        n_logits, n_pooled, _ = batch.out_sizes
+        logits = flat[:n_logits].reshape(n, batch.max_labels) if n_logits else None
+        pooled = flat[n_logits : n_logits + n_pooled].reshape(n, H) if n_pooled else None
+        hidden = flat[n_logits + n_pooled :].reshape(batch.rows, H) if batch.want_hidden else None
         cls_pos = np.empty(n, np.int64)
-        cls_pos[cls_order] = np.arange(n)
-        run_start = {}
-        sorted_t = layout.tenant[cls_order]
-        for t in np.unique(sorted_t):
-            run_start[int(t)] = int(np.searchsorted(sorted_t, t))
-        np_of = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
-        logits = {t: np_of(v) for t, v in out.logits.items()}
-        pooled = np_of(out.pooled) if out.pooled is not None else None
-        hidden = np_of(out.hidden) if any("last_hidden_state" in w for w in inputs.wants) else None
+        cls_pos[batch.cls_order] = np.arange(n)
+        head_pos = np.empty(n, np.int64)
+        head_pos[batch.head_order] = np.arange(n)
+        labels = batch.labels
         results = []
         for i, r in enumerate(requests):
             res = Result(tenant=r.tenant)
             wants = inputs.wants[i]
-            t = int(layout.tenant[i])
             if "logits" in wants:
-                res.logits = logits[t][cls_pos[i] - run_start[t]]
+                res.logits = logits[head_pos[i], : labels[layout.tenant[i]]].copy()
             if "pooled" in wants:
                 res.pooled = pooled[cls_pos[i]]
             if "last_hidden_state" in wants:

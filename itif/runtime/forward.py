@@ -1,120 +1,211 @@
 """The fused forward: one pass over the token buffer for the requests of every tenant.
 
-Per layer: grouped per-slot GEMMs (``gemm.grouped_linear``) for the compute-bound products, and
-each memory-bound op (bias, residual + LayerNorm, activation) once over all rows with per-row
-parameters (``itif.ops.dispatch``). Attention runs strictly within each request. The only Python
-loops are over layers, GEMM segments, attention groups and (for the heads) tenants.
+The hot path, from the public call down to the kernels:
+
+1. ``Engine.infer`` (``itif.runtime.engine``) validates the requests in bulk and snapshots the
+   weight store;
+2. ``Engine.plan`` -> ``itif.batching.strategies.plan``: a Layout (where each request's rows go);
+3. ``prepare`` (``itif.runtime.batch``): every index array of the batch in one pinned host
+   buffer, a GEMM plan per distinct slot table, attention and head groups (host only);
+4. ``PreparedBatch.upload``: one non-blocking copy to the device; or, with CUDA graphs
+   (``itif.runtime.graphs``), a copy into a captured graph's static buffer and a replay;
+5. ``run`` (here): embeddings, every layer, the heads, all written into one flat output buffer
+   that comes back to the host in one copy;
+6. per layer: ``gemm.run_gemm`` for the per-tenant matrix products (one ``mm``/``bmm``/
+   ``_grouped_mm`` launch per parameter kind, whatever the tenant count, when slots allow), and
+   ``itif.ops.dispatch`` for the memory-bound ops (bias, activation, residual + LayerNorm,
+   embeddings, attention): once over all rows, each row reading its own tenant's parameters;
+   CUDA RawKernels from ``kernels/*.cu`` on a GPU, the torch reference
+   (``itif.ops.reference``, which is also each op's written contract) elsewhere.
+
+Nothing in ``run`` reads a tensor on the host: no ``.item()``, ``.tolist()``, ``.cpu()``,
+``nonzero`` or boolean mask; every Python-level decision comes from the PreparedBatch, so the
+whole function can be captured in a CUDA graph. The only Python loops are over layers and over
+the (few) attention and head groups.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from itif.backbones.spec import BackboneSpec
 from itif.ops import dispatch as ops
+from itif.ops.reference import AttnGroup, RotParam
 from itif.runtime.batch import PreparedBatch
-from itif.runtime.gemm import grouped_linear
+from itif.runtime.gemm import GemmPlan, broadcast_rows, run_gemm
 
 
-@dataclass
-class ForwardOutput:
-    hidden: torch.Tensor  # [T, H] last hidden state of every row
-    pooled: torch.Tensor | None  # [n, H] in cls_order
-    logits: dict[int, torch.Tensor]  # batch tenant -> [requests of that tenant, labels]
+class _Bound:
+    """A PreparedBatch bound to its device buffers: device views by name."""
+
+    def __init__(self, b: PreparedBatch, ints: torch.Tensor, floats: torch.Tensor | None) -> None:
+        self.b = b
+        self.ints = ints
+        self.floats = floats
+        self.P = b.params
+        self.row_tenant = self.get("row_tenant")
+        tables = self.get("tables")  # [K, n_tenants]
+        # Per-row slot of every distinct slot table: one gather for the whole batch.
+        self.slot_rows = tables.index_select(1, self.row_tenant)  # [K, T]
+        self._offs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.b.packer.view(self.ints, name)
+
+    def offs(self, name: str) -> torch.Tensor:
+        o = self._offs.get(name)
+        if o is None:
+            o = self._offs[name] = self.get(name).to(torch.int32)
+        return o
+
+    def rot(self, name: str) -> RotParam:
+        k = self.P.index(name)
+        return RotParam(self.P.buffer(name), self.slot_rows[k], self.P.plans[k])
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        k = self.P.index(name)
+        plan = self.P.plans[k]
+        offs = self.offs(f"offs{k}") if plan.backend == "grouped_mm" else None
+        return run_gemm(x, self.P.buffer(name), plan, offs)
+
+    def attn_groups(self) -> list[AttnGroup]:
+        out = []
+        dev = self.ints.device
+        for g in self.b.attn:
+            mask = None
+            if g.masked:
+                lens = self.get(g.name + ".lens")
+                mask = (torch.arange(g.L, device=dev)[None, :] < lens[:, None]).view(g.n, 1, 1, g.L)
+            if g.gather:
+                out.append(AttnGroup(n=g.n, L=g.L, rows=self.get(g.name + ".rows"),
+                                     valid=self.get(g.name + ".valid"),
+                                     dest=self.get(g.name + ".dest"), key_mask=mask))
+            else:
+                out.append(AttnGroup(n=g.n, L=g.L, start=g.start, key_mask=mask))
+        return out
 
 
-def _linear(b: PreparedBatch, x: torch.Tensor, name: str) -> torch.Tensor:
-    w, segs = b.params.segments(name)
-    return grouped_linear(x, w, segs)
-
-
-def _embed(spec: BackboneSpec, b: PreparedBatch) -> torch.Tensor:
-    P = b.params
+def _embed(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     if spec.is_text:
-        x = ops.embed_text(P.rot("emb.word"), P.rot("emb.pos"), P.rot("emb.type"),
-                           b.ids, b.positions, b.types)
-        x = ops.bias_residual_layernorm(x, None, None, P.rot("emb.ln.weight"),
-                                        P.rot("emb.ln.bias"), spec.layer_norm_eps)
+        x = ops.embed_text(d.rot("emb.word"), d.rot("emb.pos"), d.rot("emb.type"),
+                           d.get("ids"), d.get("positions"), d.get("types"))
+        x = ops.bias_residual_layernorm(x, None, None, d.rot("emb.ln.weight"),
+                                        d.rot("emb.ln.bias"), spec.layer_norm_eps)
         if spec.family == "albert":
-            x = ops.bias_act(_linear(b, x, "emb.proj.weight"), P.rot("emb.proj.bias"))
+            x = ops.bias_act(d.linear(x, "emb.proj.weight"), d.rot("emb.proj.bias"))
         return x
     # ViT: patches through the per-tenant projection, then the CLS token over row 0 of each
     # request, then position embeddings by each row's position.
-    x = ops.bias_act(_linear(b, b.patches, "emb.patch.weight"), P.rot("emb.patch.bias"))
-    cls = P.rot("emb.cls")
-    x[b.cls_rows] = cls.buf[cls.slot[b.cls_rows]]
-    pos = P.rot("emb.pos")
-    x += pos.buf[pos.slot, b.positions]
+    T = d.b.rows
+    width = spec.num_channels * spec.patch_size ** 2
+    patches = torch.zeros(T, width, dtype=dtype, device=d.ints.device)
+    patches.index_copy_(0, d.get("patch_rows"), d.floats.view(-1, width).to(dtype))
+    x = ops.bias_act(d.linear(patches, "emb.patch.weight"), d.rot("emb.patch.bias"))
+    cls = d.rot("emb.cls")
+    cls_rows = d.get("cls_token_rows")
+    x.index_copy_(0, cls_rows, cls.buf.index_select(0, cls.slot.index_select(0, cls_rows)))
+    pos = d.rot("emb.pos")
+    x += pos.buf[pos.slot, d.get("positions")]
     return x
 
 
-def encode(spec: BackboneSpec, b: PreparedBatch) -> torch.Tensor:
+def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     """Embeddings and every encoder layer; returns the last hidden state [T, H]."""
-    P, eps, heads = b.params, spec.layer_norm_eps, spec.heads
-    x = _embed(spec, b)
+    eps, heads = spec.layer_norm_eps, spec.heads
+    x = _embed(spec, d, dtype)
+    groups = d.attn_groups()
+    T, H = x.shape
     if spec.pre_ln:
         # ViT: LN before each block; the sum of each residual add is kept in place (keep_sum)
         # and the next LayerNorm is fused into that add.
-        a = ops.bias_residual_layernorm(x, None, None, P.rot("layers.0.ln1.weight"),
-                                        P.rot("layers.0.ln1.bias"), eps)
+        a = ops.bias_residual_layernorm(x, None, None, d.rot("layers.0.ln1.weight"),
+                                        d.rot("layers.0.ln1.bias"), eps)
     for layer in range(spec.layers):
         p = f"layers.{spec.layer_params(layer)}."
-        qkv = ops.bias_act(_linear(b, a if spec.pre_ln else x, p + "qkv.weight"),
-                           P.rot(p + "qkv.bias"))
-        ctx = ops.attention(qkv, b.attn, heads)
-        h = _linear(b, ctx, p + "attn_out.weight")
+        qkv = ops.bias_act(d.linear(a if spec.pre_ln else x, p + "qkv.weight"),
+                           d.rot(p + "qkv.bias"))
+        # Every row belongs to exactly one attention group, so no row is left unwritten.
+        ctx = ops.attention(qkv, groups, heads, torch.empty(T, H, dtype=qkv.dtype,
+                                                            device=qkv.device))
+        h = d.linear(ctx, p + "attn_out.weight")
         if spec.pre_ln:
-            y = ops.bias_residual_layernorm(h, P.rot(p + "attn_out.bias"), x,
-                                            P.rot(p + "ln2.weight"), P.rot(p + "ln2.bias"),
+            y = ops.bias_residual_layernorm(h, d.rot(p + "attn_out.bias"), x,
+                                            d.rot(p + "ln2.weight"), d.rot(p + "ln2.bias"),
                                             eps, keep_sum=True)  # h := x + attn
         else:
-            y = ops.bias_residual_layernorm(h, P.rot(p + "attn_out.bias"), x,
-                                            P.rot(p + "ln1.weight"), P.rot(p + "ln1.bias"), eps)
-        f = ops.bias_act(_linear(b, y, p + "ffn_in.weight"), P.rot(p + "ffn_in.bias"),
+            y = ops.bias_residual_layernorm(h, d.rot(p + "attn_out.bias"), x,
+                                            d.rot(p + "ln1.weight"), d.rot(p + "ln1.bias"), eps)
+        f = ops.bias_act(d.linear(y, p + "ffn_in.weight"), d.rot(p + "ffn_in.bias"),
                          spec.hidden_act)
-        o = _linear(b, f, p + "ffn_out.weight")
+        o = d.linear(f, p + "ffn_out.weight")
         if spec.pre_ln:
             nxt = (f"layers.{spec.layer_params(layer + 1)}.ln1" if layer + 1 < spec.layers
                    else "final_ln")
-            a = ops.bias_residual_layernorm(o, P.rot(p + "ffn_out.bias"), h,
-                                            P.rot(nxt + ".weight"), P.rot(nxt + ".bias"),
+            a = ops.bias_residual_layernorm(o, d.rot(p + "ffn_out.bias"), h,
+                                            d.rot(nxt + ".weight"), d.rot(nxt + ".bias"),
                                             eps, keep_sum=True)  # o := h + ffn
             x = o
         else:
-            x = ops.bias_residual_layernorm(o, P.rot(p + "ffn_out.bias"), y,
-                                            P.rot(p + "ln2.weight"), P.rot(p + "ln2.bias"), eps)
+            x = ops.bias_residual_layernorm(o, d.rot(p + "ffn_out.bias"), y,
+                                            d.rot(p + "ln2.weight"), d.rot(p + "ln2.bias"), eps)
     return a if spec.pre_ln else x
 
 
-def heads(spec: BackboneSpec, b: PreparedBatch, hidden: torch.Tensor,
-          want_pooled: bool, want_logits: bool) -> ForwardOutput:
-    """Pooler and classification heads, one small GEMM per tenant (label counts differ)."""
+def _add_rows(y: torch.Tensor, buf: torch.Tensor, plan: GemmPlan, slots: torch.Tensor) -> None:
+    """``y += buf[slot of each row]``: a broadcast view when the plan allows, else a gather."""
+    view = broadcast_rows(buf, plan)
+    if view is None:
+        y += buf.index_select(0, slots)
+    elif plan.backend == "bmm":
+        y.view(plan.n, plan.L, y.shape[1]).add_(view)
+    else:
+        y += view
+
+
+def heads(spec: BackboneSpec, d: _Bound, hidden: torch.Tensor, out: torch.Tensor) -> None:
+    """Pooler and classification heads into the flat output buffer: one grouped product per
+    head kind (tenants with the same label count), never a loop over tenants."""
+    b = d.b
     view = b.params.view
-    cls = hidden.index_select(0, b.cls_rows)  # [n, H] in cls_order
-    pooled = torch.empty_like(cls) if (want_pooled or (want_logits and spec.is_text)) else None
-    logits: dict[int, torch.Tensor] = {}
-    for s, e, t in zip(*b.cls_runs):
-        s, e = int(s), int(e)
-        entry = view.tenants[b.tenants[t]]
-        if pooled is not None:
-            if entry.has_pooler:
-                w, slot = view.param(b.tenants[t], "pooler.weight")
-                bias, bslot = view.param(b.tenants[t], "pooler.bias")
-                torch.tanh(torch.addmm(bias[bslot], cls[s:e], w[slot].t()), out=pooled[s:e])
-            else:
-                pooled[s:e] = cls[s:e]
-        if want_logits and entry.num_labels:
-            w, slot = view.param(b.tenants[t], "head.weight")
-            bias, bslot = view.param(b.tenants[t], "head.bias")
-            src = pooled[s:e] if spec.is_text else cls[s:e]
-            logits[int(t)] = torch.addmm(bias[bslot], src, w[slot].t())
-    return ForwardOutput(hidden, pooled, logits)
+    H = spec.hidden
+    n_logits, n_pooled, n_hidden = b.out_sizes
+    cls = hidden.index_select(0, d.get("cls_rows"))  # [n, H] in cls order
+    pooled = cls
+    if b.pooler_plans is not None:
+        pw, pb = b.pooler_plans
+        r = b.pooler_rows
+        pooled = cls.clone()
+        buf = view.buffers[("pooler.weight", (H, H))]
+        offs = d.offs("pool.offs") if pw.backend == "grouped_mm" else None
+        y = run_gemm(cls[:r], buf, pw, offs)
+        _add_rows(y, view.buffers[("pooler.bias", (H,))], pb, d.get("pool.bias_slots"))
+        torch.tanh(y, out=pooled[:r])
+    if b.want_logits:
+        logits = out[:n_logits].view(b.n, b.max_labels)
+        if sum((g.b - g.a) * g.labels for g in b.heads) < b.n * b.max_labels:
+            logits.zero_()  # padding columns and head-less rows: defined, never garbage
+        src = pooled if spec.is_text else cls
+        if b.head_permuted:  # rows grouped by head kind (one gather of n x H activations)
+            src = src.index_select(0, d.get("head_perm"))
+        for g in b.heads:
+            offs = d.offs(g.name + ".offs") if g.weight_plan.backend == "grouped_mm" else None
+            y = run_gemm(src[g.a : g.b], view.buffers[g.weight_kind], g.weight_plan, offs)
+            _add_rows(y, view.buffers[g.bias_kind], g.bias_plan, d.get(g.name + ".bias_slots"))
+            logits[g.a : g.b, : g.labels] = y
+    if b.want_pooled:
+        out[n_logits : n_logits + n_pooled].view(b.n, H).copy_(pooled)
+    if b.want_hidden:
+        out[n_logits + n_pooled :].view(b.rows, H).copy_(hidden)
 
 
-def run(spec: BackboneSpec, b: PreparedBatch, want_pooled: bool, want_logits: bool) -> ForwardOutput:
+def run(spec: BackboneSpec, b: PreparedBatch, ints: torch.Tensor,
+        floats: torch.Tensor | None = None) -> torch.Tensor:
+    """The forward of ``b`` over its device buffers; returns the flat float32 output (see
+    ``PreparedBatch.out_sizes``). Launches only: safe to capture in a CUDA graph."""
     with torch.inference_mode():
-        hidden = encode(spec, b)
-        return heads(spec, b, hidden, want_pooled, want_logits)
-
+        d = _Bound(b, ints, floats)
+        dtype = next(iter(b.params.view.buffers.values())).dtype
+        hidden = encode(spec, d, dtype)
+        out = torch.empty(sum(b.out_sizes), dtype=torch.float32, device=hidden.device)
+        heads(spec, d, hidden, out)
+        return out

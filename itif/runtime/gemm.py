@@ -1,13 +1,25 @@
-"""Per-slot GEMMs over the token buffer without copying weights.
+"""Per-slot GEMMs over the token buffer without copying weights: one plan, a few backends.
 
 Rows of the token buffer are ordered so each tenant's rows are contiguous; a parameter kind's
 slot table turns those runs into *segments* ``(start, end, slot)``: rows ``start:end`` multiply
-slot ``slot`` of the kind's weight buffer. Adjacent runs whose tenants share the slot (frozen or
-identical layers) merge into one segment, so shared weights cost one GEMM, not one per tenant.
+slot ``slot`` of the kind's weight buffer ``w [capacity, N, K]``. Adjacent runs whose tenants
+share the slot (frozen or identical layers) merge into one segment, so shared weights cost one
+GEMM, not one per tenant.
 
-The CPU backend is one ``torch.mm`` per segment straight into a slice of the output: at most one
-loop step per GEMM segment, never per request or token. CUDA backends with the same signature
-(batched, grouped, multi-stream) live in ``itif.runtime.gemm_cuda``.
+``plan_gemm`` picks a backend once per segment list (the batch caches it, so every layer that
+reads the same slot table reuses it); ``run_gemm`` launches it. Every backend reads the weight
+buffer in place (views, never a gathered copy):
+
+| backend | when | launches |
+| --- | --- | --- |
+| ``mm`` | one segment (one tenant, or every tenant shares the slot) | 1 |
+| ``bmm`` | equal-length segments whose slots step evenly (``slot0 + i*step``): the buffer's slots are a strided view ``w[slot0::step]`` | 1 |
+| ``grouped_mm`` | strictly increasing slots, any lengths: ``torch._grouped_mm`` over the slot range, unused slots as empty groups (offsets are precomputed, so nothing is read on the host) | 1 |
+| ``loop`` | anything else: one ``torch.mm`` per segment | segments |
+
+The same plan drives the per-row parameters of the memory-bound ops on the CPU reference
+(``broadcast_rows``): ``mm`` and ``bmm`` plans broadcast a parameter over its rows as a view, so
+a bias add is one op whatever the tenant count.
 """
 
 from __future__ import annotations
@@ -17,10 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+BACKENDS = ("mm", "bmm", "grouped_mm", "loop")
+GROUPED_MAX_EMPTY = 4  # grouped_mm only when the slot range is at most this many x the segments
+
 
 @dataclass(frozen=True)
 class Segments:
-    """A GEMM plan for one parameter kind over ``rows`` rows (python ints: the loop reads them)."""
+    """Row segments of one parameter kind over ``rows`` rows (python ints: plans read them)."""
 
     start: tuple[int, ...]
     end: tuple[int, ...]
@@ -28,6 +43,27 @@ class Segments:
 
     def __len__(self) -> int:
         return len(self.start)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How one segment list runs. ``offs`` (grouped_mm) is the cumulative end row of every slot
+    in ``[lo, hi]``; the batch uploads it with its other index arrays."""
+
+    backend: str
+    segs: Segments
+    rows: int
+    n: int = 0  # bmm: segments
+    L: int = 0  # bmm: rows per segment
+    slot0: int = 0  # bmm: first slot; mm: the slot
+    step: int = 1  # bmm: slot stride
+    lo: int = 0  # grouped_mm: slot range
+    hi: int = -1
+    offs: tuple[int, ...] = ()
+
+    @property
+    def launches(self) -> int:
+        return len(self.segs) if self.backend == "loop" else 1
 
 
 def tenant_runs(row_tenant: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -53,15 +89,131 @@ def segments_for(runs: tuple[np.ndarray, np.ndarray, np.ndarray], slot_table: np
     )
 
 
-def grouped_linear(
-    x: torch.Tensor, w: torch.Tensor, segs: Segments, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``y[s:e] = x[s:e] @ w[slot].T`` for every segment.
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """``torch._grouped_mm`` exists and runs this dtype here: any float dtype on the CPU; on CUDA
+    bfloat16 and float32 (sm90 has a bf16 kernel; float16 runs, but slower than a loop there)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float32) and torch.cuda.get_device_capability(
+            device)[0] >= 9
+    return False
 
-    x: [T, K]; w: [capacity, N, K] weight buffer (read in place, never copied); returns [T, N].
+
+def plan_gemm(segs: Segments, rows: int, device: torch.device | None = None,
+              dtype: torch.dtype | None = None, backend: str | None = None) -> GemmPlan:
+    """The cheapest backend that can run ``segs`` (or ``backend``, ValueError if it cannot).
+
+    Segments must tile ``[0, rows)`` in row order (as ``segments_for`` makes them).
     """
+    n = len(segs)
+    if n == 0 or segs.start[0] != 0 or segs.end[-1] != rows or any(
+            segs.start[i + 1] != segs.end[i] for i in range(n - 1)):
+        raise ValueError(f"segments {segs} do not tile rows [0, {rows})")
+    options = {"loop": GemmPlan("loop", segs, rows)}
+    if n == 1:
+        options["mm"] = GemmPlan("mm", segs, rows, slot0=segs.slot[0])
+    L = segs.end[0] - segs.start[0]
+    step = segs.slot[1] - segs.slot[0] if n > 1 else 1
+    if (n > 1 and step > 0 and all(e - s == L for s, e in zip(segs.start, segs.end))
+            and all(segs.slot[i + 1] - segs.slot[i] == step for i in range(n - 1))):
+        options["bmm"] = GemmPlan("bmm", segs, rows, n=n, L=L, slot0=segs.slot[0], step=step)
+    increasing = all(segs.slot[i + 1] > segs.slot[i] for i in range(n - 1))
+    lo, hi = segs.slot[0], segs.slot[-1]
+    if (n > 1 and increasing and hi - lo + 1 <= GROUPED_MAX_EMPTY * n
+            and (device is None or grouped_mm_supported(device, dtype))):
+        ends = np.zeros(hi - lo + 1, np.int64)
+        idx = np.asarray(segs.slot) - lo
+        ends[idx] = np.asarray(segs.end) - np.asarray(segs.start)
+        options["grouped_mm"] = GemmPlan("grouped_mm", segs, rows, lo=lo, hi=hi,
+                                         offs=tuple(np.cumsum(ends).tolist()))
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown GEMM backend {backend!r}; choose from {BACKENDS}")
+        if backend not in options:
+            raise ValueError(f"GEMM backend {backend!r} cannot run segments {segs}")
+        return options[backend]
+    for name in ("mm", "bmm", "grouped_mm", "loop"):
+        if name in options:
+            return options[name]
+    raise AssertionError("unreachable")
+
+
+def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[s:e] = x[s:e] @ w[slot].T`` for every segment of ``plan``.
+
+    x: [rows, K]; w: [capacity, N, K] weight buffer (read in place); offs: the plan's offsets as
+    an int32 tensor on x's device (grouped_mm only). Returns [rows, N] (``out`` if given).
+    """
+    rows, N = x.shape[0], w.shape[1]
+    b = plan.backend
+    if b == "grouped_mm":
+        y = torch._grouped_mm(x, w[plan.lo : plan.hi + 1].transpose(1, 2), offs=offs)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
     if out is None:
-        out = torch.empty(x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    for s, e, slot in zip(segs.start, segs.end, segs.slot):
-        torch.mm(x[s:e], w[slot].t(), out=out[s:e])
+        out = torch.empty(rows, N, dtype=x.dtype, device=x.device)
+    if b == "mm":
+        torch.mm(x, w[plan.slot0].t(), out=out)
+    elif b == "bmm":
+        ws = w[plan.slot0 : plan.slot0 + plan.step * (plan.n - 1) + 1 : plan.step]
+        torch.bmm(x.view(plan.n, plan.L, x.shape[1]), ws.transpose(1, 2),
+                  out=out.view(plan.n, plan.L, N))
+    else:
+        segs = plan.segs
+        for s, e, slot in zip(segs.start, segs.end, segs.slot):
+            torch.mm(x[s:e], w[slot].t(), out=out[s:e])
     return out
+
+
+def check_operands(x: torch.Tensor, w: torch.Tensor, segs: Segments,
+                   out: torch.Tensor | None = None) -> None:
+    """ValueError naming both values when ``x``, ``w``, ``segs`` (and ``out``) cannot form a
+    grouped linear. The forward builds its operands itself and skips this; callers from outside
+    (tests, benchmarks) go through ``grouped_linear``, which runs it."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [rows, K], got {getattr(x, 'shape', type(x))}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"w must be a 3-D buffer [capacity, N, K], got "
+                         f"{getattr(w, 'shape', type(w))}")
+    if w.device != x.device or w.dtype != x.dtype:
+        raise ValueError(f"w is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}")
+    if w.shape[2] != x.shape[1]:
+        raise ValueError(f"w has K={w.shape[2]} but x has K={x.shape[1]}")
+    bad = [s for s in segs.slot if not 0 <= s < w.shape[0]]
+    if bad:
+        raise ValueError(f"slot {bad[0]} is not within w's capacity {w.shape[0]}")
+    if out is not None and (tuple(out.shape) != (x.shape[0], w.shape[1]) or out.dtype != x.dtype
+                            or out.device != x.device):
+        raise ValueError(f"out has shape {tuple(out.shape)} ({out.dtype}); needs "
+                         f"{(x.shape[0], w.shape[1])} ({x.dtype})")
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, segs: Segments,
+                   backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One-off convenience (tests, benchmarks): check, plan ``segs`` and run it. The forward
+    plans once per batch instead (offsets uploaded with the batch)."""
+    check_operands(x, w, segs, out)
+    plan = plan_gemm(segs, x.shape[0], x.device, x.dtype, backend)
+    offs = (torch.tensor(plan.offs, dtype=torch.int32, device=x.device)
+            if plan.backend == "grouped_mm" else None)
+    return run_gemm(x, w, plan, offs, out)
+
+
+def broadcast_rows(buf: torch.Tensor, plan: GemmPlan) -> torch.Tensor | None:
+    """Per-row values of a parameter buffer ``buf [capacity, N]`` as a view that broadcasts
+    against ``x.view(plan.n, plan.L, N)`` (bmm) or ``x`` (mm); None for other plans."""
+    if plan.backend == "mm":
+        return buf[plan.slot0]
+    if plan.backend == "bmm":
+        return buf[plan.slot0 : plan.slot0 + plan.step * (plan.n - 1) + 1 : plan.step].unsqueeze(1)
+    return None
+
+
+__all__ = ["BACKENDS", "GemmPlan", "Segments", "broadcast_rows", "check_operands", "grouped_linear",
+           "grouped_mm_supported", "plan_gemm", "run_gemm", "segments_for", "tenant_runs"]
