@@ -62,7 +62,12 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' is float16 on CUDA and float32 on CPU; half types on CPU are refused."""
+    """'auto' is float16 on CUDA and float32 on CPU.
+
+    float16 and bfloat16 are accepted on the CPU too: the torch reference ops (GEMMs, LayerNorm,
+    SDPA, GELU) all run in them. A CPU without native half-precision matmul support (AVX512-BF16
+    or AMX) emulates them, often 100x slower than float32; that is logged once, not refused.
+    """
     if isinstance(dtype, torch.dtype):
         name = str(dtype).removeprefix("torch.")
     else:
@@ -72,8 +77,24 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if name not in _DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)} or 'auto'")
     if device.type == "cpu" and name != "float32":
-        raise ValueError(f"dtype {name!r} is not supported on the CPU; use float32")
+        _warn_slow_cpu_half(name)
     return _DTYPES[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_slow_cpu_half(name: str) -> None:
+    cpu = torch.cpu
+    try:  # private probes; absent in some torch builds
+        if name == "bfloat16":
+            native = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+        else:
+            native = cpu._is_amx_fp16_supported()
+    except Exception:
+        native = False
+    if not native:
+        need = "AVX512-BF16 or AMX" if name == "bfloat16" else "AMX-FP16"
+        log.warning("dtype %s on a CPU without %s: its matmuls are emulated, far slower than "
+                    "float32", name, need)
 
 
 def device_name(device: torch.device) -> str:
