@@ -15,6 +15,9 @@ same sizes, so a CUDA graph captured for one replays for the other (``itif.runti
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -145,7 +148,7 @@ class PreparedBatch:
     n: int  # requests
     packer: Packer
     host_ints: torch.Tensor  # [packer.size] int64 (pinned on CUDA)
-    host_floats: torch.Tensor | None  # ViT patches [n*g*g*C*p*p] float32 (pinned on CUDA)
+    host_floats: torch.Tensor | None  # ViT pixels [n*C*H*W] float32 (pinned on CUDA)
     params: Params
     attn: list[AttnSpec]
     cls_order: np.ndarray  # request indices in CLS-row order (pooler first, then tenant)
@@ -160,6 +163,7 @@ class PreparedBatch:
     max_labels: int
     labels: np.ndarray  # [n_tenants] label count of each batch tenant (0: no head)
     key: tuple = ()
+    tok_row: np.ndarray | None = None  # text: row of every real token, in request order
 
     # flat float32 output: [logits n x max_labels][pooled n x H][hidden T x H]
     @property
@@ -168,6 +172,24 @@ class PreparedBatch:
         return (self.n * self.max_labels if self.want_logits else 0,
                 self.n * H if self.want_pooled else 0,
                 self.rows * H if self.want_hidden else 0)
+
+    def with_inputs(self, ids, types, pixels, device: torch.device) -> "PreparedBatch":
+        """A batch of the same structure with other inputs: the index buffer is copied and only
+        the token ids / types (or the pixels) are rewritten."""
+        ints = torch.empty_like(self.host_ints, pin_memory=self.host_ints.is_pinned())
+        a = ints.numpy()
+        a[:] = self.host_ints.numpy()
+        floats = None
+        if self.spec.is_text:
+            start, _ = self.packer.slices["ids"]
+            a[start + self.tok_row] = ids
+            start, _ = self.packer.slices["types"]
+            a[start : start + self.rows] = 0
+            if types is not None:
+                a[start + self.tok_row] = types
+        else:
+            floats = _pixels_host(pixels, device)
+        return dataclasses.replace(self, host_ints=ints, host_floats=floats)
 
     def upload(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch's buffers on ``device``: one non-blocking copy each (pinned sources)."""
@@ -298,14 +320,23 @@ def prepare(
     want_pooled: bool = True,
     want_logits: bool = True,
     want_hidden: bool = False,
+    cache: "StructureCache | None" = None,
 ) -> PreparedBatch:
-    """Host buffers and structure of one forward.
+    """Host buffers and structure of one forward. With ``cache``, a batch whose structure was
+    seen before reuses it and only repacks its inputs.
 
     ids/types: concatenation of every request's tokens in request order ([sum(length)] int64);
     pixels: [n, C, H, W] float32 (vit).
     """
     T = layout.total_rows
     n = layout.num_requests
+    key = (view.version, tenants, layout.tenant.tobytes(), layout.length.tobytes(),
+           layout.offset.tobytes(), layout.padded_len.tobytes(), layout.mb_len.tobytes(),
+           want_pooled, want_logits, want_hidden)
+    if cache is not None:
+        skel = cache.get(key)
+        if skel is not None:  # same structure: only the inputs change
+            return skel.with_inputs(ids, types, pixels, device)
     order = layout.row_order  # requests in row order
     pk = Packer()
     row_tenant = np.repeat(layout.tenant[order], layout.padded_len[order]).astype(np.int64)
@@ -313,6 +344,7 @@ def prepare(
     pk.add("row_tenant", row_tenant)
     pk.add("positions", np.arange(T, dtype=np.int64) - row_req_start)
     floats = None
+    tok_row = None
     if spec.is_text:
         # Row of every real token, in request order: the request's offset plus 0..length-1.
         first = np.concatenate([[0], np.cumsum(layout.length)[:-1]])
@@ -326,12 +358,9 @@ def prepare(
         pk.add("ids", ids_np)
         pk.add("types", types_np)
     else:
-        C, P = spec.num_channels, spec.patch_size
-        g = spec.image_size // P
-        flat = (np.asarray(pixels, np.float32).reshape(n, C, g, P, g, P)
-                .transpose(0, 2, 4, 1, 3, 5).reshape(-1))
-        floats = torch.empty(flat.size, dtype=torch.float32, pin_memory=device.type == "cuda")
-        floats.numpy()[:] = flat
+        # Raw pixels travel as they are; the forward cuts them into patches on the device.
+        floats = _pixels_host(pixels, device)
+        g = spec.image_size // spec.patch_size
         pk.add("patch_rows", (layout.offset[:, None] + 1 + np.arange(g * g)[None, :]).reshape(-1))
         pk.add("cls_token_rows", layout.offset)
 
@@ -382,17 +411,17 @@ def prepare(
             max_labels = max(max_labels, labels)
 
     host = pk.host(pin=device.type == "cuda")
-    key = (view.version, tenants, layout.tenant.tobytes(), layout.length.tobytes(),
-           layout.offset.tobytes(), layout.padded_len.tobytes(), layout.mb_len.tobytes(),
-           want_pooled, want_logits, want_hidden, pk.size)
-    return PreparedBatch(
+    batch = PreparedBatch(
         spec=spec, layout=layout, tenants=tenants, rows=T, n=n, packer=pk, host_ints=host,
         host_floats=floats, params=params, attn=attn, cls_order=cls_order,
         head_order=cls_order[head_perm], head_permuted=permuted,
         pooler_rows=pooler_rows if pooler_plans is not None else 0, pooler_plans=pooler_plans,
         heads=heads, want_pooled=want_pooled, want_logits=want_logits, want_hidden=want_hidden,
-        max_labels=max_labels, labels=tables.labels, key=key,
+        max_labels=max_labels, labels=tables.labels, key=key, tok_row=tok_row,
     )
+    if cache is not None:
+        cache.put(key, batch)
+    return batch
 
 
 def _pack_head(pk: Packer, name: str, tsub: np.ndarray, bias_table: np.ndarray,
@@ -401,3 +430,38 @@ def _pack_head(pk: Packer, name: str, tsub: np.ndarray, bias_table: np.ndarray,
     if w_plan.backend == "grouped_mm":
         pk.add(name + ".offs", w_plan.offs)
     pk.add(name + ".bias_slots", bias_table[tsub])
+
+
+def _pixels_host(pixels: np.ndarray, device: torch.device) -> torch.Tensor:
+    flat = np.asarray(pixels, np.float32).reshape(-1)
+    floats = torch.empty(flat.size, dtype=torch.float32, pin_memory=device.type == "cuda")
+    floats.numpy()[:] = flat
+    return floats
+
+
+class StructureCache:
+    """Recently prepared batch structures by key (LRU): a batch that repeats a structure (the
+    same tenants, layout and outputs on the same store version) skips planning its GEMMs,
+    attention and heads again. Thread-safe."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple, PreparedBatch] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> PreparedBatch | None:
+        with self._lock:
+            b = self._items.get(key)
+            if b is not None:
+                self._items.move_to_end(key)
+            return b
+
+    def put(self, key: tuple, batch: PreparedBatch) -> None:
+        with self._lock:
+            if self._items and next(iter(self._items))[0] != key[0]:
+                # a new store version: structures of older versions can never be hit again
+                for k in [k for k in self._items if k[0] != key[0]]:
+                    del self._items[k]
+            self._items[key] = batch
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)

@@ -30,7 +30,7 @@ from itif.batching.strategies import DEFAULT_STRATEGY, plan
 from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound
 from itif.platform import resolve_device, resolve_dtype
 from itif.runtime import forward
-from itif.runtime.batch import PreparedBatch, SlotTables, prepare, slot_tables
+from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.graphs import GraphCache
 from itif.weights.store import WeightStore
 
@@ -108,6 +108,9 @@ class Engine:
         self._tables_lock = threading.Lock()
         self.cost_model = None  # itif.batching.costmodel.CostModel, profiled on first DP plan
         self._graphs = GraphCache(self.device) if self.device.type == "cuda" else None
+        self._structures = StructureCache()
+        self._signatures: dict[tuple[str, int], tuple] = {}  # (tenant, generation) -> slots
+        self._backbone_names = [p.name for p in self.spec.params(pooler=False)]
         self.cuda_graphs = cuda_graphs  # type: ignore[assignment] - the setter parses it
 
     @property
@@ -206,11 +209,17 @@ class Engine:
         for t in uniq:
             if t not in view.tenants:
                 raise TenantNotFound(f"tenant {t!r} not found")
-        spec_params = [p.name for p in self.spec.params(pooler=False)]
+        sigs = self._signatures
+        if len(sigs) > 4 * len(view.tenants) + 64:  # forget tenants removed or re-uploaded
+            sigs.clear()
 
         def signature(t: str) -> tuple:
-            slots = view.tenants[t].slots
-            return tuple(slots[n][1] for n in spec_params) + (t,)
+            entry = view.tenants[t]
+            sig = sigs.get((t, entry.generation))
+            if sig is None:
+                names = self._backbone_names
+                sig = sigs[(t, entry.generation)] = tuple(entry.slots[n][1] for n in names) + (t,)
+            return sig
 
         return tuple(sorted(uniq, key=signature))
 
@@ -316,7 +325,8 @@ class Engine:
                         pixels=inputs.pixels,
                         want_pooled=any("pooled" in w for w in inputs.wants),
                         want_logits=any("logits" in w for w in inputs.wants),
-                        want_hidden=any("last_hidden_state" in w for w in inputs.wants))
+                        want_hidden=any("last_hidden_state" in w for w in inputs.wants),
+                        cache=self._structures)
         if self._use_graphs:
             with self._graphs.lock:
                 out = self._graphs.run(self.spec, batch)

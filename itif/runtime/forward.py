@@ -97,9 +97,12 @@ def _embed(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     # ViT: patches through the per-tenant projection, then the CLS token over row 0 of each
     # request, then position embeddings by each row's position.
     T = d.b.rows
-    width = spec.num_channels * spec.patch_size ** 2
-    patches = torch.zeros(T, width, dtype=dtype, device=d.ints.device)
-    patches.index_copy_(0, d.get("patch_rows"), d.floats.view(-1, width).to(dtype))
+    C, P = spec.num_channels, spec.patch_size
+    g = spec.image_size // P
+    flat = (d.floats.view(-1, C, g, P, g, P).permute(0, 2, 4, 1, 3, 5)
+            .reshape(-1, C * P * P).to(dtype))  # [n * g * g, C*P*P], one copy on the device
+    patches = torch.zeros(T, C * P * P, dtype=dtype, device=d.ints.device)
+    patches.index_copy_(0, d.get("patch_rows"), flat)
     x = ops.bias_act(d.linear(patches, "emb.patch.weight"), d.rot("emb.patch.bias"))
     cls = d.rot("emb.cls")
     cls_rows = d.get("cls_token_rows")

@@ -90,15 +90,15 @@ def segments_for(runs: tuple[np.ndarray, np.ndarray, np.ndarray], slot_table: np
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """``torch._grouped_mm`` exists and runs this dtype here: any float dtype on the CPU; on CUDA
-    bfloat16 and float32 (sm90 has a bf16 kernel; float16 runs, but slower than a loop there)."""
+    """``torch._grouped_mm`` exists and runs this dtype here: float32 and bfloat16 on the CPU;
+    on CUDA bfloat16 only (sm90 has a bf16 kernel; float16 runs, but slower than a loop there,
+    and float32 copies between host and device inside, which a CUDA graph cannot capture)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
     if device.type == "cuda":
-        return dtype in (torch.bfloat16, torch.float32) and torch.cuda.get_device_capability(
-            device)[0] >= 9
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
     return False
 
 
