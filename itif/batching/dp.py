@@ -40,9 +40,11 @@ import numpy as np
 if TYPE_CHECKING:
     from itif.batching.costmodel import CostModel
 
-OP_GEMM = 0
+from itif.batching.layout import GemmOp  # noqa: E402 - the one enum of GEMM kinds
+
+OP_GEMM = GemmOp.SINGLE
 """``Groups.op`` of a group that runs one mini-batch as a plain GEMM."""
-OP_BATCHED_GEMM = 1
+OP_BATCHED_GEMM = GemmOp.BATCHED
 """``Groups.op`` of a group that runs several same-shaped mini-batches as one batched GEMM."""
 
 MIXED_TENANTS = -1

@@ -17,11 +17,21 @@ one contiguous GEMM segment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
-SINGLE_GEMM, BATCHED_GEMM, GROUPED_GEMM = 0, 1, 2
-OP_NAMES = {SINGLE_GEMM: "gemm", BATCHED_GEMM: "batched_gemm", GROUPED_GEMM: "grouped_gemm"}
+class GemmOp(IntEnum):
+    """How the planner means a group of mini-batches to multiply (one enum for the planner, the
+    DP and the layouts; the runtime's backend per slot table is ``itif.runtime.gemm.GemmPlan``)."""
+
+    SINGLE = 0  # one mini-batch, one GEMM
+    BATCHED = 1  # several same-shaped mini-batches, one batched GEMM
+    GROUPED = 2  # variable segments, one grouped GEMM
+
+
+SINGLE_GEMM, BATCHED_GEMM, GROUPED_GEMM = GemmOp.SINGLE, GemmOp.BATCHED, GemmOp.GROUPED
+OP_NAMES = {GemmOp.SINGLE: "gemm", GemmOp.BATCHED: "batched_gemm", GemmOp.GROUPED: "grouped_gemm"}
 
 
 @dataclass(frozen=True)

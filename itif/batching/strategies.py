@@ -23,7 +23,6 @@ import numpy as np
 
 from itif.batching import dp
 from itif.batching.layout import (
-    BATCHED_GEMM,
     SINGLE_GEMM,
     Layout,
     build_layout,
@@ -48,7 +47,7 @@ def _two_stage(tenant: np.ndarray, length: np.ndarray, cost, layers: int) -> Lay
     groups = dp.stage2(mbs, cost)
     members = np.split(mbs.order, mbs.mb_start[1:])
     order = groups.members  # mini-batches in GEMM-group order
-    ops = np.where(groups.op == dp.OP_BATCHED_GEMM, BATCHED_GEMM, SINGLE_GEMM).astype(np.int8)
+    ops = groups.op.astype(np.int8)  # dp's ops are GemmOp values
     return build_layout(
         "itif_two_stage", tenant, length, [members[k] for k in order], mbs.mb_len[order],
         groups.mb_group[order], ops, predicted_ms=groups.total_cost * layers,
