@@ -95,6 +95,7 @@ class Daemon:
         self.reloads_failed = 0
         self.last_reload_error = ""
         self.metrics = None  # itif.metrics.Metrics, set by the server before start()
+        self.kernel_checks: list = []  # itif.ops.selftest.KernelCheck of the start-up self-test
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,6 +109,8 @@ class Daemon:
                                  max_weight_bytes=cfg.backbone.max_weight_bytes,
                                  strategy=DEFAULT_STRATEGY if strategy == "auto" else strategy)
         faults.install(self)  # test-only hooks (ITIF_FAULT_INJECT); nothing when it is unset
+        if self.engine.device.type == "cuda":
+            self.kernel_checks = _kernel_self_test(self.engine.device, self.engine.dtype)
         sch = cfg.scheduler
         self.scheduler = Scheduler(
             self.engine.infer if self.metrics is None else self.metrics.run_batch(self.engine),
@@ -123,6 +126,14 @@ class Daemon:
         log.info("ready: backbone %s on %s (%s), %d tenants, %d with weights",
                  self.engine.spec.name, self.engine.device, self.engine.dtype,
                  len(cfg.tenants), sum(s.state is State.READY for s in self.status.values()))
+
+    def degraded_kernels(self) -> list:
+        """Ops whose CUDA kernel is not used (``itif.ops.dispatch.KernelState`` with
+        ``fallback``): failed the start-up self-test or failed to build at run time. They run
+        the torch reference; the health List and ``itif_kernel_fallback`` report them."""
+        from itif.ops import dispatch  # noqa: PLC0415
+
+        return dispatch.fallbacks()
 
     def stop(self, grace_s: float | None = None) -> None:
         self.ready = False
@@ -334,6 +345,21 @@ class Daemon:
         if st is None:
             return 0
         return st.submitted - st.completed - st.failed - st.expired - st.cancelled
+
+
+def _kernel_self_test(device, dtype) -> list:
+    """Run every CUDA kernel once against its torch reference (``itif.ops.selftest``); a kernel
+    that fails is disabled in dispatch. Never stops the start: the reference still serves."""
+    from itif.ops import selftest  # noqa: PLC0415
+
+    try:
+        checks = selftest.self_test(device, dtype)
+    except Exception:  # noqa: BLE001 - the self-test itself broke: keep serving, say so
+        log.exception("kernel self-test failed to run")
+        return []
+    line = selftest.summary(checks)
+    (log.info if all(c.ok for c in checks) else log.warning)("kernel self-test: %s", line)
+    return checks
 
 
 def _quota(t: Tenant) -> TenantQuota:

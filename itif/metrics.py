@@ -72,6 +72,7 @@ METRIC_NAMES = (
     "itif_gpu_utilization_ratio",
     "itif_gpu_memory_used_bytes",
     "itif_gpu_memory_total_bytes",
+    "itif_kernel_fallback",
 )
 
 # ---- the tenant of the current call -----------------------------------------------------------
@@ -294,6 +295,25 @@ class _StateCollector:
         if d is not None:
             yield from self._daemon(d)
         yield from self._gpu()
+        yield from self._kernels()
+
+    def _kernels(self):
+        """``itif_kernel_fallback``: 1 for an op whose CUDA kernel is not used on a (device,
+        dtype), so the torch reference runs it (self-test failure or a build failure at run
+        time); 0 for an op whose kernel passed the start-up self-test. No series on a CPU-only
+        daemon (the reference is the design there, not a fallback)."""
+        from itif.ops import dispatch  # noqa: PLC0415 - process-wide kernel states
+
+        states = dispatch.kernel_states()
+        if not states:
+            return
+        g = GaugeMetricFamily("itif_kernel_fallback",
+                              "1 when an op runs the torch reference instead of its CUDA kernel "
+                              "(kernel self-test failed or the build failed), 0 when its kernel "
+                              "passed the self-test", labels=["op", "device", "dtype"])
+        for s in states:
+            g.add_metric([s.op, s.device, s.dtype], 1.0 if s.fallback else 0.0)
+        yield g
 
     def _daemon(self, d: Daemon):
         from itif.daemon import State  # noqa: PLC0415 - itif.daemon imports this module

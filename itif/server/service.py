@@ -299,6 +299,11 @@ def _settle(fut: asyncio.Future, ticket) -> None:
         fut.set_exception(e)
 
 
+def kernel_health_name(k) -> str:
+    """The health List entry of a degraded kernel (``itif.ops.dispatch.KernelState``)."""
+    return f"itif.kernel/{k.op}/{k.device}/{k.dtype}"
+
+
 class HealthService(health_pb2_grpc.HealthServicer):
     """grpc.health.v1: "" and "itif.v1.Itif" answer for the daemon without a token (probes);
     a tenant id as service name answers for that tenant, to its own token or the admin only
@@ -324,12 +329,18 @@ class HealthService(health_pb2_grpc.HealthServicer):
 
     @rpc
     async def List(self, request, context):
-        """The daemon's own entries ("" and itif.v1.Itif); tenants are never listed here,
-        as this method needs no token. (Left to the generated base class, every call would
-        log a NotImplementedError traceback.)"""
+        """The daemon's own entries ("" and itif.v1.Itif), plus one NOT_SERVING entry
+        ``itif.kernel/<op>/<device>/<dtype>`` per degraded kernel: an op whose CUDA kernel
+        failed the start-up self-test or its build, which the torch reference serves instead
+        (the daemon itself keeps serving). Tenants are never listed here, as this method needs
+        no token. (Left to the generated base class, every call would log a
+        NotImplementedError traceback.)"""
         status = self._status("", ())
-        return health_pb2.HealthListResponse(statuses={
-            name: health_pb2.HealthCheckResponse(status=status) for name in ("", SERVICE)})
+        S = health_pb2.HealthCheckResponse
+        statuses = {name: S(status=status) for name in ("", SERVICE)}
+        for k in self.daemon.degraded_kernels():
+            statuses[kernel_health_name(k)] = S(status=S.NOT_SERVING)
+        return health_pb2.HealthListResponse(statuses=statuses)
 
     async def Watch(self, request, context):
         last = None
