@@ -237,6 +237,10 @@ PRESETS: dict[str, BackboneSpec] = {
     "vit-base": BackboneSpec(
         "vit", 768, 12, 12, 3072, image_size=224, patch_size=16, num_channels=3
     ),
+    # A small BERT (21 MB in float32): the CPU benchmark's model (hidden 256, 4 layers).
+    "bert-small": BackboneSpec(
+        "bert", 256, 4, 4, 1024, vocab_size=8192, max_position=128, type_vocab_size=2
+    ),
     # Tiny shapes for tests, CI and the CPU demo: same code paths, milliseconds per forward.
     "bert-tiny": BackboneSpec(
         "bert", 64, 2, 4, 128, vocab_size=1000, max_position=128, type_vocab_size=2
