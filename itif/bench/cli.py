@@ -27,8 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", nargs="+", type=int, help="requests per tenant for batch")
     p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve"),
                    help=SUITE_HELP)
-    p.add_argument("--systems", nargs="+", choices=("seq", "multi_stream", "mps", "hf", "itif"),
-                   help="offline systems (default: all)")
+    p.add_argument("--systems", nargs="+",
+                   choices=("seq", "multi_stream", "mps", "hf", "hf_compiled", "itif",
+                            "itif_nographs"),
+                   help="offline systems (default: all; --quick: all but hf_compiled). itif has "
+                   "CUDA graphs on, itif_nographs off (CUDA only)")
     p.add_argument("--strategies", nargs="+", help="planner strategies of the itif rows "
                    "(default: all)")
     p.add_argument("--repeats", type=int, help="timed runs per system (after a warm-up)")
@@ -37,6 +40,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fine-tune", default="full",
                    help="what tenants own: full (all weights; the thesis), head, or last:K")
     p.add_argument("--seed", type=int, default=0)
+    c = p.add_argument_group("baselines and diagnostics")
+    c.add_argument("--compile-mode", default="max-autotune",
+                   help="torch.compile mode of hf_compiled (max-autotune, reduce-overhead, "
+                   "default, ...); the CPU always uses default")
+    c.add_argument("--compile-bound", action="store_true",
+                   help="bound max-autotune's compile time: GEMM autotuning only (no "
+                   "coordinate-descent tuning, ATEN+TRITON GEMM backends)")
+    c.add_argument("--mps-max-tenants", type=int,
+                   help="run mps only up to this many tenants (one process each); more: skipped")
+    c.add_argument("--hf-reference", choices=("auto", "on", "off"), default="auto",
+                   help="max_abs_diff_vs_hf_fp32 on every row: Hugging Face in float32 "
+                   "(auto: on CUDA; on the CPU for small presets only)")
+    c.add_argument("--no-counts", action="store_true",
+                   help="skip kernels_per_run / launch_calls_per_run (CUDA) and "
+                   "aten_ops_per_run / matmul_ops_per_run (CPU)")
     g = p.add_argument_group("serving sweep")
     g.add_argument("--serve-model", help="text backbone (default: bert-base; --quick bert-tiny)")
     g.add_argument("--serve-tenants", type=int, help="tenants (default 8; --quick 4)")
@@ -46,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="absolute rates in req/s (default: fractions of a calibrated capacity)")
     g.add_argument("--serve-duration", type=float, help="seconds of arrivals per rate")
     g.add_argument("--serve-strategies", nargs="+", help="fused daemons' strategies")
+    g.add_argument("--serve-p99-at", type=float, default=0.7,
+                   help="after each mode's sweep, one more point at this fraction of its own "
+                   "saturation throughput (its p99 goes on the saturation row); 0: none")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="result JSON (default for full runs: bench/results/<name>.json; "
                    "--quick writes nothing unless given)")
@@ -64,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     from itif.bench import offline  # noqa: PLC0415
     from itif.bench import workloads as wl  # noqa: PLC0415
     from itif.bench.meta import collect_meta, result_name  # noqa: PLC0415
-    from itif.bench.roofline import device_peak  # noqa: PLC0415
+    from itif.bench.roofline import copy_bandwidth, device_peak  # noqa: PLC0415
+    from itif.bench.roofline import COPY_BYTES_CPU_QUICK  # noqa: PLC0415
     from itif.bench.tenants import parse_fine_tune  # noqa: PLC0415
     from itif.errors import InvalidRequest  # noqa: PLC0415
     from itif.platform import resolve_device, resolve_dtype  # noqa: PLC0415
@@ -85,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     parse_fine_tune(args.fine_tune)
     models = tuple(args.models or (wl.QUICK_MODELS if quick else wl.FULL_MODELS))
     suites = tuple(args.suites or wl.SUITES)
-    systems = tuple(args.systems or offline.SYSTEMS)
+    systems = tuple(args.systems or (offline.QUICK_SYSTEMS if quick else offline.SYSTEMS))
     strategies = list(args.strategies or STRATEGIES)
     for s in strategies:
         if s not in STRATEGIES:
@@ -98,16 +120,50 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequest("--repeats must be >= 1")
     if any(t < 1 for t in args.tenants or ()) or any(r < 1 for r in args.requests or ()):
         raise InvalidRequest("--tenants and --requests take counts >= 1")
+    if args.mps_max_tenants is not None and args.mps_max_tenants < 1:
+        raise InvalidRequest("--mps-max-tenants must be >= 1")
 
     peak = device_peak(device, dtype, quick)
     blog.info("device %s, %s; peak %s", device, dtype_name, peak.source)
-    opt = offline.OfflineSettings(device=str(device), dtype=dtype_name, systems=systems,
-                                  strategies=tuple(strategies), repeats=repeats,
-                                  warmup=1, fine_tune=args.fine_tune, seed=args.seed)
-    rows: list[dict] = []
     groups: dict[tuple[str, int], list] = {}
     for w in wl.offline_workloads(suites, models, args.tenants, args.requests, quick, gpu):
         groups.setdefault((w.model, w.tenants), []).append(w)
+    bandwidth = None
+    if groups and any(s.startswith("itif") for s in systems):
+        bandwidth, bw_source = copy_bandwidth(device,
+                                              COPY_BYTES_CPU_QUICK if quick and not gpu else None)
+        blog.info("copy bandwidth %s", bw_source)
+    opt = offline.OfflineSettings(device=str(device), dtype=dtype_name, systems=systems,
+                                  strategies=tuple(strategies), repeats=repeats,
+                                  warmup=1, fine_tune=args.fine_tune, seed=args.seed,
+                                  compile_mode=args.compile_mode,
+                                  compile_bound=args.compile_bound,
+                                  mps_max_tenants=args.mps_max_tenants,
+                                  hf_reference=args.hf_reference, counts=not args.no_counts,
+                                  bandwidth=bandwidth)
+    settings = dict(quick=quick, suites=suites, models=models, systems=systems,
+                    strategies=strategies, repeats=repeats, fine_tune=args.fine_tune,
+                    compile_mode=args.compile_mode, compile_bound=args.compile_bound,
+                    mps_max_tenants=args.mps_max_tenants, hf_reference=args.hf_reference)
+    out = Path(args.out) if args.out else None
+    if out is None and not quick:
+        out = Path("bench/results") / f"{args.name or result_name(device, _today())}.json"
+    rows: list[dict] = []
+
+    def write(partial: bool) -> dict:
+        meta = collect_meta(device, dtype, peak, args, dict(
+            settings, wall_s=round(time.monotonic() - t_start, 1)))
+        if bandwidth is not None:
+            meta["copy_bandwidth"] = dict(bytes_per_s=bandwidth, source=bw_source)
+        if partial:
+            meta["partial"] = True
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+            tmp.replace(out)  # a run killed mid-way leaves the last complete group's rows
+        return meta
+
     for (model, n), ws in groups.items():
         t0 = time.monotonic()
         try:
@@ -121,26 +177,21 @@ def run(args: argparse.Namespace) -> int:
                      for w in ws for s in systems]
         blog.info("%s x%d tenants: %d workloads in %.1f s", model, n, len(ws),
                   time.monotonic() - t0)
+        write(partial=True)
 
     if "serve" in suites:
         rows += _serve(args, quick, gpu, models, strategies, device, dtype_name, blog)
 
-    meta = collect_meta(device, dtype, peak, args, dict(
-        quick=quick, suites=suites, models=models, systems=systems, strategies=strategies,
-        repeats=repeats, fine_tune=args.fine_tune, wall_s=round(time.monotonic() - t_start, 1)))
-    out = Path(args.out) if args.out else None
-    if out is None and not quick:
-        out = Path("bench/results") / f"{args.name or result_name(device, meta['date'])}.json"
+    meta = write(partial=False)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
         if not args.no_plots:
             try:
                 from itif.bench.plots import make_plots  # noqa: PLC0415
 
                 meta["plots"] = [str(p) for p in make_plots(rows, meta, out.with_suffix(""))]
+                out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
             except ImportError as e:
                 blog.warning("no plots (%s): pip install matplotlib", e)
-        out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
         blog.info("wrote %s", out)
     if args.json:
         print(json.dumps(rows))
@@ -176,6 +227,7 @@ def _serve(args, quick, gpu, models, strategies, device, dtype_name, blog) -> li
         max_requests=600 if quick else 20000, timeout_s=20.0 if quick else 60.0,
         max_wait_ms=2.0 if quick else 5.0, calibrate_requests=16 * tenants,
         extra_rates=1 if quick else 4,
+        p99_at=args.serve_p99_at or None,
         fine_tune=args.fine_tune, seed=args.seed)
     try:
         rows = serving.serve_sweep(cfg)
@@ -190,6 +242,12 @@ def _serve(args, quick, gpu, models, strategies, device, dtype_name, blog) -> li
                 for s in ("itif", "per_tenant")]
 
 
+def _today() -> str:
+    import datetime  # noqa: PLC0415
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def _print_table(rows: list[dict]) -> None:
     hdr = (f"{'suite':16s} {'model':12s} {'T':>3s} {'R':>6s} {'len':>4s} {'system':13s} "
            f"{'strategy':15s} {'ms':>10s} {'req/s':>9s} {'vs seq':>7s}  note")
@@ -200,6 +258,8 @@ def _print_table(rows: list[dict]) -> None:
                                    if "rate_rps" in r else "")
         rpt = "" if r.get("requests_per_tenant") is None else r["requests_per_tenant"]
         sl = "" if r.get("seq_len") is None else r["seq_len"]
+        if r.get("suite") == "serve_at_fraction":
+            note = f"{r.get('fraction_of_saturation')} of saturation, p99 {r.get('p99_ms')} ms"
         print(f"{r['suite']:16s} {r['model']:12s} {r['tenants']:3d} {rpt:>6} {sl:>4} "
               f"{r['system']:13s} {r.get('strategy') or '':15s} "
               f"{'-' if ms is None else f'{ms:.2f}':>10s} "

@@ -111,6 +111,7 @@ class ProcessPerTenant(System):
     """One process per tenant (under MPS when ``env_extra`` names an MPS pipe directory)."""
 
     name = "mps"
+    countable = False  # the forwards run in other processes: op_counts cannot observe them
 
     def __init__(self, preset: str, device: torch.device, dtype: str, tenants: list[str],
                  fine_tune: str, env_extra: dict[str, str] | None = None) -> None:

@@ -5,14 +5,22 @@ Hugging Face models), then each workload of the group is staged and measured, sy
 round-robin (:func:`itif.bench.systems.measure`). When the systems together would not fit the
 memory at hand, each family runs in its own phase and is freed before the next; a family that
 does not fit even alone is reported as skipped with the reason. MPS runs last, in processes.
+
+Besides latency, every row carries (outside the timed runs): what one run launches
+(:func:`itif.bench.systems.op_counts`), the largest logit difference against Hugging Face in
+float32 (one reference model per backbone, loaded tenant by tenant; on the CPU only for small
+presets) and, on fused rows, the roofline and the weight-bandwidth bound (distinct weight bytes
+over the measured copy bandwidth).
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,17 +30,39 @@ import torch
 from itif.backbones.spec import load_spec
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.bench import mps as mps_mod
-from itif.bench.roofline import Peak, batch_weight_bytes, forward_flops, roofline
-from itif.bench.systems import HF, Fused, MultiStream, Seq, System, measure
-from itif.bench.tenants import hf_model, tenant_bytes, tenant_weights
+from itif.bench.roofline import (
+    Peak,
+    batch_weight_bytes,
+    forward_flops,
+    roofline,
+    weight_bound,
+)
+from itif.bench.systems import (
+    HF,
+    Fused,
+    HFCompiled,
+    MultiStream,
+    Seq,
+    System,
+    engine_graphs,
+    hf_forward,
+    hf_inputs,
+    measure,
+    op_counts,
+)
+from itif.bench.tenants import hf_model, load_hf_weights, tenant_bytes, tenant_weights
 from itif.bench.workloads import Workload, make_requests, tenant_names
 from itif.platform import cupy_module, device_name, resolve_device, resolve_dtype
 from itif.runtime.engine import Engine
 
 log = logging.getLogger("itif.bench")
 
-SYSTEMS = ("seq", "multi_stream", "mps", "hf", "itif")
+SYSTEMS = ("seq", "multi_stream", "mps", "hf", "hf_compiled", "itif", "itif_nographs")
+# --quick leaves out hf_compiled: compiling takes longer than the rest of a smoke run
+QUICK_SYSTEMS = tuple(s for s in SYSTEMS if s != "hf_compiled")
+BASELINES = ("seq", "hf", "hf_compiled")  # speedup_vs_<name> on every measured row
 _CACHE_WEIGHTS_BYTES = 2 << 30  # keep generated weights between families below this
+_CPU_REFERENCE_MAX_BYTES = 32 << 20  # float32 reference on the CPU: small presets only
 
 
 @dataclass(frozen=True)
@@ -45,6 +75,12 @@ class OfflineSettings:
     warmup: int
     fine_tune: str
     seed: int = 0
+    compile_mode: str = "max-autotune"
+    compile_bound: bool = False  # bound max-autotune's compile time (systems.AUTOTUNE_BOUNDS)
+    mps_max_tenants: int | None = None  # mps rows above this tenant count: skipped
+    hf_reference: str = "auto"  # float32 Hugging Face reference: auto (CUDA; CPU small), on, off
+    counts: bool = True  # kernels / launches / aten ops of one run, on every row
+    bandwidth: float | None = None  # measured copy bandwidth (bytes/s) for weight_bound_ms
 
 
 def available_bytes(device: torch.device) -> int:
@@ -81,6 +117,95 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+# ---- generated weights, kept between the groups of one backbone --------------------------------
+_WEIGHTS: dict[int, object] = {}
+_WEIGHTS_OWNER: list = [None]  # (model, fine_tune) the kept weights belong to
+
+
+def _weights_for(spec, model: str, fine_tune: str, n: int, keep: bool):
+    """``weights(i)`` for tenants ``0..n-1``. When ``keep``, every tenant's weights are generated
+    up front in parallel threads (torch releases the GIL; each tenant has its own generator, so
+    the values are those of :func:`tenant_weights`) and kept for the next group of the same
+    backbone; otherwise each call generates."""
+    owner = (model, fine_tune)
+    if _WEIGHTS_OWNER[0] != owner:
+        _WEIGHTS.clear()
+        _WEIGHTS_OWNER[0] = owner
+    if keep:
+        missing = [i for i in range(n) if i not in _WEIGHTS]
+        if missing:
+            workers = max(1, min(len(missing), (os.cpu_count() or 2) // 2, 16))
+            with ThreadPoolExecutor(workers, thread_name_prefix="bench-weights") as ex:
+                for i, w in zip(missing, ex.map(lambda i: tenant_weights(spec, i, fine_tune),
+                                                missing)):
+                    _WEIGHTS[i] = w
+
+    def weights(i: int):
+        if i in _WEIGHTS:
+            return _WEIGHTS[i]
+        return tenant_weights(spec, i, fine_tune)
+
+    return weights
+
+
+# ---- the float32 Hugging Face reference ----------------------------------------------------------
+_REF_MODEL: dict[tuple, torch.nn.Module] = {}
+_REF_LOGITS: dict[tuple, np.ndarray] = {}
+
+
+def _request_digest(r) -> str:
+    a = r.input_ids if r.input_ids is not None else r.pixel_values
+    return hashlib.sha1(np.ascontiguousarray(np.asarray(a)).tobytes()).hexdigest()
+
+
+def reference_reason(spec, device: torch.device, mode: str) -> str | None:
+    """Why the float32 reference is not computed, or None."""
+    if mode == "off":
+        return "--hf-reference off"
+    missing = hf_unavailable()
+    if missing:
+        return missing
+    if mode == "auto" and device.type != "cuda" and tenant_bytes(spec, 4) > _CPU_REFERENCE_MAX_BYTES:
+        return (f"CPU: the float32 reference runs for presets up to "
+                f"{_CPU_REFERENCE_MAX_BYTES >> 20} MiB (--hf-reference on forces it)")
+    return None
+
+
+def reference_logits(spec, model: str, device: torch.device, fine_tune: str, names, weights,
+                     workloads, requests) -> dict:
+    """Logits of every workload's requests from Hugging Face in float32 on ``device``: one model
+    per backbone (kept between groups), each tenant's weights loaded into it in turn, each
+    tenant's requests as one batch. Cached per (tenant, request) across groups."""
+    key = (model, str(device))
+    ref = _REF_MODEL.get(key)
+    if ref is None:
+        _REF_MODEL.clear()
+        _free(device)
+        ref = hf_model(spec, weights(0), device, torch.float32)
+        ref.loaded_tenant = 0
+        _REF_MODEL[key] = ref
+    for i, t in enumerate(names):
+        need = {}
+        for w in workloads:
+            for r in requests[w]:
+                if r.tenant == t:
+                    k = (model, fine_tune, i, _request_digest(r))
+                    if k not in _REF_LOGITS:
+                        need[k] = r
+        if not need:
+            continue
+        if getattr(ref, "loaded_tenant", None) != i:
+            load_hf_weights(ref, spec, weights(i))
+            ref.loaded_tenant = i
+        logits = hf_forward(ref, hf_inputs(list(need.values()), spec.is_text), device)
+        for k, row in zip(need, logits):
+            _REF_LOGITS[k] = row
+    index = {t: i for i, t in enumerate(names)}
+    return {w: np.stack([_REF_LOGITS[(model, fine_tune, index[r.tenant], _request_digest(r))]
+                         for r in requests[w]]) for w in workloads}
+
+
+# ---- one group ------------------------------------------------------------------------------------
 def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: OfflineSettings,
               peak: Peak | None) -> list[dict]:
     """Rows of every workload of one (model, tenants) group, every system."""
@@ -95,20 +220,12 @@ def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: Offlin
     reference: dict[Workload, np.ndarray] = {}  # fused logits, for the same-weights check
 
     one = tenant_bytes(spec, elem)
-    cache: dict[int, object] = {}
-    # Generated weights are kept for the next family when they fit (on CUDA the host's memory
-    # is otherwise idle; on the CPU it is what the systems themselves need).
+    # Generated weights are kept for the next family and group when they fit (on CUDA the
+    # host's memory is otherwise idle; on the CPU it is what the systems themselves need).
     limit = (0.3 * available_bytes(torch.device("cpu")) if device.type == "cuda"
              else _CACHE_WEIGHTS_BYTES)
     keep = n_tenants * tenant_bytes(spec, 4) <= limit
-
-    def weights(i: int):
-        if i in cache:
-            return cache[i]
-        w = tenant_weights(spec, i, opt.fine_tune)
-        if keep:
-            cache[i] = w
-        return w
+    weights = _weights_for(spec, model, opt.fine_tune, n_tenants, keep)
 
     base_of = {}
     for w in workloads:
@@ -125,20 +242,52 @@ def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: Offlin
             rows[(w, system, strategy)] = dict(base_of[w], system=system, strategy=strategy,
                                                status=status, reason=reason, latency_ms=None)
 
-    # ---- families and phases ------------------------------------------------------------
+    # ---- which systems --------------------------------------------------------------------
     want = [s for s in SYSTEMS if s in opt.systems]
+    if "itif_nographs" in want and device.type != "cuda":
+        skip("itif_nographs", None, "CUDA graphs need CUDA; on the CPU itif runs without them")
+        want.remove("itif_nographs")
+    fam_systems = {"itif": [s for s in ("itif", "itif_nographs") if s in want],
+                   "per_tenant": [s for s in ("seq", "multi_stream") if s in want],
+                   "hf": [s for s in ("hf", "hf_compiled") if s in want]}
+
+    def skip_family(fam: str, reason: str, status: str = "skipped") -> None:
+        for s in fam_systems[fam]:
+            if s.startswith("itif"):
+                for st in opt.strategies:
+                    skip(s, st, reason, status)
+            else:
+                skip(s, None, reason, status)
+
+    # ---- the float32 reference (untimed, before anything else is on the device) ------------
+    ref32: dict[Workload, np.ndarray] = {}
+    why = reference_reason(spec, device, opt.hf_reference)
+    if why is None:
+        try:
+            ref32 = reference_logits(spec, model, device, opt.fine_tune, names, weights,
+                                     workloads, requests)
+        except Exception as e:  # noqa: BLE001 - the check is lost, not the measurements
+            log.warning("%s: float32 reference failed: %s: %s", model, type(e).__name__, e)
+            why = f"reference failed: {type(e).__name__}: {e}"
+    if why is not None:
+        log.info("%s x%d: no float32 reference (%s)", model, n_tenants, why)
+
+    # ---- families and phases ------------------------------------------------------------
     families = []
-    if "itif" in want:
+    if fam_systems["itif"]:
         cap = 1 << max(0, n_tenants - 1).bit_length()  # the store grows by doubling
         families.append(("itif", 1.5 * cap * one))
-    if "seq" in want or "multi_stream" in want:
+    if fam_systems["per_tenant"]:
         families.append(("per_tenant", 1.1 * n_tenants * one))
-    if "hf" in want:
+    if fam_systems["hf"]:
         reason = hf_unavailable()
         if reason:
-            skip("hf", None, reason)
+            skip_family("hf", reason)
         else:
-            families.append(("hf", 1.1 * n_tenants * one))
+            # compiled code, autotuning and CUDA graph pools want room beyond the weights
+            extra = (1 << 30) if "hf_compiled" in fam_systems["hf"] and device.type == "cuda" \
+                else 0
+            families.append(("hf", 1.1 * n_tenants * one + extra))
     avail = available_bytes(device)
     together = sum(b for _, b in families) <= 0.7 * avail
     phases = [families] if together else [[f] for f in families]
@@ -146,75 +295,99 @@ def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: Offlin
              "interleaved" if together else "one family at a time", _gib(avail),
              [f for f, _ in families])
 
+    ctx = _Context(spec, names, opt, device, peak, ref32)
     for phase in phases:
         systems: list[System] = []
-        engines: list[Engine] = []
         for fam, need in phase:
             have = available_bytes(device) if not together else avail
             if need > 0.8 * have:
-                reason = f"needs about {_gib(need)} for {n_tenants} tenants, {_gib(have)} available"
-                for s in ({"itif": ["itif"], "hf": ["hf"]}.get(fam)
-                          or [x for x in ("seq", "multi_stream") if x in want]):
-                    for st in (opt.strategies if s == "itif" else [None]):
-                        skip(s, st, reason)
+                skip_family(fam, f"needs about {_gib(need)} for {n_tenants} tenants, "
+                                 f"{_gib(have)} available")
                 continue
             try:
-                systems += _build(fam, spec, model, names, weights, device, dtype, opt, want,
-                                  engines)
+                systems += _build(fam, spec, names, weights, device, dtype, opt, fam_systems[fam])
             except Exception as e:  # noqa: BLE001
                 log.warning("%s: building %s failed: %s", model, fam, e)
-                for s in ({"itif": ["itif"], "hf": ["hf"]}.get(fam) or ["seq", "multi_stream"]):
-                    for st in (opt.strategies if s == "itif" else [None]):
-                        if s in want:
-                            skip(s, st, f"build failed: {type(e).__name__}: {e}", "error")
+                skip_family(fam, f"build failed: {type(e).__name__}: {e}", "error")
         for w in workloads:
-            _measure_workload(w, systems, requests[w], opt, rows, base_of[w], reference, spec,
-                              engines, names, peak)
+            _measure_workload(w, systems, requests[w], rows, base_of[w], reference, ctx)
         for s in systems:
             s.close()
-        del systems, engines
+        del systems
         _free(device)
 
     if "mps" in want:
         _run_mps(model, spec, device, dtype_name, names, workloads, requests, opt, rows, base_of,
-                 reference)
+                 reference, ctx)
     out = list(rows.values())
-    _speedups(out)
+    speedups(out)
     return out
 
 
-def _build(fam, spec, model, names, weights, device, dtype, opt, want, engines) -> list[System]:
+@dataclass
+class _Context:
+    spec: object
+    names: list
+    opt: OfflineSettings
+    device: torch.device
+    peak: Peak | None
+    ref32: dict
+
+
+def _build(fam, spec, names, weights, device, dtype, opt, systems) -> list[System]:
+    dtype_name = str(dtype).removeprefix("torch.")
     if fam == "itif":
-        engine = Engine(model, device=str(device), dtype=str(dtype).removeprefix("torch."))
+        engine = Engine(spec, device=str(device), dtype=dtype_name)
         for i, t in enumerate(names):
             engine.add_tenant(t, weights(i))
-        engines.append(engine)
         if any(s in ("itif_two_stage", "turbo_dp") for s in opt.strategies):
             engine.get_cost_model()  # profile (or load) before anything is timed
-        return [Fused(engine, s) for s in opt.strategies]
+        has_switch = engine_graphs(engine) is not None
+        out: list[System] = []
+        if "itif" in systems:
+            # graphs on where the engine has them (CUDA); the CPU engine has none to switch
+            on = True if has_switch and device.type == "cuda" else None
+            out += [Fused(engine, s, graphs=on) for s in opt.strategies]
+        if "itif_nographs" in systems:
+            if not has_switch:
+                raise RuntimeError("this Engine has no cuda_graphs switch")
+            out += [Fused(engine, s, graphs=False) for s in opt.strategies]
+        return out
     if fam == "per_tenant":
         per = {}
         for i, t in enumerate(names):
-            e = Engine(model, device=str(device), dtype=str(dtype).removeprefix("torch."))
+            e = Engine(spec, device=str(device), dtype=dtype_name)
             e.add_tenant(t, weights(i))
             per[t] = e
-        out: list[System] = []
-        if "seq" in want:
+        out = []
+        if "seq" in systems:
             out.append(Seq(per))
-        if "multi_stream" in want:
+        if "multi_stream" in systems:
             out.append(MultiStream(per, device))
         return out
     models = {t: hf_model(spec, weights(i), device, dtype) for i, t in enumerate(names)}
-    return [HF(models, spec.is_text, device)]
+    out = []
+    if "hf" in systems:
+        out.append(HF(models, spec.is_text, device))
+    if "hf_compiled" in systems:
+        import torch._dynamo  # noqa: PLC0415
+
+        cfg = torch._dynamo.config
+        for k in ("recompile_limit", "cache_size_limit"):  # one entry per input shape
+            if hasattr(cfg, k) and getattr(cfg, k) < 64:
+                setattr(cfg, k, 64)
+        out.append(HFCompiled(models, spec.is_text, device, opt.compile_mode, opt.compile_bound))
+    return out
 
 
 def _key(s: System):
-    return (s.name, s.strategy if s.name == "itif" else None)
+    return (s.name, s.strategy if s.name.startswith("itif") else None)
 
 
-def _measure_workload(w, systems, reqs, opt, rows, base, reference, spec, engines, names, peak):
+def _measure_workload(w, systems, reqs, rows, base, reference, ctx: _Context):
     if not systems:
         return
+    spec, names, opt, device, peak = ctx.spec, ctx.names, ctx.opt, ctx.device, ctx.peak
     failed: dict[int, str] = {}
 
     def on_error(s, e):
@@ -231,6 +404,7 @@ def _measure_workload(w, systems, reqs, opt, rows, base, reference, spec, engine
     times = measure(live, opt.repeats, opt.warmup, on_error)
     n = len(reqs)
     lengths = [len(r.input_ids) if spec.is_text else spec.num_patches + 1 for r in reqs]
+    ref_strategy = DEFAULT_STRATEGY if DEFAULT_STRATEGY in opt.strategies else opt.strategies[0]
     for s in systems:
         system, strategy = _key(s)
         if id(s) in failed:
@@ -245,29 +419,52 @@ def _measure_workload(w, systems, reqs, opt, rows, base, reference, spec, engine
                    latency_ms_max=round(float(ms.max()), 4), repeats=int(ms.size),
                    throughput_rps=round(n / float(np.median(ms)) * 1e3, 3))
         logits = s.logits()
-        ref_strategy = DEFAULT_STRATEGY if DEFAULT_STRATEGY in opt.strategies else opt.strategies[0]
-        if isinstance(s, Fused) and s.strategy == ref_strategy:
-            reference[w] = logits
-        if isinstance(s, Fused) and peak is not None:
-            flops = forward_flops(spec, lengths)
+        if isinstance(s, Fused):
+            row["graphs"] = s.graphs_used
+            if s.strategy == ref_strategy and (w not in reference or s.graphs is not False):
+                reference[w] = logits
             wbytes = batch_weight_bytes(s.engine, names, int(sum(lengths)))
-            row.update(roofline(flops, wbytes, row["latency_ms"], peak))
+            if peak is not None:
+                row.update(roofline(forward_flops(spec, lengths), wbytes, row["latency_ms"],
+                                    peak))
+            if opt.bandwidth:
+                row.update(weight_bound(wbytes, row["latency_ms"], opt.bandwidth))
+        elif isinstance(s, (Seq, MultiStream)):
+            row["graphs"] = engine_graphs(next(iter(s.engines.values())))
         if isinstance(s, HF):
             row["attn_implementation"] = s.attn_implementation
+        if isinstance(s, HFCompiled):
+            row.update(s.describe())
+        if opt.counts:
+            try:
+                row.update(op_counts(s, device))
+            except Exception as e:  # noqa: BLE001 - a count is a diagnostic, not the result
+                row["counts_error"] = f"{type(e).__name__}: {e}"
+                log.warning("%s %s: counting failed: %s", w, s.name, e)
         row["_logits"] = logits
         rows[(w, system, strategy)] = row
-    # same-weights check: every system's answers against the fused engine's
+    # same-weights check: every system's answers against the fused engine's, and against
+    # Hugging Face in float32
     ref = reference.get(w)
+    ref32 = ctx.ref32.get(w)
     for s in systems:
         row = rows[(w, *_key(s))]
         got = row.pop("_logits", None)
-        if ref is not None and got is not None and got.shape == ref.shape:
+        if got is None:
+            continue
+        if ref is not None and got.shape == ref.shape:
             row["max_abs_diff_vs_itif"] = float(np.abs(got - ref).max())
+        if ref32 is not None and got.shape == ref32.shape:
+            row["max_abs_diff_vs_hf_fp32"] = float(np.abs(got - ref32).max())
 
 
 def _run_mps(model, spec, device, dtype_name, names, workloads, requests, opt, rows, base_of,
-             reference) -> None:
+             reference, ctx) -> None:
     reason = mps_mod.unavailable(device)
+    cap = opt.mps_max_tenants
+    if reason is None and cap is not None and len(names) > cap:
+        reason = (f"mps runs up to {cap} tenants here (--mps-max-tenants: one process per "
+                  f"tenant takes too long to start for this run's time budget)")
     if reason is None:
         try:
             with tempfile.TemporaryDirectory(prefix="itif-bench-mps-") as tmp, \
@@ -276,8 +473,8 @@ def _run_mps(model, spec, device, dtype_name, names, workloads, requests, opt, r
                                                 env)
                 try:
                     for w in workloads:
-                        _measure_workload(w, [sysm], requests[w], opt, rows, base_of[w],
-                                          reference, spec, [], names, None)
+                        _measure_workload(w, [sysm], requests[w], rows, base_of[w], reference,
+                                          _Context(spec, names, opt, device, None, ctx.ref32))
                 finally:
                     sysm.close()
             return
@@ -290,17 +487,25 @@ def _run_mps(model, spec, device, dtype_name, names, workloads, requests, opt, r
                                           status="skipped", reason=reason, latency_ms=None)
 
 
-def _speedups(rows: list[dict]) -> None:
-    """speedup_vs_seq / speedup_vs_hf on every measured row (the baseline's latency / its own)."""
+def speedups(rows: list[dict]) -> None:
+    """speedup_vs_<baseline> (seq, hf, hf_compiled) on every measured row: the baseline's
+    latency / its own. Safe to run again on merged rows (it recomputes)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
+        if r.get("suite") in ("serve", "serve_saturation", "serve_at_fraction"):
+            continue
         groups.setdefault((r["suite"], r["model"], r["tenants"], r["requests_per_tenant"],
-                           r["seq_len"]), []).append(r)
+                           r["seq_len"], r.get("fine_tune")), []).append(r)
     for g in groups.values():
-        base = {r["system"]: r["latency_ms"] for r in g if r["status"] == "ok"
-                and r["system"] in ("seq", "hf")}
+        base = {r["system"]: r["latency_ms"] for r in g if r.get("status") == "ok"
+                and r["system"] in BASELINES}
         for r in g:
-            if r["status"] != "ok":
+            for b in BASELINES:
+                r.pop(f"speedup_vs_{b}", None)
+            if r.get("status") != "ok":
                 continue
             for b, ms in base.items():
                 r[f"speedup_vs_{b}"] = round(ms / r["latency_ms"], 4)
+
+
+_speedups = speedups  # the old name

@@ -100,6 +100,46 @@ def measure_peak(device: torch.device, dtype: torch.dtype, quick: bool = False) 
                 f"{flops / 1e9:.0f} GFLOP/s, copy {x.numel() * 4 >> 20} MiB {bw / 1e9:.1f} GB/s")
 
 
+_COPY_BW: dict[tuple[str, int], tuple[float, str]] = {}
+COPY_BYTES_CUDA = 2 << 30  # one 2 GiB tensor copied into another (4 GiB of device memory)
+COPY_BYTES_CPU = 256 << 20
+COPY_BYTES_CPU_QUICK = 64 << 20
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None,
+                   repeats: int = 5) -> tuple[float, str]:
+    """Measured device-to-device copy bandwidth (bytes read + written per second, best of
+    ``repeats`` copies of one ``nbytes`` tensor into another) and how it was measured; cached per
+    process and device. The spec sheet's figure is a peak no copy reaches; this is the rate a
+    weight-streaming forward can actually hope for."""
+    cuda = device.type == "cuda"
+    if nbytes is None:
+        nbytes = COPY_BYTES_CUDA if cuda else COPY_BYTES_CPU
+    key = (str(device), int(nbytes))
+    if key in _COPY_BW:
+        return _COPY_BW[key]
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    y = torch.empty_like(x)
+    s = _best_s(lambda: y.copy_(x), repeats, sync)
+    bw = 2 * x.numel() * 4 / s
+    del x, y
+    if cuda:
+        torch.cuda.empty_cache()
+    src = (f"measured: copy of {nbytes / 2**30:g} GiB on {device}, best of {repeats}, "
+           f"{bw / 1e9:.1f} GB/s read+written")
+    _COPY_BW[key] = (bw, src)
+    return bw, src
+
+
+def weight_bound(weight_bytes: int, latency_ms: float, bandwidth: float) -> dict:
+    """Time to stream the forward's distinct weights once at the measured copy bandwidth, and
+    the share of the measured latency it is (1.0: the run is as fast as reading its weights)."""
+    ms = weight_bytes / bandwidth * 1e3
+    return dict(weight_bound_ms=round(ms, 4),
+                weight_bound_fraction=round(ms / latency_ms, 4) if latency_ms > 0 else None)
+
+
 def device_peak(device: torch.device, dtype: torch.dtype, quick: bool = False) -> Peak:
     if device.type == "cuda":
         peak = spec_sheet_peak(torch.cuda.get_device_name(device), dtype)

@@ -13,13 +13,22 @@ order (for the same-weights check); ``close()`` frees it.
   own ``torch.cuda.Stream``;
 - ``hf``: one Hugging Face ``transformers`` model per tenant, eager PyTorch (no compile), each
   tenant's requests as one padded batch with an attention mask, tenants one after another;
+- ``hf_compiled``: the same models, each wrapped in ``torch.compile(model, mode=MODE)``
+  (``max-autotune`` by default; ``default`` on the CPU), compiled and warmed for the workload's
+  exact shapes in ``load()`` (never in a timed run);
+- ``itif_nographs``: the fused engine with CUDA graphs off (CUDA only; ``itif`` has them on), the
+  same engine as ``itif`` with ``engine.cuda_graphs`` set around each run;
 - ``mps``: one process per tenant under NVIDIA MPS (:mod:`itif.bench.mps`).
+
+:func:`op_counts` counts what one run launches, outside the timed runs: CUDA kernels and launch
+calls (torch.profiler) on CUDA, dispatched aten ops (a ``TorchDispatchMode``) on the CPU.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,7 +36,8 @@ import torch
 
 from itif.runtime.engine import Engine, Request
 
-__all__ = ["System", "Fused", "Seq", "MultiStream", "HF", "measure", "by_tenant"]
+__all__ = ["System", "Fused", "Seq", "MultiStream", "HF", "HFCompiled", "measure", "by_tenant",
+           "op_counts", "compile_mode_for", "compile_options"]
 
 
 def by_tenant(requests: list[Request]) -> dict[str, list[int]]:
@@ -54,21 +64,51 @@ class System:
     def close(self) -> None:
         pass
 
+    def count_run(self) -> None:
+        """One run for :func:`op_counts` (in the calling thread where that matters)."""
+        self.run()
+
+    countable = True  # op_counts can observe a run (False: runs in other processes)
+
+
+def engine_graphs(engine: Engine) -> bool | None:
+    """Whether ``engine`` replays CUDA graphs (None: an engine without the switch)."""
+    return getattr(engine, "cuda_graphs", None) if hasattr(engine, "cuda_graphs") else None
+
 
 class Fused(System):
-    """The fused engine with one planner strategy."""
+    """The fused engine with one planner strategy; ``graphs`` True/False sets the engine's CUDA
+    graphs switch around every run (``itif`` / ``itif_nographs`` share one engine), None leaves
+    it as it is."""
 
     name = "itif"
 
-    def __init__(self, engine: Engine, strategy: str) -> None:
+    def __init__(self, engine: Engine, strategy: str, graphs: bool | None = None) -> None:
         self.engine, self.strategy = engine, strategy
+        self.graphs = graphs
+        if graphs is False:
+            self.name = "itif_nographs"
         self._reqs: list[Request] = []
         self._out = None
 
+    def _switch(self) -> None:
+        if self.graphs is not None and hasattr(self.engine, "cuda_graphs") \
+                and self.engine.cuda_graphs != self.graphs:
+            self.engine.cuda_graphs = self.graphs
+
+    @property
+    def graphs_used(self) -> bool | None:
+        self._switch()
+        return engine_graphs(self.engine)
+
     def load(self, requests):
         self._reqs = requests
+        self._switch()
+        if engine_graphs(self.engine):  # capture this batch structure's graph now, untimed
+            self.engine.infer(self._reqs, strategy=self.strategy)
 
     def run(self):
+        self._switch()
         self._out = self.engine.infer(self._reqs, strategy=self.strategy)
 
     def logits(self):
@@ -134,8 +174,42 @@ class MultiStream(_PerTenant):
         for t, f in futs.items():
             self._out[t] = f.result()
 
+    def count_run(self):
+        # A TorchDispatchMode is thread-local: on the CPU count the same forwards in this thread
+        # (the ops are the engines'; the threads add none). CUDA's profiler sees every thread.
+        if self._streams is None:
+            for t, reqs in self._reqs.items():
+                self._out[t] = self.engines[t].infer(reqs)
+        else:
+            self.run()
+
     def close(self):
         self._pool.shutdown(wait=True)
+
+
+def hf_inputs(requests: list[Request], is_text: bool) -> dict[str, torch.Tensor]:
+    """One tenant's requests as one Hugging Face batch (text padded, with an attention mask)."""
+    if not is_text:
+        px = np.stack([np.asarray(r.pixel_values, np.float32) for r in requests])
+        return dict(pixel_values=torch.from_numpy(px))
+    L = max(len(r.input_ids) for r in requests)
+    ids = torch.zeros(len(requests), L, dtype=torch.long)
+    mask = torch.zeros(len(requests), L, dtype=torch.long)
+    for j, r in enumerate(requests):
+        ids[j, : len(r.input_ids)] = torch.as_tensor(np.asarray(r.input_ids))
+        mask[j, : len(r.input_ids)] = 1
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+@torch.inference_mode()
+def hf_forward(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+               device: torch.device) -> np.ndarray:
+    """Logits (float32, on the host) of one Hugging Face batch: inputs go to the device in the
+    model's dtype, logits come back."""
+    dtype = next(model.parameters()).dtype
+    kw = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+          for k, v in inputs.items()}
+    return model(**kw).logits.float().cpu().numpy()
 
 
 class HF(System):
@@ -157,30 +231,13 @@ class HF(System):
         self._groups = by_tenant(requests)
         self._n = len(requests)
         self._out = {}
-        self._inputs = {}
-        for t, idx in self._groups.items():
-            rs = [requests[i] for i in idx]
-            if not self.is_text:
-                px = np.stack([np.asarray(r.pixel_values, np.float32) for r in rs])
-                self._inputs[t] = dict(pixel_values=torch.from_numpy(px))
-                continue
-            L = max(len(r.input_ids) for r in rs)
-            ids = torch.zeros(len(rs), L, dtype=torch.long)
-            mask = torch.zeros(len(rs), L, dtype=torch.long)
-            for j, r in enumerate(rs):
-                ids[j, : len(r.input_ids)] = torch.as_tensor(np.asarray(r.input_ids))
-                mask[j, : len(r.input_ids)] = 1
-            self._inputs[t] = dict(input_ids=ids, attention_mask=mask)
+        self._inputs = {t: hf_inputs([requests[i] for i in idx], self.is_text)
+                        for t, idx in self._groups.items()}
 
-    @torch.inference_mode()
     def run(self):
         # Inputs go to the device and logits come back inside the timed region, as the engines'.
         for t, inputs in self._inputs.items():
-            model = self.models[t]
-            dtype = next(model.parameters()).dtype
-            kw = {k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device))
-                  for k, v in inputs.items()}
-            self._out[t] = model(**kw).logits.float().cpu().numpy()
+            self._out[t] = hf_forward(self.models[t], inputs, self.device)
 
     def logits(self):
         if not self._out:
@@ -190,6 +247,185 @@ class HF(System):
             for i, row in zip(idx, self._out[t]):
                 out[i] = row
         return np.stack(out)
+
+
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+# Bounds on max-autotune's compile time (``--compile-bound``): keep the GEMM autotuning (what the
+# mode is for) but skip coordinate-descent tuning of every pointwise/reduction kernel and the
+# CPU GEMM templates.
+AUTOTUNE_BOUNDS = {"coordinate_descent_tuning": False, "max_autotune_gemm_backends": "ATEN,TRITON",
+                   "max_autotune_gemm_search_space": "DEFAULT", "max_autotune_pointwise": False}
+
+
+def compile_mode_for(device: torch.device, mode: str) -> str:
+    """The torch.compile mode used on ``device``: the CPU gets ``default`` (max-autotune's CPU
+    GEMM templates take minutes to tune and reduce-overhead's CUDA graphs do not exist there)."""
+    return mode if device.type == "cuda" else "default"
+
+
+def compile_options(mode: str, bound: bool) -> dict | None:
+    """Inductor options for ``mode`` with :data:`AUTOTUNE_BOUNDS` applied (None: plain mode).
+    Only keys this torch knows are kept (torch.compile rejects unknown ones)."""
+    if not bound or mode == "default":
+        return None
+    import torch._inductor as inductor  # noqa: PLC0415
+    import torch._inductor.config as icfg  # noqa: PLC0415
+
+    known = icfg.get_config_copy()
+    opts = dict(inductor.list_mode_options(mode))
+    if opts.get("max_autotune"):
+        opts.update({k: v for k, v in AUTOTUNE_BOUNDS.items() if k in known})
+    return {k: v for k, v in opts.items() if k in known}
+
+
+class HFCompiled(HF):
+    """The ``hf`` models, each wrapped in ``torch.compile(model, mode=...)``, tenants one after
+    another. The wrapped models are the same modules (no second copy of the weights); compiled
+    code is shared by every tenant of a backbone (same class, same shapes), so only the first
+    tenant compiles; with CUDA graphs (reduce-overhead, max-autotune) every tenant records its
+    own graph (its parameters live at their own addresses). ``load`` runs every tenant until
+    compiled, recorded and replaying, for the workload's exact shapes: nothing of it is timed.
+    """
+
+    name = "hf_compiled"
+
+    def __init__(self, models: dict[str, torch.nn.Module], is_text: bool, device: torch.device,
+                 mode: str = "max-autotune", bound: bool = False) -> None:
+        self.mode_requested = mode
+        self.mode = compile_mode_for(device, mode)
+        self.options = compile_options(self.mode, bound)
+        if self.options is not None:
+            compiled = {t: torch.compile(m, options=self.options) for t, m in models.items()}
+            cudagraphs = bool(self.options.get("triton.cudagraphs"))
+        else:
+            compiled = {t: torch.compile(m, mode=self.mode) for t, m in models.items()}
+            cudagraphs = self.mode in CUDAGRAPH_MODES and device.type == "cuda"
+        super().__init__(compiled, is_text, device)
+        # CUDA graph trees: the first call warms up, the second records, the third replays.
+        self.warmup_runs = 3 if cudagraphs else 1
+        self.cudagraphs = cudagraphs
+        self.warmup_s: float | None = None  # the last load's compile + warm-up time
+        self.compile_s = 0.0  # every load's, summed
+
+    def load(self, requests):
+        super().load(requests)
+        t0 = time.perf_counter()
+        for _ in range(self.warmup_runs):
+            self.run()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t0
+        self.compile_s += self.warmup_s
+
+    def describe(self) -> dict:
+        return dict(compile_mode=self.mode, compile_mode_requested=self.mode_requested,
+                    compile_options=self.options, compile_cudagraphs=self.cudagraphs,
+                    compile_warmup_s=None if self.warmup_s is None else round(self.warmup_s, 3))
+
+
+# ---- what one run launches ---------------------------------------------------------------------
+MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "matmul", "_grouped_mm", "linear", "baddbmm"})
+_LAUNCH_API = re.compile(r"^(cuda|cu)(LaunchKernel(ExC?)?|LaunchCooperativeKernel|GraphLaunch)"
+                         r"(_v\d+|_ptsz|_ptds)?$")
+
+
+def launch_api(name: str) -> bool:
+    """A runtime/driver API event that launches work: cudaLaunchKernel, cuLaunchKernel(Ex),
+    cudaLaunchKernelExC, cudaGraphLaunch, ... (version suffixes allowed)."""
+    return bool(_LAUNCH_API.match(name))
+
+
+def cuda_counts(fn) -> dict:
+    """Kernels (device-side kernel events) and launch calls (runtime/driver API events) of one
+    call of ``fn``, by torch.profiler. A CUDA graph replay shows one ``cudaGraphLaunch`` call and,
+    as CUPTI traces graph nodes, each of its kernels."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = memops = 0
+    launches: Counter = Counter()
+    for e in prof.events():
+        name = e.name
+        if e.device_type == DeviceType.CUDA:
+            if name.startswith(("Memcpy", "Memset")) or name.lower().startswith(("memcpy",
+                                                                                "memset")):
+                memops += 1
+            else:
+                kernels += 1
+        elif launch_api(name):
+            launches[name] += 1
+    return dict(kernels_per_run=kernels, launch_calls_per_run=sum(launches.values()),
+                launch_calls_by_api=dict(sorted(launches.items())), memops_per_run=memops,
+                count_method="torch.profiler (CUDA)")
+
+
+class _OpCounter:
+    """Counts every aten op dispatched while active (a TorchDispatchMode; thread-local)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+        counter = Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.counter = counter
+        self.mode = Mode()
+
+
+def dispatch_counts(fn) -> dict:
+    """Aten ops and matmul-family ops (:data:`MATMUL_OPS`) dispatched by one call of ``fn``."""
+    c = _OpCounter()
+    with c.mode:
+        fn()
+    ops = c.counter
+    return dict(aten_ops_per_run=int(sum(ops.values())),
+                matmul_ops_per_run=int(sum(v for k, v in ops.items() if k in MATMUL_OPS)),
+                count_method="TorchDispatchMode")
+
+
+def profiler_aten_counts(fn) -> dict:
+    """Top-level aten ops of one call of ``fn`` from the CPU profiler: compiled code (which an
+    active TorchDispatchMode would send back to eager) calls its extern kernels as aten ops and
+    runs its own fused kernels outside aten, so this counts what compiled code dispatches."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ops: Counter = Counter()
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        parent = getattr(e, "cpu_parent", None)
+        nested = False
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                nested = True
+                break
+            parent = getattr(parent, "cpu_parent", None)
+        if not nested:
+            ops[e.name.removeprefix("aten::")] += 1
+    return dict(aten_ops_per_run=int(sum(ops.values())),
+                matmul_ops_per_run=int(sum(v for k, v in ops.items() if k in MATMUL_OPS)),
+                count_method="torch.profiler (CPU, top-level aten ops)")
+
+
+def op_counts(system: System, device: torch.device) -> dict:
+    """What one run of ``system`` launches (one extra, untimed run)."""
+    if not system.countable:
+        return {}
+    if device.type == "cuda":
+        return cuda_counts(system.count_run)
+    if isinstance(system, HFCompiled):
+        return profiler_aten_counts(system.count_run)
+    return dispatch_counts(system.count_run)
 
 
 def measure(systems: list[System], repeats: int, warmup: int = 1,

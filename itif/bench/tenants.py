@@ -135,15 +135,21 @@ def hf_model(spec: BackboneSpec, w: CanonicalWeights, device: torch.device,
     cfg = cfg_cls(**spec.hf_config(num_labels=w.num_labels))
     with _no_init():
         model = model_cls(cfg)
+    load_hf_weights(model, spec, w)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_hf_weights(model: torch.nn.Module, spec: BackboneSpec, w: CanonicalWeights) -> None:
+    """Copy ``w`` into a ``transformers`` model of ``spec`` in place (any device and dtype): how
+    the benchmark's float32 reference model takes one tenant after another without rebuilding."""
     keys = model.state_dict().keys()
     scheme = "v5" if any(k.startswith(f"{spec.family}.layers.") for k in keys) else "hub"
     sd = to_hf(spec, w, scheme=scheme)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]
     if missing or unexpected:
-        raise RuntimeError(f"HF {model_cls.__name__} does not take the exported weights: "
+        raise RuntimeError(f"HF {type(model).__name__} does not take the exported weights: "
                            f"missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
-    return model.to(device=device, dtype=dtype).eval()
 
 
 def _no_init():

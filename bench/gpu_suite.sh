@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# The GPU suite in one command: gpu-marked tests, Table 5.3 (per-op SEQ vs fused), the Table 5.2
+# workloads for every system, and (on request) the serving sweep.
+#
+#   bash bench/gpu_suite.sh OUTDIR [--dry-run] [--steps tests,ops,table,serve]
+#   PYTHONPATH=/tmp/site:$PWD bash bench/gpu_suite.sh $OUT          # on the GPU machine
+#
+# Every step runs under its own `timeout` carved from one budget (SUITE_BUDGET_S), so one hang
+# cannot eat the call; each appends a summary line (and SKIPPED/ERROR lines with reasons) to
+# OUTDIR/suite.log. Files in OUTDIR (at most 8): suite.log, tests.log, ops.json, table.json,
+# plots.tar.gz, bench.log, serve.json. Intermediate files live in a temp dir.
+#
+# --dry-run (automatic when torch sees no CUDA): the same steps on the CPU with the tiny
+# presets, T = 1 2, 2 repeats; every GPU-only part is marked SKIPPED with its reason.
+#
+# Environment (defaults in brackets; GPU run / dry run):
+#   SUITE_BUDGET_S   whole suite, seconds [510 / 170]
+#   STEPS            steps to run [tests,ops,table]; --steps overrides
+#   MODELS           [bert-base albert-large vit-base / bert-tiny albert-tiny vit-tiny]
+#   TENANTS          [1 2 4 8 32 / 1 2]
+#   SYSTEMS          [seq multi_stream hf hf_compiled mps itif itif_nographs]
+#   STRATEGIES       itif planner strategies [packed]
+#   REPEATS          timed runs per system [5 / 2]
+#   DTYPE            [float16 / float32]
+#   COMPILE_MODE     torch.compile mode of hf_compiled [max-autotune]
+#   COMPILE_BOUND    1: bound max-autotune's compile time (GEMM autotuning only) [1]; 0: full
+#   MPS_MAX_TENANTS  mps only up to this tenant count (a process per tenant) [4]
+#   TESTS_TIMEOUT_S OPS_TIMEOUT_S SERVE_TIMEOUT_S   per-step caps [150 60 480 / 90 60 120]
+#   SERVE_MODEL SERVE_TENANTS SERVE_MIX SERVE_DURATION_S
+#                    [bert-base 16 uniform:2-100+zipf:1.2 5 / bert-tiny 4 (same mix) 1]
+#   PYTHON           [python3]
+set -u -o pipefail
+
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+OUT=""
+DRY=0
+STEPS_ARG=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --steps) STEPS_ARG="${2:-}"; shift ;;
+    --steps=*) STEPS_ARG="${1#--steps=}" ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "gpu_suite.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+    *) if [ -z "$OUT" ]; then OUT="$1"; else echo "gpu_suite.sh: extra argument $1" >&2; exit 2; fi ;;
+  esac
+  shift
+done
+[ -n "$OUT" ] || { usage >&2; exit 2; }
+mkdir -p "$OUT" || exit 2
+OUT="$(cd "$OUT" && pwd)"
+LOG="$OUT/suite.log"
+PY="${PYTHON:-python3}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT" || exit 2
+export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+T0=$(date +%s.%N)
+
+elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+say() { echo "[$(printf '%6s' "$(elapsed)")s] $*" | tee -a "$LOG"; }
+left() { awk -v a="$T0" -v b="$(date +%s.%N)" -v B="$BUDGET" 'BEGIN { printf "%d", B - (b - a) }'; }
+# step timeout: min(cap, what is left minus what later steps need at least)
+step_timeout() {
+  local cap=$1 reserve=$2 l
+  l=$(( $(left) - reserve ))
+  [ "$l" -lt "$cap" ] && echo "$l" || echo "$cap"
+}
+
+PYINFO=$("$PY" -c 'import sys, torch; print(torch.cuda.is_available(), sys.version.split()[0], "torch", torch.__version__)' 2>/dev/null | tail -1)
+CUDA=${PYINFO%% *}
+[ "$CUDA" = "True" ] || CUDA="False"
+REASON=""
+if [ "$DRY" = 1 ]; then
+  REASON="--dry-run"
+elif [ "$CUDA" != "True" ]; then
+  DRY=1
+  REASON="no CUDA: torch.cuda.is_available() is False"
+fi
+: > "$LOG"
+if [ "$DRY" = 1 ]; then
+  BUDGET=${SUITE_BUDGET_S:-170}
+  MODELS=${MODELS:-"bert-tiny albert-tiny vit-tiny"}
+  TENANTS=${TENANTS:-"1 2"}
+  REPEATS=${REPEATS:-2}
+  DTYPE=${DTYPE:-float32}
+  DEVICE=cpu
+  QUICK="--quick"
+  TESTS_CAP=${TESTS_TIMEOUT_S:-50}; OPS_CAP=${OPS_TIMEOUT_S:-30}; SERVE_CAP=${SERVE_TIMEOUT_S:-120}
+  SERVE_MODEL=${SERVE_MODEL:-bert-tiny}; SERVE_TENANTS=${SERVE_TENANTS:-4}
+  SERVE_DURATION_S=${SERVE_DURATION_S:-1}
+  OPS_ARGS="--cpu"
+  TABLE_ARGS="--one-part --compiled-min 20"
+  RES_OPS_MIN=10; RES_TABLE_MIN=80; RES_SERVE_MIN=40
+else
+  BUDGET=${SUITE_BUDGET_S:-510}
+  MODELS=${MODELS:-"bert-base albert-large vit-base"}
+  TENANTS=${TENANTS:-"1 2 4 8 32"}
+  REPEATS=${REPEATS:-5}
+  DTYPE=${DTYPE:-float16}
+  DEVICE=cuda
+  QUICK=""
+  TESTS_CAP=${TESTS_TIMEOUT_S:-150}; OPS_CAP=${OPS_TIMEOUT_S:-60}; SERVE_CAP=${SERVE_TIMEOUT_S:-480}
+  SERVE_MODEL=${SERVE_MODEL:-bert-base}; SERVE_TENANTS=${SERVE_TENANTS:-16}
+  SERVE_DURATION_S=${SERVE_DURATION_S:-5}
+  OPS_ARGS=""
+  TABLE_ARGS=""
+  RES_OPS_MIN=30; RES_TABLE_MIN=240; RES_SERVE_MIN=200
+fi
+SYSTEMS=${SYSTEMS:-"seq multi_stream hf hf_compiled mps itif itif_nographs"}
+STRATEGIES=${STRATEGIES:-packed}
+COMPILE_MODE=${COMPILE_MODE:-max-autotune}
+COMPILE_BOUND=${COMPILE_BOUND:-1}
+MPS_MAX_TENANTS=${MPS_MAX_TENANTS:-4}
+SERVE_MIX=${SERVE_MIX:-"uniform:2-100+zipf:1.2"}
+STEPS=${STEPS_ARG:-${STEPS:-tests,ops,table}}
+has_step() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+say "suite start: $( [ "$DRY" = 1 ] && echo "DRY RUN on the CPU ($REASON)" || echo "GPU run" ); steps $STEPS; budget ${BUDGET}s; cuda=$CUDA; python ${PYINFO#* }"
+if [ "$DRY" = 1 ]; then
+  say "  SKIPPED GPU run: $REASON; tiny presets ($MODELS), T = $TENANTS, $REPEATS repeats, $DTYPE on the CPU"
+fi
+if [ "$CUDA" = "True" ]; then
+  say "  gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+fi
+
+# run_step NAME TIMEOUT OUTFILE CMD...: runs CMD under timeout (stdout and stderr appended to
+# OUTFILE, or to the terminal for "-"), logs the outcome; sets RC
+run_step() {
+  local name=$1 to=$2 outfile=$3; shift 3
+  if [ "$to" -lt 5 ]; then
+    say "step $name: SKIPPED: time budget spent (${to}s left for it)"
+    RC=124; FAILS="$FAILS $name"; return
+  fi
+  local t1; t1=$(date +%s.%N)
+  if [ "$outfile" = "-" ]; then
+    timeout -k 10 "$to" "$@"
+  else
+    timeout -k 10 "$to" "$@" >> "$outfile" 2>&1
+  fi
+  RC=$?
+  local dt; dt=$(awk -v a="$t1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  case $RC in
+    0) STATUS="ok" ;;
+    124|137) STATUS="TIMEOUT after ${to}s"; FAILS="$FAILS $name" ;;
+    *) STATUS="FAILED (rc $RC)"; FAILS="$FAILS $name" ;;
+  esac
+  say "step $name: $STATUS in ${dt}s (timeout ${to}s)"
+}
+
+FAILS=""
+# reserves (seconds) later steps need at least
+RES_OPS=0; RES_TABLE=0
+has_step ops && RES_OPS=$RES_OPS_MIN
+has_step table && RES_TABLE=$RES_TABLE_MIN
+
+# ---- (a) gpu-marked tests -----------------------------------------------------------------------
+if has_step tests; then
+  TO=$(step_timeout "$TESTS_CAP" $((RES_OPS + RES_TABLE)))
+  : > "$OUT/tests.log"
+  run_step tests "$TO" "$OUT/tests.log" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rfE \
+    --durations=10 tests
+  "$PY" -m itif.bench.suite summary-tests "$OUT/tests.log" --cuda "$CUDA" | sed 's/^/  /' | tee -a "$LOG"
+else
+  say "step tests: not selected (--steps $STEPS)"
+fi
+
+# ---- (b) Table 5.3: per-op times, SEQ vs fused ----------------------------------------------------
+if has_step ops; then
+  TO=$(step_timeout "$OPS_CAP" "$RES_TABLE")
+  run_step ops "$TO" "$OUT/bench.log" "$PY" bench/bench_ops.py $OPS_ARGS --out "$OUT/ops.json"
+  "$PY" -m itif.bench.suite summary-ops "$OUT/ops.json" | sed 's/^/  /' | tee -a "$LOG"
+else
+  say "step ops: not selected (--steps $STEPS)"
+fi
+
+# ---- (c) Table 5.2 workloads, every system ---------------------------------------------------------
+if has_step table; then
+  RES_SERVE=0
+  has_step serve && RES_SERVE=$RES_SERVE_MIN
+  TO=$(step_timeout 100000 "$RES_SERVE")
+  BOUND=""; [ "$COMPILE_BOUND" = 1 ] && BOUND="--compile-bound"
+  STRAT=""; [ -n "$STRATEGIES" ] && STRAT="--strategies $STRATEGIES"
+  # the table step shares its own budget among its parts (timeout minus a margin to finish)
+  run_step table "$TO" - "$PY" -m itif.bench.suite table --out-dir "$OUT" --log "$LOG" \
+    --budget $((TO - 10)) --models $MODELS --tenants $TENANTS --systems $SYSTEMS $STRAT \
+    --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" --compile-mode "$COMPILE_MODE" \
+    $BOUND --mps-max-tenants "$MPS_MAX_TENANTS" $QUICK $TABLE_ARGS
+else
+  say "step table: not selected (--steps $STEPS)"
+fi
+
+# ---- (d) serving sweep through the daemon (off by default: its own call on the GPU) --------------
+if has_step serve; then
+  TO=$(step_timeout "$SERVE_CAP" 0)
+  run_step serve "$TO" "$OUT/bench.log" "$PY" -m itif bench --suites serve \
+    --serve-model "$SERVE_MODEL" --serve-tenants "$SERVE_TENANTS" --mixes "$SERVE_MIX" \
+    --serve-duration "$SERVE_DURATION_S" --serve-p99-at 0.7 --device "$DEVICE" --dtype "$DTYPE" \
+    --no-plots --out "$OUT/serve.json" $QUICK
+  "$PY" -m itif.bench.suite summary-serve "$OUT/serve.json" | sed 's/^/  /' | tee -a "$LOG"
+else
+  say "step serve: not selected (--steps $STEPS; on the GPU it runs in its own call: --steps serve)"
+fi
+
+say "suite done in $(elapsed)s; $( [ -z "$FAILS" ] && echo "every step ok" || echo "steps not ok:$FAILS"); files: $(cd "$OUT" && ls | tr '\n' ' ')"
+[ -z "$FAILS" ]
