@@ -110,6 +110,31 @@ def test_quick_ratios_agree_with_latencies(quick_rows):
             assert r["max_abs_diff_vs_itif"] < 1e-3, r
 
 
+def test_quick_rows_carry_the_diagnostics(quick_rows):
+    offline = [r for r in quick_rows if r["suite"] in ("table", "batch")]
+    ok = [r for r in offline if r["status"] == "ok"]
+    for r in ok:
+        if r["system"] == "mps":
+            continue
+        # what one run dispatches (CPU: a TorchDispatchMode; CUDA: kernels and launch calls)
+        if torch.cuda.is_available():
+            assert r["kernels_per_run"] > 0 and r["launch_calls_per_run"] > 0, r
+        else:
+            assert r["aten_ops_per_run"] >= r["matmul_ops_per_run"] > 0, r
+        if _has_transformers():  # tiny presets: the float32 reference runs on the CPU too
+            assert r["max_abs_diff_vs_hf_fp32"] < 1e-3, r
+    for r in (r for r in ok if r["system"] == "itif"):
+        assert r["weight_bound_ms"] > 0
+        assert r["weight_bound_fraction"] == pytest.approx(r["weight_bound_ms"] / r["latency_ms"],
+                                                           rel=1e-2, abs=1e-4)
+    nographs = [r for r in offline if r["system"] == "itif_nographs"]
+    assert nographs
+    if not torch.cuda.is_available():
+        assert all(r["status"] == "skipped" and "CUDA" in r["reason"] for r in nographs)
+        assert all(r["graphs"] is False for r in ok if r["system"] == "itif")
+    assert not [r for r in offline if r["system"] == "hf_compiled"]  # not in --quick
+
+
 def test_quick_serving_sweep(quick_rows):
     serve = [r for r in quick_rows if r["suite"] == "serve"]
     assert {r["system"] for r in serve} == {"itif", "per_tenant"}
@@ -123,9 +148,16 @@ def test_quick_serving_sweep(quick_rows):
     assert len(rates["itif"]) >= 2 and rates["itif"] == rates["per_tenant"]  # same loads
     sat = [r for r in quick_rows if r["suite"] == "serve_saturation"]
     assert {r["system"] for r in sat} == {"itif", "per_tenant"}
+    at = {r["system"]: r for r in quick_rows if r["suite"] == "serve_at_fraction"}
     for r in sat:
         best = max(x["throughput_rps"] for x in serve if x["system"] == r["system"])
         assert r["throughput_rps"] == best > 0
+        # one more point at 70% of this mode's own saturation; its p99 is on the row
+        assert r["at_fraction"] == 0.7
+        assert r["at_fraction_rate_rps"] == pytest.approx(0.7 * best, abs=0.01)
+        a = at[r["system"]]
+        assert a["rate_rps"] == r["at_fraction_rate_rps"] and a["completed"] > 0
+        assert r["p99_at_fraction_ms"] == a["p99_ms"] > 0
 
 
 # ---- roofline --------------------------------------------------------------------------------
@@ -208,6 +240,103 @@ def test_batch_weight_bytes_counts_shared_weights_once():
     assert rl.batch_weight_bytes(full, names, tokens=10) == pytest.approx(3 * one, rel=0.01)
     shared = rl.batch_weight_bytes(head, names, tokens=10)
     assert one < shared < 1.2 * one  # one backbone, three heads and poolers
+
+
+def test_copy_bandwidth_and_weight_bound():
+    bw, src = rl.copy_bandwidth(torch.device("cpu"), 8 << 20, repeats=2)
+    assert bw > 0 and src.startswith("measured: copy of")
+    assert rl.copy_bandwidth(torch.device("cpu"), 8 << 20) == (bw, src)  # cached per process
+    wb = rl.weight_bound(10**9, latency_ms=4.0, bandwidth=1e12)
+    assert wb["weight_bound_ms"] == pytest.approx(1.0) and wb["weight_bound_fraction"] == 0.25
+
+
+# ---- counters, compile settings, speedups ------------------------------------------------------
+def test_dispatch_counts():
+    from itif.bench.systems import dispatch_counts
+
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+
+    def f():
+        y = torch.mm(a, b)
+        y = torch.addmm(y, a, b)
+        return (y + 1).relu()
+
+    c = dispatch_counts(f)
+    assert c["matmul_ops_per_run"] == 2 and c["aten_ops_per_run"] == 4, c
+
+
+def test_launch_api_names():
+    from itif.bench.systems import launch_api
+
+    for n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+              "cudaGraphLaunch", "cudaLaunchKernel_v7000", "cudaLaunchCooperativeKernel"):
+        assert launch_api(n), n
+    for n in ("cudaMemcpyAsync", "cudaStreamSynchronize", "aten::mm", "cudaGraphInstantiate"):
+        assert not launch_api(n), n
+
+
+def test_compile_settings():
+    from itif.bench.systems import compile_mode_for, compile_options
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_mode_for(cpu, "max-autotune") == "default"
+    assert compile_mode_for(cuda, "reduce-overhead") == "reduce-overhead"
+    assert compile_options("max-autotune", bound=False) is None
+    opts = compile_options("max-autotune", bound=True)
+    assert opts["max_autotune"] and opts["triton.cudagraphs"]
+    assert opts.get("coordinate_descent_tuning") is False
+
+
+def test_speedups_recompute_with_hf_compiled():
+    from itif.bench.offline import speedups
+
+    base = dict(suite="table", model="m", tenants=2, requests_per_tenant=1, seq_len=8,
+                status="ok")
+    rows = [dict(base, system=s, latency_ms=ms) for s, ms in
+            (("seq", 8.0), ("hf", 6.0), ("hf_compiled", 4.0), ("itif", 2.0))]
+    rows.append(dict(base, system="mps", status="skipped", latency_ms=None))
+    for _ in range(2):  # idempotent: merged results run it again
+        speedups(rows)
+    it = rows[3]
+    assert (it["speedup_vs_seq"], it["speedup_vs_hf"], it["speedup_vs_hf_compiled"]) == (
+        4.0, 3.0, 2.0)
+    assert "speedup_vs_seq" not in rows[4]
+
+
+def test_load_hf_weights_swaps_a_tenant_in():
+    pytest.importorskip("transformers")
+    from itif.bench.systems import hf_forward, hf_inputs
+    from itif.bench.tenants import hf_model, load_hf_weights
+
+    spec = load_spec("bert-tiny")
+    cpu = torch.device("cpu")
+    reqs = [Request("t", input_ids=np.arange(1, 9))]
+    a = hf_model(spec, tenant_weights(spec, 0), cpu, torch.float32)
+    want = hf_forward(hf_model(spec, tenant_weights(spec, 1), cpu, torch.float32),
+                      hf_inputs(reqs, True), cpu)
+    load_hf_weights(a, spec, tenant_weights(spec, 1))
+    assert np.array_equal(hf_forward(a, hf_inputs(reqs, True), cpu), want)
+
+
+def test_gpu_report_section_and_splice():
+    from itif.bench import gpu_report
+
+    page = "# GPU\n\nhand written\n\n" + gpu_report.render(None, None) + "\nmore\n"
+    assert "No GPU results yet" in page
+    doc = dict(meta=dict(device="NVIDIA H100", dtype="float16", device_type="cuda",
+                         versions={}, copy_bandwidth=dict(source="measured: x")),
+               rows=[dict(suite="table", model="bert-base", tenants=2, system=s,
+                          strategy="packed" if s.startswith("itif") else None, status="ok",
+                          latency_ms=ms, kernels_per_run=k, launch_calls_per_run=lc,
+                          max_abs_diff_vs_hf_fp32=1e-3, speedup_vs_seq=2.0,
+                          weight_bytes=2**20, weight_bound_ms=0.5, weight_bound_fraction=0.25)
+                     for s, ms, k, lc in (("seq", 4.0, 400, 400), ("itif", 2.0, 200, 1),
+                                          ("itif_nographs", 3.0, 200, 200))])
+    new = gpu_report.splice(page, gpu_report.render(doc, "OUT/table.json"))
+    assert new.startswith("# GPU\n\nhand written") and new.endswith("\nmore\n")
+    assert "No GPU results yet" not in new and new.count(gpu_report.BEGIN) == 1
+    assert "CUDA graphs on and off" in new and "| bert-base | 2 | 2 | 3 | 1.50× | 1 | 200 |" in new
+    assert "200 / 1" in new and "400 / 400" in new
 
 
 # ---- weights and workloads ---------------------------------------------------------------------

@@ -148,6 +148,37 @@ def _weights_for(spec, model: str, fine_tune: str, n: int, keep: bool):
     return weights
 
 
+# ---- Hugging Face models, kept between the groups of one backbone while memory allows ------------
+_HF_MODELS: dict[int, torch.nn.Module] = {}
+_HF_OWNER: list = [None]  # (model, fine_tune, dtype, device) the kept models belong to
+
+
+def _hf_models(spec, model: str, fine_tune: str, names, weights, device, dtype,
+               keep: bool) -> dict[str, torch.nn.Module]:
+    """One HF model per tenant; with ``keep`` the models stay for the next group of the same
+    backbone (a group of 32 tenants after one of 8 builds 24), otherwise none is kept."""
+    owner = (model, fine_tune, str(dtype), str(device))
+    if _HF_OWNER[0] != owner or not keep:
+        _HF_MODELS.clear()
+        _HF_OWNER[0] = owner
+    out = {}
+    for i, t in enumerate(names):
+        m = _HF_MODELS.get(i)
+        if m is None:
+            m = hf_model(spec, weights(i), device, dtype)
+            if keep:
+                _HF_MODELS[i] = m
+        out[t] = m
+    return out
+
+
+def release_kept_models() -> None:
+    """Drop the HF models and reference kept between groups (the next backbone's turn)."""
+    _HF_MODELS.clear()
+    _HF_OWNER[0] = None
+    _REF_MODEL.clear()
+
+
 # ---- the float32 Hugging Face reference ----------------------------------------------------------
 _REF_MODEL: dict[tuple, torch.nn.Module] = {}
 _REF_LOGITS: dict[tuple, np.ndarray] = {}
@@ -180,6 +211,9 @@ def reference_logits(spec, model: str, device: torch.device, fine_tune: str, nam
     ref = _REF_MODEL.get(key)
     if ref is None:
         _REF_MODEL.clear()
+        if _HF_OWNER[0] is not None and _HF_OWNER[0][0] != model:
+            _HF_MODELS.clear()  # another backbone's models: free them before this one's
+            _HF_OWNER[0] = None
         _free(device)
         ref = hf_model(spec, weights(0), device, torch.float32)
         ref.loaded_tenant = 0
@@ -215,6 +249,9 @@ def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: Offlin
     dtype_name = str(dtype).removeprefix("torch.")
     elem = torch.empty((), dtype=dtype).element_size()
     names = tenant_names(n_tenants)
+    if _HF_OWNER[0] is not None and _HF_OWNER[0][0] != model:
+        release_kept_models()  # the previous backbone's: free them before building this one's
+        _free(device)
     requests = {w: make_requests(spec, w, seed=opt.seed) for w in workloads}
     rows: dict[tuple, dict] = {}
     reference: dict[Workload, np.ndarray] = {}  # fused logits, for the same-weights check
@@ -305,7 +342,8 @@ def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: Offlin
                                  f"{_gib(have)} available")
                 continue
             try:
-                systems += _build(fam, spec, names, weights, device, dtype, opt, fam_systems[fam])
+                systems += _build(fam, spec, names, weights, device, dtype, opt, fam_systems[fam],
+                                  model=model, keep_models=together)
             except Exception as e:  # noqa: BLE001
                 log.warning("%s: building %s failed: %s", model, fam, e)
                 skip_family(fam, f"build failed: {type(e).__name__}: {e}", "error")
@@ -334,7 +372,8 @@ class _Context:
     ref32: dict
 
 
-def _build(fam, spec, names, weights, device, dtype, opt, systems) -> list[System]:
+def _build(fam, spec, names, weights, device, dtype, opt, systems, model: str = "",
+           keep_models: bool = False) -> list[System]:
     dtype_name = str(dtype).removeprefix("torch.")
     if fam == "itif":
         engine = Engine(spec, device=str(device), dtype=dtype_name)
@@ -365,7 +404,7 @@ def _build(fam, spec, names, weights, device, dtype, opt, systems) -> list[Syste
         if "multi_stream" in systems:
             out.append(MultiStream(per, device))
         return out
-    models = {t: hf_model(spec, weights(i), device, dtype) for i, t in enumerate(names)}
+    models = _hf_models(spec, model, opt.fine_tune, names, weights, device, dtype, keep_models)
     out = []
     if "hf" in systems:
         out.append(HF(models, spec.is_text, device))

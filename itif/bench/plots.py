@@ -8,9 +8,10 @@ from pathlib import Path
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.bench.thesis import THESIS_TABLE_5_2, thesis_family
 
-BASELINES = ("seq", "multi_stream", "mps", "hf")
+BASELINES = ("seq", "multi_stream", "mps", "hf", "hf_compiled")
 COLORS = {"seq": "tab:gray", "multi_stream": "tab:blue", "mps": "tab:purple", "hf": "tab:orange",
-          "itif": "tab:green", "per_tenant": "tab:red"}
+          "hf_compiled": "tab:brown", "itif": "tab:green", "itif_nographs": "tab:olive",
+          "per_tenant": "tab:red"}
 
 
 def _ok(rows, **match):
@@ -25,7 +26,7 @@ def _itif_strategy(rows) -> str:
 
 def _latency(rows, system, strategy, **match):
     for r in _ok(rows, system=system, **match):
-        if system != "itif" or r.get("strategy") == strategy:
+        if not system.startswith("itif") or r.get("strategy") == strategy:
             return r["latency_ms"]
     return None
 
@@ -53,7 +54,8 @@ def _table(plt, rows, device, strat, stem):
     if not models:
         return None
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    systems = [s for s in BASELINES if _ok(table, system=s)] + ["itif"]
+    systems = [s for s in BASELINES if _ok(table, system=s)] + ["itif"] + (
+        ["itif_nographs"] if _ok(table, system="itif_nographs") else [])
     for ax, model in zip(axes[0], models):
         tenants = sorted({r["tenants"] for r in table if r["model"] == model})
         width = 0.8 / len(systems)
@@ -61,7 +63,7 @@ def _table(plt, rows, device, strat, stem):
             ys = [_latency(table, s, strat, model=model, tenants=t) for t in tenants]
             xs = [i + k * width for i in range(len(tenants))]
             ax.bar(xs, [y or 0 for y in ys], width, label=s if s != "itif" else f"itif ({strat})",
-                   color=COLORS[s])
+                   color=COLORS.get(s, "tab:cyan"))
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tenants))], [str(t) for t in tenants])
         ax.set_xlabel("tenants (one request each)")
         ax.set_ylabel("latency (ms)")

@@ -22,6 +22,12 @@ from itif.bench.thesis import THESIS_DEVICE, THESIS_MODELS, THESIS_TABLE_5_2, th
 SYSTEMS = ("seq", "multi_stream", "mps", "hf")
 
 
+def _systems_of(rows) -> tuple[str, ...]:
+    """The baseline columns: SYSTEMS, plus hf_compiled when the result has it."""
+    extra = ("hf_compiled",) if any(r.get("system") == "hf_compiled" for r in rows) else ()
+    return SYSTEMS + extra
+
+
 def _ms(v) -> str:
     if v is None:
         return "–"
@@ -96,7 +102,9 @@ def render(doc: dict, result_path: str, doc_dir: Path) -> str:
     _batch(add, rows, strat, meta, doc_dir)
     _serve(add, rows, meta, doc_dir)
     _roofline(add, rows, strat, meta)
+    _diagnostics(add, rows, meta)
     _check(add, rows)
+    _gpu_suite(add)
     _not_run(add, rows)
     add("## Environment\n")
     add("```json\n" + json.dumps({k: meta[k] for k in ("versions", "peak", "settings", "platform")
@@ -116,8 +124,11 @@ def _systems(add, strat, fine_tune, repeats):
         "`nvidia-cuda-mps-control`).\n"
         "- **hf**: one Hugging Face `transformers` model per tenant, eager PyTorch, each tenant's "
         "requests as one padded batch, tenants one after another: what users run today.\n"
+        "- **hf_compiled**: the same models, each wrapped in `torch.compile` (`max-autotune` "
+        "on CUDA, `default` on the CPU), compiled and warmed for the exact shapes before timing.\n"
         f"- **itif**: the fused engine, one forward for every tenant; one row per planner "
-        f"strategy (`{strat}` is the default and the one quoted unless marked *best*).\n"
+        f"strategy (`{strat}` is the default and the one quoted unless marked *best*). On CUDA "
+        "it replays CUDA graphs; **itif_nographs** is the same engine with them off.\n"
         f"- **per_tenant** (serving only): the daemon with `scheduler.isolate_tenants: true`: a "
         "batch never mixes tenants (each tenant batched alone, as separate models in Triton).\n")
     add(f"Tenants own `{fine_tune}` weights (`full`: every tensor differs, as in "
@@ -133,6 +144,7 @@ def _plot(add, meta, doc_dir, suffix, alt):
 
 def _table52(add, rows, strat, doc_dir, meta):
     table = [r for r in rows if r.get("suite") == "table"]
+    systems = _systems_of(rows)
     add("## Table 5.2: the thesis beside ours\n")
     add(f"Thesis: {THESIS_DEVICE}, latency in ms, N tenants with one request each (sequence 128, "
         "ViT 224×224); IMP = SEQ / ITIF. Ours: the same workload shape on this run's device and "
@@ -146,13 +158,14 @@ def _table52(add, rows, strat, doc_dir, meta):
                 f"{a['IMP']:.2f}×"]
             if not models:
                 body.append(left + [("n/a (no decoder backbone)" if fam == "DECODING" else
-                                     f"{THESIS_MODELS[fam]}: to be measured")] + ["–"] * 7)
+                                     f"{THESIS_MODELS[fam]}: to be measured")]
+                            + ["–"] * (len(systems) + 3))
                 continue
             for m in models:
                 it = _one(table, model=m, tenants=t, system="itif", strategy=strat)
                 best = _best_itif(table, model=m, tenants=t)
                 cells = []
-                for sname in SYSTEMS:
+                for sname in systems:
                     r = _one(table, model=m, tenants=t, system=sname)
                     cells.append(_ms(r["latency_ms"]) if r else _status(table, model=m, tenants=t,
                                                                           system=sname))
@@ -161,8 +174,8 @@ def _table52(add, rows, strat, doc_dir, meta):
                     f"{_ms(best['latency_ms'])} ({best['strategy']})" if best else "–",
                     _x(it.get("speedup_vs_seq")) if it else "–"])
     add(_table(["thesis model", "N.T.", "SEQ", "MULTI-STREAM", "MPS", "ITIF", "IMP.",
-                "ours: model", "seq", "multi_stream", "mps", "hf", f"itif ({strat})",
-                "itif best", "IMP (seq/itif)"], body))
+                "ours: model", *systems, f"itif ({strat})", "itif best", "IMP (seq/itif)"],
+               body))
     add("")
     _plot(add, meta, doc_dir, "-table52.png", "Table 5.2 workloads")
 
@@ -194,6 +207,7 @@ def _scale(add, rows, strat, meta, doc_dir):
     pts = [r for r in rows if r.get("suite") in ("table", "scale")]
     if not pts:
         return
+    systems = _systems_of(rows)
     add("## Speedup vs tenants\n")
     add("Speedup of the fused engine over each baseline (baseline latency / itif latency), one "
         "request per tenant; 2-5 tenants are Table 5.2's, more are beyond the thesis.\n")
@@ -202,13 +216,12 @@ def _scale(add, rows, strat, meta, doc_dir):
         for t in sorted({r["tenants"] for r in pts if r["model"] == m}):
             it = _one(pts, model=m, tenants=t, system="itif", strategy=strat)
             cells = []
-            for sname in SYSTEMS:
+            for sname in systems:
                 b = _one(pts, model=m, tenants=t, system=sname)
                 cells.append(_x(b["latency_ms"] / it["latency_ms"]) if b and it else
                              _status(pts, model=m, tenants=t, system=sname))
             body.append([m, t, _ms(it["latency_ms"]) if it else "–"] + cells)
-    add(_table(["model", "tenants", f"itif ({strat}) ms", "vs seq", "vs multi_stream", "vs mps",
-                "vs hf"], body))
+    add(_table(["model", "tenants", f"itif ({strat}) ms"] + [f"vs {s}" for s in systems], body))
     add("")
     _plot(add, meta, doc_dir, "-speedup.png", "speedup vs tenants")
 
@@ -217,6 +230,7 @@ def _batch(add, rows, strat, meta, doc_dir):
     pts = [r for r in rows if r.get("suite") == "batch"]
     if not pts:
         return
+    systems = _systems_of(rows)
     add("## Request batches (the axes of Fig. 5.2-5.4)\n")
     add("N tenants with R requests each at sequence 64: latency (ms) of one call answering all of "
         "them, and throughput (requests/s) in brackets.\n")
@@ -226,7 +240,7 @@ def _batch(add, rows, strat, meta, doc_dir):
             for rr in sorted({r["requests_per_tenant"] for r in pts if r["model"] == m
                               and r["tenants"] == t}):
                 cells = []
-                for sname in SYSTEMS + ("itif",):
+                for sname in systems + ("itif",):
                     kw = dict(model=m, tenants=t, requests_per_tenant=rr, system=sname)
                     if sname == "itif":
                         kw["strategy"] = strat
@@ -236,8 +250,8 @@ def _batch(add, rows, strat, meta, doc_dir):
                 it = _one(pts, model=m, tenants=t, requests_per_tenant=rr, system="itif",
                           strategy=strat)
                 body.append([m, t, rr] + cells + [_x(it.get("speedup_vs_seq")) if it else "–"])
-    add(_table(["model", "tenants", "req/tenant", "seq", "multi_stream", "mps", "hf",
-                f"itif ({strat})", "itif vs seq"], body))
+    add(_table(["model", "tenants", "req/tenant", *systems, f"itif ({strat})", "itif vs seq"],
+               body))
     add("")
     _plot(add, meta, doc_dir, "-batch.png", "throughput vs batch")
 
@@ -298,6 +312,23 @@ def _roofline(add, rows, strat, meta):
     add(_table(["suite", "model", "tenants", "req/tenant", "seq", "GFLOP", "weights MiB",
                 "bound by", "bound ms", "measured ms", "GFLOP/s", "of roofline"], body))
     add("")
+
+
+def _diagnostics(add, rows, meta):
+    from itif.bench.gpu_report import diagnostics  # noqa: PLC0415
+
+    blocks = diagnostics(rows, meta)
+    if blocks:
+        add("## Launches, bounds and checks\n")
+        for b in blocks:
+            add(b)
+
+
+def _gpu_suite(add):
+    add("## GPU suite\n")
+    add("`bench/gpu_suite.sh OUT` runs the gpu-marked tests, Table 5.3 (per-op SEQ vs fused, "
+        "`bench/bench_ops.py`) and these Table 5.2 workloads for every system on a GPU in one "
+        "time-boxed call; see [gpu.md](gpu.md) for what it runs and its results.\n")
 
 
 def _check(add, rows):
