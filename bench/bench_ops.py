@@ -100,6 +100,10 @@ def main() -> int:
     ap.add_argument("--inner", type=int, default=None, help="20 (CPU pass: 2)")
     ap.add_argument("--cpu", action="store_true",
                     help="the reduced CPU pass (automatic without CUDA)")
+    ap.add_argument("--emulate-kernels", action="store_true",
+                    help="CPU pass only: run the kernel and attention sections too, with the torch "
+                    "references (same signatures) standing in for the CUDA wrappers; checks the "
+                    "script, not the kernels")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -115,7 +119,12 @@ def main() -> int:
     skipped: list[dict] = []
     errors: list[dict] = []
     cp = cupy_module() if on_gpu else None
-    if not on_gpu:
+    emulate = args.emulate_kernels and not on_gpu
+    if emulate:
+        print("bench_ops.py: reduced CPU pass with the torch references standing in for the "
+              "CUDA wrappers (--emulate-kernels)", file=sys.stderr)
+        kernels_why = None
+    elif not on_gpu:
         why = ("--cpu" if args.cpu else "no CUDA device (torch.cuda.is_available() is False)")
         print(f"bench_ops.py: reduced CPU pass ({why}): GEMM backends only", file=sys.stderr)
         kernels_why = f"needs CUDA and CuPy; {why}"
@@ -151,9 +160,27 @@ def main() -> int:
 
     x_h, x_f, res = (torch.randn(T, w, device=dev, dtype=dtype) for w in (H, FF, H))
 
-    def rotation_ops():
-        from itif.ops import cuda, reference  # noqa: PLC0415
+    rot_state: dict = {}
+
+    def ops_module():
+        if not emulate:
+            from itif.ops import cuda  # noqa: PLC0415
+
+            return cuda
+        import types  # noqa: PLC0415
+
+        from itif.ops import reference  # noqa: PLC0415
+        from itif.ops.launch import launch_policy  # noqa: PLC0415
+
+        names = ("bias_act", "bias_residual", "bias_residual_layernorm", "embed_text", "attention")
+        return types.SimpleNamespace(launch_policy=launch_policy,
+                                     **{n: getattr(reference, n) for n in names})
+
+    def rotation_setup():
+        from itif.ops import reference  # noqa: PLC0415
         from itif.ops.reference import RotParam  # noqa: PLC0415
+
+        cuda = ops_module()
 
         slot = torch.arange(nt, device=dev).repeat_interleave(tok)  # tenant t -> slot t
 
@@ -179,6 +206,13 @@ def main() -> int:
             "warp8_vec_smem": {"layernorm": "warp", "warps_per_block": 8},
             "warp4_vec_nocache": {"layernorm": "warp", "ln_smem_cache": False},
         }
+        rot_state.update(cuda=cuda, reference=reference, RotParam=RotParam, slot=slot,
+                         tenant_rot=tenant_rot, b_h=b_h, b_f=b_f, gamma=gamma, beta=beta,
+                         ew_policies=ew_policies, ln_policies=ln_policies)
+
+    def bias_act_ops():
+        cuda, reference, tenant_rot, b_f, ew_policies = (rot_state[k] for k in (
+            "cuda", "reference", "tenant_rot", "b_f", "ew_policies"))
 
         # -- bias + GELU over the FFN intermediate ------------------------------------------
         def seq_kernel_bias_act():
@@ -198,6 +232,10 @@ def main() -> int:
             with cuda.launch_policy(**pol):
                 record("bias_act_gelu", f"fused_{name}", lambda: cuda.bias_act(x_f, b_f, "gelu"))
 
+    def bias_residual_ops():
+        cuda, reference, tenant_rot, b_h, ew_policies = (rot_state[k] for k in (
+            "cuda", "reference", "tenant_rot", "b_h", "ew_policies"))
+
         # -- bias + residual (pre-LN residual add) -------------------------------------------
         def seq_kernel_bias_res():
             for t, (a, b) in enumerate(spans):
@@ -214,6 +252,10 @@ def main() -> int:
             with cuda.launch_policy(**pol):
                 record("bias_residual", f"fused_{name}", lambda: cuda.bias_residual(x_h, b_h, res))
         x_h.normal_()  # the repeated adds grew it
+
+    def layernorm_ops():
+        cuda, reference, tenant_rot, b_h, gamma, beta, ln_policies = (rot_state[k] for k in (
+            "cuda", "reference", "tenant_rot", "b_h", "gamma", "beta", "ln_policies"))
 
         # -- bias + residual + LayerNorm -------------------------------------------------------
         def seq_kernel_ln():
@@ -234,6 +276,10 @@ def main() -> int:
             with cuda.launch_policy(**pol):
                 record("bias_residual_layernorm", f"fused_{name}",
                        lambda: cuda.bias_residual_layernorm(x_h, b_h, res, gamma, beta, 1e-12))
+
+    def embed_ops():
+        cuda, reference, RotParam, slot, tenant_rot, ew_policies = (rot_state[k] for k in (
+            "cuda", "reference", "RotParam", "slot", "tenant_rot", "ew_policies"))
 
         # -- embeddings --------------------------------------------------------------------------
         vocab, npos = 30522, 512
@@ -264,8 +310,9 @@ def main() -> int:
                        lambda: cuda.embed_text(word, pos, typ, ids, positions, types))
 
     def attention_ops():
-        from itif.ops import cuda  # noqa: PLC0415
         from itif.ops.reference import AttnGroup  # noqa: PLC0415
+
+        cuda = ops_module()
 
         qkv = torch.randn(T, 3 * H, device=dev, dtype=dtype)
         view = [AttnGroup(n=nt, L=tok)]
@@ -329,9 +376,14 @@ def main() -> int:
                 record(op, b, fn, max_abs_err_vs_loop=err, chosen_by_planner=chosen == b,
                        method=how, segments=len(segs))
 
-    section("rotation_ops", rotation_ops, kernels_why)
-    section("attention", attention_ops,
-            None if on_gpu else "needs CUDA (SDPA kernels vs bmm + masked softmax on the GPU)")
+    section("rotation_ops", rotation_setup, kernels_why)
+    if rot_state:  # each op on its own: one failing op keeps the others' numbers
+        section("bias_act", bias_act_ops)
+        section("bias_residual", bias_residual_ops)
+        section("bias_residual_layernorm", layernorm_ops)
+        section("embed_text", embed_ops)
+    section("attention", attention_ops, None if on_gpu or emulate else
+            "needs CUDA (SDPA kernels vs bmm + masked softmax on the GPU)")
     section("gemm", gemm_ops)
 
     # -- summary: Table 5.3 (SEQ vs fused per op) --------------------------------------------
@@ -361,6 +413,7 @@ def main() -> int:
         "cupy": cp.__version__ if cp is not None else None,
         "dtype": args.dtype,
         "reduced_cpu_pass": not on_gpu,
+        "emulated_kernels": emulate,
         "shapes": {"tenants": nt, "tokens_per_tenant": tok, "hidden": H, "ffn": FF,
                    "heads": args.heads},
         "timing": {**timing, "method": ("CUDA events" if on_gpu else "perf_counter") +

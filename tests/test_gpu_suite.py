@@ -121,6 +121,23 @@ def test_dry_run_files_fit_the_gpu_tool(dry_run):
     assert all(r["max_abs_err_vs_loop"] < 1e-4 for r in gemm)
 
 
+def test_bench_ops_sections_run_with_emulated_kernels(tmp_path):
+    """Every section of bench_ops.py (the GPU's Table 5.3) runs end to end on the CPU with the
+    torch references standing in for the CUDA wrappers: the script has no typo the GPU would
+    find first."""
+    out = tmp_path / "ops.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ops.py"), "--cpu",
+                           "--emulate-kernels", "--repeats", "1", "--inner", "1", "--warmup", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(out.read_text())
+    assert ops["emulated_kernels"] and not ops["errors"] and not ops["skipped"], ops["errors"]
+    t53 = {r["op"] for r in ops["table_5_3"]}
+    assert {"bias_act_gelu", "bias_residual", "bias_residual_layernorm", "embed_text"} <= t53
+    assert {r["op"] for r in ops["results"]} >= {"attention_view", "attention_gather_masked"}
+
+
 # ---- the table step's bookkeeping (no subprocess) ---------------------------------------------
 def test_merge_fills_what_a_part_never_wrote(tmp_path):
     part = tmp_path / "p.json"

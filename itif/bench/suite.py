@@ -23,9 +23,11 @@ parts on the CPU, parts over the time budget) and one ``  ERROR <what>: <reason>
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -36,6 +38,7 @@ from pathlib import Path
 SUITE_SYSTEMS = ("seq", "multi_stream", "hf", "hf_compiled", "mps", "itif", "itif_nographs")
 MERGE_RESERVE_S = 15.0  # kept back from the budget for the merge and the plots
 COMPILED_MIN_S = 45.0  # a compile part given less than this is skipped outright (GPU default)
+MAIN_MIN_S = 40.0  # what a main part (every system but hf_compiled, one model) needs at least
 
 
 def _log(log: Path | None, line: str) -> None:
@@ -61,6 +64,19 @@ def _bench_cmd(a, models: list[str], systems: list[str], out: Path) -> list[str]
     if a.quick:
         cmd.append("--quick")
     return cmd
+
+
+def _run(cmd: list[str], err, timeout: float) -> tuple[int | None, bool]:
+    """Run ``cmd`` in its own session; on timeout kill its whole process group (mps workers,
+    inductor's compile workers), not only the bench process."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout), False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None, True
 
 
 def _load_rows(path: Path) -> tuple[dict | None, list[dict]]:
@@ -137,10 +153,20 @@ def table(a) -> int:
         reserve = sum(a.compiled_min for kd, _, _ in later if kd == "compiled")
         n_main_left = sum(1 for kd, _, _ in plan[k:] if kd == "main")
         if kind == "main":
-            share = (left - reserve) / max(1, n_main_left)
-            timeout = min(left - reserve, 1.5 * share) if n_main_left > 1 else left - reserve
+            # the main parts come first: each may take up to 1.5 x its share of what is left
+            # (at least MAIN_MIN_S), keeping MAIN_MIN_S for every later main part; the compile
+            # parts get what the main parts leave (at most --compiled-min each is kept for them
+            # while there is room)
+            share = left / max(1, n_main_left)
+            timeout = min(left - MAIN_MIN_S * (n_main_left - 1),
+                          max(1.5 * share, MAIN_MIN_S),
+                          left - reserve if left - reserve > MAIN_MIN_S * n_main_left else left)
         else:
+            # an equal share of what is left, unless that is too little to compile: then this
+            # part takes it all (one finished compile beats several cut ones)
             timeout = left / max(1, len(plan) - k)
+            if timeout < a.compiled_min:
+                timeout = left
         name = "-".join(models)
         path = work / f"{kind}-{name}.json"
         label = f"table/{kind} {' '.join(models)} ({' '.join(syst)})"
@@ -157,12 +183,7 @@ def table(a) -> int:
         with open(bench_log, "a") as err:
             err.write(f"\n==== {label}: {' '.join(cmd)} (timeout {timeout:.0f} s)\n")
             err.flush()
-            try:
-                proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err,
-                                      timeout=timeout)
-                rc, timed_out = proc.returncode, False
-            except subprocess.TimeoutExpired:
-                rc, timed_out = None, True
+            rc, timed_out = _run(cmd, err, timeout)
         dt = time.monotonic() - t0
         _, rows = _load_rows(path)
         if timed_out:
