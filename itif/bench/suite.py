@@ -211,8 +211,8 @@ def table(a) -> int:
         _plots(doc, out_dir, log)
     rows = doc["rows"]
     counts = {s: sum(1 for r in rows if r.get("status") == s) for s in ("ok", "skipped", "error")}
-    print(f"SUMMARY {len(rows)} rows: {counts['ok']} ok, {counts['skipped']} skipped, "
-          f"{counts['error']} error; parts {status}")
+    _log(log, f"  SUMMARY {len(rows)} rows: {counts['ok']} ok, {counts['skipped']} skipped, "
+              f"{counts['error']} error; parts {status}")
     for line in table_lines(rows):
         _log(log, line)
     return 0 if counts["ok"] else 1
