@@ -13,6 +13,14 @@ on: when the store publishes a new view, graphs of older versions are dropped. A
 remembered and runs eagerly from then on (logged once). Callers serialise ``run`` and read the
 returned output before the next call (the engine holds a lock): the output lives in the graph's
 memory and the next replay overwrites it.
+
+Several engines may replay at once (one per thread and stream, as the multi_stream baseline
+does). A captured GEMM bakes in the cuBLAS workspace of the stream it was captured on, and
+torch's default capture stream is one per process: graphs of different engines captured there
+would share one workspace, and replaying them concurrently would race on it (seen on an H100:
+ALBERT-large per-tenant engines run concurrently gave wrong logits). So each cache captures on
+its own stream, in ``thread_local`` error mode (other threads' CUDA calls stay legal), and
+captures are serialised process-wide.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from itif.runtime import forward
 from itif.runtime.batch import PreparedBatch
 
 log = logging.getLogger("itif.graphs")
+_CAPTURE = threading.Lock()  # one capture at a time in the process
 
 
 @dataclass
@@ -48,6 +57,7 @@ class GraphCache:
         self._failed: set[tuple] = set()
         self._version = -1
         self.lock = threading.Lock()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.captures = 0
         self.replays = 0
 
@@ -86,15 +96,17 @@ class GraphCache:
         floats = (None if b.host_floats is None
                   else b.host_floats.to(self.device, non_blocking=True))
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    forward.run(spec, b, ints, floats)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = forward.run(spec, b, ints, floats)
+            current = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(current)
+            with _CAPTURE:
+                with torch.cuda.stream(self._stream):  # warm-up on this cache's own stream
+                    for _ in range(self.warmup):
+                        forward.run(spec, b, ints, floats)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self._stream,
+                                      capture_error_mode="thread_local"):
+                    out = forward.run(spec, b, ints, floats)
+            current.wait_stream(self._stream)
         except Exception as e:  # noqa: BLE001 - any capture failure: run this one eagerly
             self._failed.add(b.key)
             log.warning("CUDA graph capture failed (%s: %s); this batch shape runs eagerly",
