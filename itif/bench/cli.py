@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "vit-base; --quick: the -tiny ones)")
     p.add_argument("--tenants", nargs="+", type=int, help="tenant counts for table/scale/batch")
     p.add_argument("--requests", nargs="+", type=int, help="requests per tenant for batch")
+    p.add_argument("--seq-len", type=int, help="tokens per text request for table/scale/batch "
+                   "(default: 128 for table and scale, 64 for batch; capped by the backbone)")
     p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve"),
                    help=SUITE_HELP)
     p.add_argument("--systems", nargs="+",
@@ -126,7 +128,10 @@ def run(args: argparse.Namespace) -> int:
     peak = device_peak(device, dtype, quick)
     blog.info("device %s, %s; peak %s", device, dtype_name, peak.source)
     groups: dict[tuple[str, int], list] = {}
-    for w in wl.offline_workloads(suites, models, args.tenants, args.requests, quick, gpu):
+    if args.seq_len is not None and args.seq_len < 1:
+        raise InvalidRequest("--seq-len takes a token count >= 1")
+    for w in wl.offline_workloads(suites, models, args.tenants, args.requests, quick, gpu,
+                                  seq_len=args.seq_len):
         groups.setdefault((w.model, w.tenants), []).append(w)
     bandwidth = None
     if groups and any(s.startswith("itif") for s in systems):

@@ -52,7 +52,7 @@ class Workload:
 
 
 def offline_workloads(suites, models, tenants=None, requests=None, quick=False,
-                      gpu=False) -> list[Workload]:
+                      gpu=False, seq_len: int | None = None) -> list[Workload]:
     """The offline workloads of ``suites`` (``table``, ``scale``, ``batch``).
 
     Defaults: the thesis' models and tenant counts; ``quick`` swaps in the tiny presets, 2-4
@@ -82,7 +82,7 @@ def offline_workloads(suites, models, tenants=None, requests=None, quick=False,
 
     for model in models:
         spec = load_spec(model)
-        text_len = min(TABLE_SEQ, spec.max_position) if spec.is_text else None
+        text_len = min(seq_len or TABLE_SEQ, spec.max_position) if spec.is_text else None
         if tenants and ("table" in suites or "scale" in suites):
             # explicit counts: every one of them, labelled by the suite it falls in
             out += [Workload("table" if t <= 5 else "scale", model, t, 1, text_len)
@@ -95,7 +95,7 @@ def offline_workloads(suites, models, tenants=None, requests=None, quick=False,
         if "batch" in suites:
             # Fig. 5.2-5.4 use ALBERT; with explicit --models every model gets the sweep.
             if models_default_batch(models, model):
-                blen = min(BATCH_SEQ, spec.max_position) if spec.is_text else None
+                blen = min(seq_len or BATCH_SEQ, spec.max_position) if spec.is_text else None
                 out += [Workload("batch", model, t, r, blen) for t in batch_t for r in batch_r]
     return out
 
