@@ -7,15 +7,17 @@
 #
 # Every step runs under its own `timeout` carved from one budget (SUITE_BUDGET_S), so one hang
 # cannot eat the call; each appends a summary line (and SKIPPED/ERROR lines with reasons) to
-# OUTDIR/suite.log. Files in OUTDIR (at most 8): suite.log, tests.log, ops.json, table.json,
-# plots.tar.gz, bench.log, serve.json. Intermediate files live in a temp dir.
+# OUTDIR/suite.log. Files in OUTDIR (at most 8): suite.log, tests.log, ops.json, profile.json,
+# table.json, plots.tar.gz, bench.log, serve.json. Intermediate files live in a temp dir.
 #
 # --dry-run (automatic when torch sees no CUDA): the same steps on the CPU with the tiny
 # presets, T = 1 2, 2 repeats; every GPU-only part is marked SKIPPED with its reason.
 #
 # Environment (defaults in brackets; GPU run / dry run):
 #   SUITE_BUDGET_S   whole suite, seconds [510 / 170]
-#   STEPS            steps to run [tests,ops,table]; --steps overrides
+#   STEPS            steps to run [tests,ops,profile,table]; --steps overrides
+#   PROFILE_MODELS PROFILE_TENANTS   bench/profile_forward.py's models and tenant counts
+#                    [bert-base / -] [4 32 / -] (where the fused forward's time goes; GPU only)
 #   MODELS           [bert-base albert-large vit-base / bert-tiny albert-tiny vit-tiny]
 #   TENANTS          [1 2 4 8 32 / 1 2]
 #   SYSTEMS          [seq multi_stream hf hf_compiled mps itif itif_nographs]
@@ -113,7 +115,10 @@ COMPILE_MODE=${COMPILE_MODE:-max-autotune}
 COMPILE_BOUND=${COMPILE_BOUND:-1}
 MPS_MAX_TENANTS=${MPS_MAX_TENANTS:-4}
 SERVE_MIX=${SERVE_MIX:-"uniform:2-100+zipf:1.2"}
-STEPS=${STEPS_ARG:-${STEPS:-tests,ops,table}}
+STEPS=${STEPS_ARG:-${STEPS:-tests,ops,profile,table}}
+PROFILE_MODELS=${PROFILE_MODELS:-bert-base}
+PROFILE_TENANTS=${PROFILE_TENANTS:-"4 32"}
+PROFILE_CAP=${PROFILE_TIMEOUT_S:-90}
 has_step() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 say "suite start: $( [ "$DRY" = 1 ] && echo "DRY RUN on the CPU ($REASON)" || echo "GPU run" ); steps $STEPS; budget ${BUDGET}s; cuda=$CUDA; python ${PYINFO#* }"
@@ -172,6 +177,19 @@ if has_step ops; then
   "$PY" -m itif.bench.suite summary-ops "$OUT/ops.json" | sed 's/^/  /' | tee -a "$LOG"
 else
   say "step ops: not selected (--steps $STEPS)"
+fi
+
+# ---- (b2) where the fused forward's time goes: host, graph replay, kernels by kind ----------------
+if has_step profile; then
+  if [ "$DRY" = 1 ]; then
+    say "step profile: SKIPPED: it profiles the CUDA path ($REASON)"
+  else
+    TO=$(step_timeout "$PROFILE_CAP" "$RES_TABLE")
+    run_step profile "$TO" "$OUT/bench.log" "$PY" bench/profile_forward.py \
+      --models $PROFILE_MODELS --tenants $PROFILE_TENANTS --dtype "$DTYPE" --out "$OUT/profile.json"
+  fi
+else
+  say "step profile: not selected (--steps $STEPS)"
 fi
 
 # ---- (c) Table 5.2 workloads, every system ---------------------------------------------------------

@@ -1,8 +1,9 @@
 """Where one fused forward's time goes on a GPU: host work, graph replay, and kernels by kind.
 
-    python bench/profile_forward.py [--model bert-base] [--tenants 32] [--out OUT/profile.json]
+    python bench/profile_forward.py [--models bert-base ...] [--tenants 4 32] [--out OUT/profile.json]
 
-For T full fine-tunes with one 128-token request each (ViT: one image each), it times
+For each model and each T (the engine holds the largest T; smaller T use its first tenants), for T
+full fine-tunes with one 128-token request each (ViT: one image each), it times
 ``Engine.infer`` with CUDA graphs on and off; the GPU time of one graph replay alone (CUDA
 events around the replay, inputs already in place); the host part (``infer`` with the forward
 replaced by a no-op); and, under ``torch.profiler``, the kernels of one eager forward summed by
@@ -69,21 +70,7 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="bert-base")
-    ap.add_argument("--tenants", type=int, default=32)
-    ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("profile_forward: SKIPPED (no CUDA)")
-        return 0
-    spec = load_spec(args.model)
-    T = args.tenants
-    eng = itif.Engine(spec, device="cuda", dtype=args.dtype)
-    for i in range(T):
-        eng.add_tenant(f"t{i}", tenant_weights(spec, i))
+def profile_one(eng, spec, T: int, dtype: str) -> dict:
     rng = np.random.default_rng(0)
     if spec.is_text:
         reqs = [itif.Request(f"t{i}", input_ids=rng.integers(0, spec.vocab_size, 128))
@@ -92,14 +79,13 @@ def main() -> int:
         shape = (spec.num_channels, spec.image_size, spec.image_size)
         reqs = [itif.Request(f"t{i}", pixel_values=rng.standard_normal(shape).astype(np.float32))
                 for i in range(T)]
-    res: dict = dict(model=args.model, tenants=T, dtype=args.dtype,
-                     device=torch.cuda.get_device_name())
+    res: dict = dict(model=spec.name, tenants=T, dtype=dtype, device=torch.cuda.get_device_name())
     eng.cuda_graphs = True
     res["infer_graphs_ms"] = _ms(lambda: eng.infer(reqs))
+    g = eng._graphs._graphs[next(reversed(eng._graphs._graphs))]  # the graph just replayed
     eng.cuda_graphs = False
     res["infer_eager_ms"] = _ms(lambda: eng.infer(reqs))
     # GPU time of one replay alone
-    g = next(iter(eng._graphs._graphs.values()))
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.graph.replay()
     s.record()
@@ -128,8 +114,7 @@ def main() -> int:
     for ev in prof.events():
         if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.name and (
                 "memcpy" not in ev.name.lower() and "memset" not in ev.name.lower()):
-            kernels.setdefault(ev.name, []).append(ev.device_time_total if hasattr(
-                ev, "device_time_total") else ev.cuda_time_total)
+            kernels.setdefault(ev.name, []).append(getattr(ev, "device_time_total", 0.0))
     by_kind: dict[str, dict] = {}
     for name, ts in kernels.items():
         k = by_kind.setdefault(kind_of(name), {"us": 0.0, "launches": 0})
@@ -140,7 +125,6 @@ def main() -> int:
                                       for k, v in sorted(by_kind.items())}
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
     res["top_kernels"] = [dict(name=n[:120], us=round(sum(t), 1), launches=len(t)) for n, t in top]
-    # weight-bandwidth bound
     from itif.bench.roofline import batch_weight_bytes  # noqa: PLC0415
 
     bw = copy_bandwidth(torch.device("cuda"))
@@ -150,9 +134,33 @@ def main() -> int:
     res["weight_bound_ms"] = wbytes / bw * 1e3
     res["weight_bound_fraction_latency"] = res["weight_bound_ms"] / res["infer_graphs_ms"]
     res["weight_bound_fraction_gpu"] = res["weight_bound_ms"] / res["graph_replay_gpu_ms"]
-    print(json.dumps(res, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["bert-base"])
+    ap.add_argument("--tenants", nargs="+", type=int, default=[4, 32])
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_forward: SKIPPED (no CUDA: this profiles the GPU path)")
+        return 0
+    rows = []
+    for model in args.models:
+        spec = load_spec(model)
+        eng = itif.Engine(spec, device="cuda", dtype=args.dtype)
+        for i in range(max(args.tenants)):
+            eng.add_tenant(f"t{i}", tenant_weights(spec, i))
+        for T in args.tenants:
+            r = profile_one(eng, spec, T, args.dtype)
+            print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
+            rows.append(r)
+            if args.out:  # after every row: a timeout still leaves what was measured
+                Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        del eng
+        torch.cuda.empty_cache()
     return 0
 
 
