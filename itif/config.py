@@ -6,7 +6,8 @@ The operator's file has four top-level sections::
                 max_upload_bytes, grace_s, tls {cert, key, client_ca}
     backbone:   config (checkpoint dir / config.json / preset name), device, dtype, max_seq_len,
                 max_weight_bytes
-    scheduler:  max_batch_tokens, max_batch_size, max_wait_ms, strategy, isolate_tenants
+    scheduler:  max_batch_tokens, max_batch_size, max_wait_ms, strategy, isolate_tenants,
+                latency_sizing
     tenants:    - {id, token_sha256, max_queue, weight, max_seq_len, latency_target_ms}
 
 Everything is parsed into frozen dataclasses. Validation is strict: unknown keys, wrong types,
@@ -172,6 +173,10 @@ class SchedulerConfig:
     #: Never mix tenants in one batch (each tenant batched alone, as separate models are in
     #: Triton): the per-tenant baseline of ``itif bench``, not a production setting.
     isolate_tenants: bool = False
+    #: Stop growing a batch when the next request would make a member that can still meet its
+    #: tenant's latency target miss it (``itif.scheduler``); off (the default): grow to the
+    #: batch limits.
+    latency_sizing: bool = False
 
 
 @dataclass(frozen=True)
@@ -560,6 +565,7 @@ def _parse_scheduler(errs: _Errors, value: Any) -> SchedulerConfig | object:
         max_wait_ms=sec.get("max_wait_ms", _float, d.max_wait_ms, lo=0.0, hi=60_000.0),
         strategy=sec.get("strategy", _strategy, d.strategy),
         isolate_tenants=sec.get("isolate_tenants", _flag, d.isolate_tenants),
+        latency_sizing=sec.get("latency_sizing", _flag, d.latency_sizing),
     )
     if not sec.ok:
         return _BAD

@@ -116,7 +116,7 @@ class Daemon:
             self.engine.infer if self.metrics is None else self.metrics.run_batch(self.engine),
             max_batch_tokens=sch.max_batch_tokens,
             max_batch_size=sch.max_batch_size, max_wait_ms=sch.max_wait_ms,
-            isolate_tenants=sch.isolate_tenants,
+            isolate_tenants=sch.isolate_tenants, latency_sizing=sch.latency_sizing,
         )
         for t in cfg.tenants:
             self.scheduler.set_tenant(t.id, _quota(t))
@@ -308,7 +308,8 @@ class Daemon:
                 self.scheduler.configure(max_batch_tokens=sch.max_batch_tokens,
                                          max_batch_size=sch.max_batch_size,
                                          max_wait_ms=sch.max_wait_ms,
-                                         isolate_tenants=sch.isolate_tenants)
+                                         isolate_tenants=sch.isolate_tenants,
+                                         latency_sizing=sch.latency_sizing)
                 self.engine.strategy = DEFAULT_STRATEGY if sch.strategy == "auto" else sch.strategy
             self.config = new
             for tid in diff.removed:

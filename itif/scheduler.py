@@ -27,6 +27,15 @@ deciding. With queued work it runs a batch now when any of these holds:
 
 Otherwise it sleeps until the earliest of those times, the next deadline, or a new submission.
 
+How big a batch (latency sizing)
+--------------------------------
+A fused batch costs more the more it holds, and every member waits for all of it. With
+``latency_sizing`` (off by default until the serving sweep shows it pays) a batch stops growing at the first request whose addition would
+make a member miss its tenant's ``latency_target_ms`` that it would still meet in the batch as
+formed so far (predicted with the run-time estimate). Members already past their target do not
+hold a batch back: under overload batches still grow to the limits, which is what throughput
+needs. Off, batches grow to ``max_batch_tokens`` / ``max_batch_size``.
+
 Which requests (weighted fairness)
 ----------------------------------
 Start-time fair queueing over tenants, counted in tokens: every tenant has a virtual tag; a
@@ -369,10 +378,13 @@ class Scheduler:
         estimate_ms: Callable[[int, int], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         isolate_tenants: bool = False,
+        latency_sizing: bool = False,
     ) -> None:
         self._run_batch = run_batch
         #: Each batch holds one tenant's requests only (the per-tenant baseline of itif bench).
         self.isolate_tenants = bool(isolate_tenants)
+        #: Batches sized by latency (see "How big a batch" in the module doc).
+        self.latency_sizing = bool(latency_sizing)
         self._estimate_fn = estimate_ms
         self._clock = clock
         self._lock = threading.Lock()
@@ -409,14 +421,16 @@ class Scheduler:
         """From ``itif.config.SchedulerConfig`` and ``config.Tenant`` objects."""
         s = cls(run_batch, max_batch_tokens=scheduler.max_batch_tokens,
                 max_batch_size=scheduler.max_batch_size, max_wait_ms=scheduler.max_wait_ms,
-                isolate_tenants=getattr(scheduler, "isolate_tenants", False), **kw)
+                isolate_tenants=getattr(scheduler, "isolate_tenants", False),
+                latency_sizing=getattr(scheduler, "latency_sizing", False), **kw)
         for t in tenants:
             s.set_tenant(t.id, TenantQuota.from_tenant(t))
         return s
 
     # ---- configuration ---------------------------------------------------------------------
     def configure(self, *, max_batch_tokens: int | None = None, max_batch_size: int | None = None,
-                  max_wait_ms: float | None = None, isolate_tenants: bool | None = None) -> None:
+                  max_wait_ms: float | None = None, isolate_tenants: bool | None = None,
+                  latency_sizing: bool | None = None) -> None:
         """Change batch limits live (a config reload); applies from the next batch."""
         def positive_int(name: str, v: Any) -> int:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -436,6 +450,8 @@ class Scheduler:
                 self.max_wait_ms = float(max_wait_ms)
             if isolate_tenants is not None:
                 self.isolate_tenants = bool(isolate_tenants)
+            if latency_sizing is not None:
+                self.latency_sizing = bool(latency_sizing)
             self._cv.notify_all()
 
     def set_tenant(self, tenant: str, quota: TenantQuota | None = None) -> None:
@@ -723,6 +739,11 @@ class Scheduler:
         heap = [(tq.tag, tq.order, tq) for tq in self._tenants.values() if tq.depth > 0]
         heapq.heapify(heap)
         tokens = 0
+        # Latency sizing: the smallest slack (time left to its tenant's latency target) of the
+        # members that still meet their target in the batch as formed so far.
+        sizing = self.latency_sizing and not self._stopping
+        feasible_slack = math.inf
+        slacks: list[float] = []  # min-heap of the members' slacks that still meet their target
         while heap and len(batch) < size:
             _, _, tq = heapq.heappop(heap)
             t = tq.head()
@@ -736,6 +757,10 @@ class Scheduler:
                 continue
             if batch and tokens + t.tokens > budget:
                 continue  # this tenant sits out this batch; it keeps the smallest tag
+            if sizing and batch:
+                grown = self._estimate_locked(len(batch) + 1, tokens + t.tokens) / 1000.0
+                if grown > feasible_slack:
+                    break  # t would make a member miss a target it can still meet: stop here
             heapq.heappop(tq.heap)
             t._state = _RUNNING
             t.started_at = now
@@ -744,6 +769,12 @@ class Scheduler:
             tq.left(t)
             batch.append(t)
             tokens += t.tokens
+            if sizing:  # est only grows with the batch, so the feasible set only shrinks
+                est = self._estimate_locked(len(batch), tokens) / 1000.0
+                heapq.heappush(slacks, t.enqueued_at + tq.quota.latency_target_ms / 1000.0 - now)
+                while slacks and slacks[0] < est:
+                    heapq.heappop(slacks)
+                feasible_slack = slacks[0] if slacks else math.inf
             self._vtime = max(self._vtime, tq.tag)
             tq.tag += max(t.tokens, 1) / tq.quota.weight
             if self.isolate_tenants:  # the rest of this batch comes from this tenant only

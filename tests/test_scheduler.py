@@ -748,3 +748,47 @@ def test_through_the_scheduler_equals_engine_infer():
             bad.result(timeout=60)
     finally:
         s.stop(5)
+
+
+# ------------------------------------------------------------------------------------------------
+# latency sizing
+
+
+def _sized_run(latency_sizing: bool, target_ms: float, per_request_ms: float) -> list[int]:
+    """Eight requests of three tenants queued behind a busy engine; the sizes of the batches they
+    ran in. The run-time estimate is ``per_request_ms`` per request."""
+    fake = FakeEngine(gated=True)
+    s = make(fake, tenants=("a", "b", "c"), quota=TenantQuota(latency_target_ms=target_ms),
+             estimate_ms=lambda n, tokens: per_request_ms * n, latency_sizing=latency_sizing)
+    try:
+        blocker = put_in_flight(s, fake)
+        tickets = [s.submit(req(t), tokens=3) for t in "abcabcab"]
+        fake.open()
+        for t in [blocker, *tickets]:
+            check_result(t)
+        return [len(b) for b in fake.batches[1:]]
+    finally:
+        s.stop()
+
+
+def test_latency_sizing_stops_a_batch_before_a_member_would_miss_its_target():
+    # 300 ms a request, 1000 ms targets, a few ms waited: 3 fit (900 ms), a 4th would not.
+    assert _sized_run(True, 1000.0, 300.0) == [3, 3, 2]
+    assert _sized_run(False, 1000.0, 300.0) == [8]  # off: the batch grows to the limits
+
+
+def test_latency_sizing_lets_batches_grow_when_every_member_is_already_late():
+    # 100 ms targets, 300 ms a request: no member can meet its target, so holding the batch
+    # back would only cost throughput.
+    assert _sized_run(True, 100.0, 300.0) == [8]
+
+
+def test_latency_sizing_is_a_live_setting():
+    fake = FakeEngine()
+    s = make(fake)
+    try:
+        assert s.latency_sizing is False
+        s.configure(latency_sizing=True)
+        assert s.latency_sizing is True
+    finally:
+        s.stop()
