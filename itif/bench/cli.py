@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="absolute rates in req/s (default: fractions of a calibrated capacity)")
     g.add_argument("--serve-duration", type=float, help="seconds of arrivals per rate")
     g.add_argument("--serve-strategies", nargs="+", help="fused daemons' strategies")
+    g.add_argument("--serve-latency-sizing", action="store_true",
+                   help="one more fused daemon with scheduler.latency_sizing on (itif_sized)")
     g.add_argument("--serve-p99-at", type=float, default=0.7,
                    help="after each mode's sweep, one more point at this fraction of its own "
                    "saturation throughput (its p99 goes on the saturation row); 0: none")
@@ -233,6 +235,7 @@ def _serve(args, quick, gpu, models, strategies, device, dtype_name, blog) -> li
         max_wait_ms=2.0 if quick else 5.0, calibrate_requests=16 * tenants,
         extra_rates=1 if quick else 4,
         p99_at=args.serve_p99_at or None,
+        latency_sizing_mode=args.serve_latency_sizing,
         fine_tune=args.fine_tune, seed=args.seed)
     try:
         rows = serving.serve_sweep(cfg)

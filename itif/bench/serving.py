@@ -4,6 +4,8 @@ Each mode is one ``itif serve`` subprocess on 127.0.0.1 (started exactly as an o
 tenants uploaded over gRPC as Hugging Face-named safetensors):
 
 - ``itif``: the scheduler mixes every tenant's queued requests into one fused batch;
+- ``itif_sized`` (``--serve-latency-sizing``): the fused daemon with ``scheduler.latency_sizing:
+  true`` (batches stop growing before a member would miss its latency target);
 - ``per_tenant``: the same daemon with ``scheduler.isolate_tenants: true``: a batch never mixes
   tenants, so each tenant is batched alone, as a separate model in Triton would be. Batches of
   different tenants then run one after another on the one engine (time-shared, as model
@@ -70,6 +72,7 @@ class ServeDaemon:
     strategy: str
     isolate: bool
     max_wait_ms: float
+    latency_sizing: bool = False
     proc: subprocess.Popen | None = None
 
     @property
@@ -84,7 +87,8 @@ class ServeDaemon:
                  f"  config: {self.model}", f"  device: {self.device}", f"  dtype: {self.dtype}",
                  "scheduler:", f"  max_wait_ms: {self.max_wait_ms}",
                  f"  strategy: {self.strategy}",
-                 f"  isolate_tenants: {'true' if self.isolate else 'false'}", "tenants:"]
+                 f"  isolate_tenants: {'true' if self.isolate else 'false'}",
+                 f"  latency_sizing: {'true' if self.latency_sizing else 'false'}", "tenants:"]
         for t, tok in self.tokens.items():
             lines += [f"  - id: {t}", f"    token_sha256: {hash_token(tok)}",
                       "    max_queue: 1000000"]
@@ -257,6 +261,7 @@ class ServeSettings:
     p99_at: float | None = None  # one more point per mode at this fraction of its saturation
     fine_tune: str = "full"
     seed: int = 0
+    latency_sizing_mode: bool = False  # one more fused daemon with scheduler.latency_sizing on
 
 
 def serve_sweep(cfg: ServeSettings) -> list[dict]:
@@ -266,7 +271,10 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
         raise ValueError(f"the serving sweep takes a text backbone; {cfg.model!r} is {spec.family}")
     names = [f"t{i}" for i in range(cfg.tenants)]
     tokens = {t: secrets.token_urlsafe(12) for t in names}
-    modes = [("itif", s, False) for s in cfg.strategies] + [("per_tenant", cfg.strategies[0], True)]
+    modes = ([("itif", s, False, False) for s in cfg.strategies]
+             + [("per_tenant", cfg.strategies[0], True, False)])
+    if cfg.latency_sizing_mode:
+        modes.append(("itif_sized", cfg.strategies[0], False, True))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="itif-bench-serve-") as tmp:
         tmp = Path(tmp)
@@ -276,8 +284,8 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
             save_safetensors(to_hf(spec, tenant_weights(spec, i, cfg.fine_tune)), files[t])
         ports = _free_ports(len(modes))
         daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
-                               strategy, isolate, cfg.max_wait_ms)
-                   for k, (_, strategy, isolate) in enumerate(modes)]
+                               strategy, isolate, cfg.max_wait_ms, sizing)
+                   for k, (_, strategy, isolate, sizing) in enumerate(modes)]
         try:
             for d in daemons:  # start together: the slow part (imports) overlaps
                 d.start()
@@ -316,7 +324,7 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng) -> list[dict]:
                 skew=mix.skew, mix=mix.name, fine_tune=cfg.fine_tune, device=cfg.device,
                 status="ok", calibrated_rps=capacity)
     rows = []
-    for k, ((system, strategy, _), g) in enumerate(zip(modes, gens)):
+    for k, ((system, strategy, *_), g) in enumerate(zip(modes, gens)):
         points = []
         i = 0
         while i < len(rates):
