@@ -35,6 +35,7 @@ class Packer:
     def __init__(self) -> None:
         self._parts: list[np.ndarray] = []
         self.slices: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._sizes: dict[str, int] = {}
         self.size = 0
 
     def add(self, name: str, arr) -> str:
@@ -42,6 +43,7 @@ class Packer:
         if name in self.slices:
             raise KeyError(f"{name} packed twice")
         self.slices[name] = (self.size, a.shape)
+        self._sizes[name] = a.size
         self._parts.append(a.reshape(-1))
         self.size += a.size
         return name
@@ -54,8 +56,7 @@ class Packer:
 
     def view(self, dev: torch.Tensor, name: str) -> torch.Tensor:
         start, shape = self.slices[name]
-        n = int(np.prod(shape, dtype=np.int64))
-        return dev[start : start + n].view(shape)
+        return dev[start : start + self._sizes[name]].view(shape)
 
 
 class Params:
