@@ -16,15 +16,20 @@ from itif.batching.costmodel import CostModel, LayerShape
 SHAPE = LayerShape(hidden=64, intermediate=256, heads=4)
 
 
-def random_table_model(seed: int) -> CostModel:
+def random_table_model(seed: int, small_grid: bool = False) -> CostModel:
     """An arbitrary monotone cost model: random non-negative increments, cumulated per axis.
 
     Increment scales span four orders of magnitude so the DP meets concave costs (batching pays)
     as well as steep ones (padding hurts); B is A times n times a random factor around 1, so
     batching equal shapes is sometimes cheaper and sometimes dearer than separate GEMMs.
+    ``small_grid`` profiles batches only up to 1, 2 or 4 and groups up to 1 or 2, so the DPs'
+    windows (runs under ``2 * batches[-1]``, groups under ``2 * max(ns[-1], 2)``, see dp) bind
+    on the small workloads below and the tests check that they cut no optimum.
     """
     rng = np.random.default_rng(seed)
     lens, batches, ns = [1, 2, 4, 8, 16, 32, 64, 128], [1, 2, 4, 8, 16], [1, 2, 4, 8]
+    if small_grid:
+        batches, ns = batches[: rng.integers(1, 4)], ns[: rng.integers(1, 3)]
     inc = rng.exponential(1.0, (len(lens), len(batches))) * rng.choice(
         [0.01, 1.0, 100.0], (len(lens), len(batches))
     )
@@ -34,15 +39,21 @@ def random_table_model(seed: int) -> CostModel:
     return CostModel(SHAPE, lens, batches, ns, single, batched, source="test")
 
 
-def random_analytic_model(flops_per_ms: float, overhead_ms: float, bmm_eff: float) -> CostModel:
+def random_analytic_model(flops_per_ms: float, overhead_ms: float, bmm_eff: float,
+                          max_batch: int = 16, max_n: int = 8) -> CostModel:
     return CostModel.analytic(SHAPE, flops_per_ms=flops_per_ms, overhead_ms=overhead_ms,
-                              bmm_efficiency=bmm_eff, max_len=128, max_batch=16, max_n=8)
+                              bmm_efficiency=bmm_eff, max_len=128, max_batch=max_batch,
+                              max_n=max_n)
 
 
 cost_models = st.one_of(
     st.builds(random_table_model, st.integers(0, 2**32 - 1)),
     st.builds(random_analytic_model, st.floats(1e4, 1e8), st.floats(0.0, 2.0),
               st.floats(0.2, 1.5)),
+    # Grids small enough that the planner's windows bind (see random_table_model).
+    st.builds(random_table_model, st.integers(0, 2**32 - 1), st.just(True)),
+    st.builds(random_analytic_model, st.floats(1e4, 1e8), st.floats(0.0, 2.0),
+              st.floats(0.2, 1.5), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2])),
 )
 lengths_lists = st.lists(st.integers(1, 128), min_size=1, max_size=9).map(sorted)
 
@@ -100,6 +111,35 @@ def test_contiguous_runs_beat_every_partition(lengths, cost):
     )
     assert dp_cost <= best_any * (1 + 1e-9) + 1e-12
     assert math.isclose(dp_cost, best_any, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 128), min_size=1, max_size=300).map(sorted),
+       cost=cost_models, max_batch=st.one_of(st.none(), st.integers(1, 40)))
+def test_windowed_split_matches_the_unbounded_dp(lengths, cost, max_batch):
+    """The planner only tries runs under ``2 * cost.batches[-1]`` requests (dp's docstring
+    proves that cuts no optimum); against the unbounded O(n^2) DP the gap must be 0."""
+    lengths = np.asarray(lengths)
+    starts = dp.split_sorted(lengths, cost, max_batch)
+    check_starts(starts, lengths.size, max_batch)
+    assert np.diff(np.append(starts, lengths.size)).max() < 2 * cost.batches[-1]
+    best, ref_starts = dp.reference_split(lengths, cost, max_batch)
+    check_starts(ref_starts, lengths.size, max_batch)
+    assert math.isclose(plan_cost(lengths, starts, cost), best, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_window_gap_on_random_workloads():
+    """Larger random workloads on the test models and the default BERT-base analytic model."""
+    rng = np.random.default_rng(7)
+    models = [random_table_model(s, small_grid=s % 2 == 0) for s in range(6)]
+    models.append(CostModel.analytic(LayerShape(hidden=768, intermediate=3072, heads=12),
+                                     max_batch=8))
+    for cost in models:
+        lengths = np.sort(rng.integers(1, 129, 1500))
+        starts = dp.split_sorted(lengths, cost)
+        best, _ = dp.reference_split(lengths, cost)
+        gap = plan_cost(lengths, starts, cost) / best - 1
+        assert abs(gap) <= 1e-9, gap
 
 
 def test_split_sorted_known_plans():

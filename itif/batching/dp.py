@@ -26,6 +26,23 @@ Members of a class are interchangeable, so consecutive groups lose nothing again
 subsets. Members may share a tenant (stage 1 can emit two equal mini-batches for one tenant when
 that is cheaper than one double-size mini-batch); the group's stacked weights then repeat it.
 
+Bounded windows (why planning is O(n) per tenant, not O(n^2)). :class:`CostModel` extrapolates
+beyond its largest profiled batch ``Bt`` (``cost.batches[-1]``) in proportion to the members:
+``A[len][s] = A[len][Bt] * s / Bt`` for ``s >= Bt``. A run ``[j, i]`` of ``s >= 2 Bt`` requests
+therefore splits into a prefix run of ``s1 >= Bt`` and a suffix run of ``s - s1 >= Bt`` that cost
+``A[len[j + s1 - 1]][s1] + A[len[i]][s - s1] <= A[len[i]][s1] + A[len[i]][s - s1] = A[len[i]][s]``
+(monotone in length, then exactly linear in size), and both pieces still respect any
+``max_batch``. Repeating, some optimal plan uses only runs of fewer than ``2 Bt`` requests, so
+Eq. 4.1 only tries ``j >= i + 2 - 2 Bt``: the window costs nothing, the DP stays exactly optimal
+(equal cost up to float rounding; on exact ties it may pick more launches than the unbounded DP
+would), and its cost table is ``[max_len, 2 Bt]`` instead of ``[max_len, n]``. Likewise B is
+proportional to ``n`` beyond the largest profiled group ``Nt`` (``cost.ns[-1]``), so a group of
+``n >= 2 N`` (``N = max(Nt, 2)``, keeping both pieces batched) splits into two groups of ``>= N``
+at the same cost, and Eq. 4.2 only tries groups of fewer than ``2 N`` mini-batches. Both DPs are
+then ``O(n * window)``. :func:`reference_split` is the unbounded DP the tests compare against.
+The argument rests on that proportional extrapolation: a cost model that extrapolated
+sub-linearly beyond its grid would need the unbounded DP.
+
 Ties go to fewer, larger launches. All arrays are numpy; request and mini-batch indices int64.
 """
 
@@ -141,17 +158,37 @@ def _check_max_batch(max_batch: int | None) -> None:
         raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
 
 
-def _split(lengths: np.ndarray, table: np.ndarray, max_batch: int | None) -> np.ndarray:
-    """Eq. 4.1 on ascending ``lengths`` [n]; ``table[len, size]`` is A. Returns run starts."""
+def _run_window(cost: CostModel, max_batch: int | None) -> int:
+    """Largest run Eq. 4.1 needs to try: under ``2 * cost.batches[-1]`` (module docstring)."""
+    window = 2 * int(cost.batches[-1]) - 1
+    return window if max_batch is None else min(window, max_batch)
+
+
+def _group_window(cost: CostModel) -> int:
+    """Largest group Eq. 4.2 needs to try: under ``2 * max(cost.ns[-1], 2)``."""
+    return 2 * max(int(cost.ns[-1]), 2) - 1
+
+
+def _split(lengths: np.ndarray, table: np.ndarray, window: int) -> np.ndarray:
+    """Eq. 4.1 on ascending ``lengths`` [n] over runs of at most ``window`` requests;
+    ``table[len, size]`` is A for sizes up to ``window``. Returns run starts. O(n * window)."""
     n = lengths.size
     state = np.zeros(n + 1)  # state[i]: cheapest plan for the first i requests
     best_start = np.empty(n, dtype=np.int64)  # start of the last run in that plan
-    for i in range(n):
-        lo = 0 if max_batch is None else max(0, i + 1 - max_batch)
-        # Candidate j in [lo, i] closes run [j, i] of size i + 1 - j: the row slice walks sizes
-        # i + 1 - lo down to 1 so it lines up with state[lo : i + 1].
-        cand = state[lo : i + 1] + table[lengths[i], i + 1 - lo : 0 : -1]
-        k = int(np.argmin(cand))  # first minimum: the longest run, i.e. fewer launches on ties
+    # rev[len][w - s] = A[len][s] for s = w..1, so one row slice lines up with state.
+    w = min(window, n)
+    rev = table[:, w:0:-1]
+    lens = lengths.tolist()
+    argmin = np.argmin
+    for i in range(w):  # windows not yet full: runs may start anywhere in [0, i]
+        cand = state[: i + 1] + rev[lens[i], w - i - 1 :]
+        k = int(argmin(cand))  # first minimum: the longest run, i.e. fewer launches on ties
+        state[i + 1] = cand[k]
+        best_start[i] = k
+    for i in range(w, n):
+        lo = i + 1 - w
+        cand = state[lo : i + 1] + rev[lens[i]]
+        k = int(argmin(cand))
         state[i + 1] = cand[k]
         best_start[i] = lo + k
     starts = []
@@ -182,8 +219,8 @@ def split_sorted(
         return np.zeros(0, dtype=np.int64)
     if np.any(lengths[1:] < lengths[:-1]):
         raise ValueError("lengths_sorted must be ascending")
-    cap = lengths.size if max_batch is None else min(lengths.size, max_batch)
-    return _split(lengths, cost.single_table(int(lengths[-1]), cap), max_batch)
+    window = min(lengths.size, _run_window(cost, max_batch))
+    return _split(lengths, cost.single_table(int(lengths[-1]), window), window)
 
 
 def _pack(
@@ -226,11 +263,10 @@ def stage1(
     bounds = np.flatnonzero(t_sorted[1:] != t_sorted[:-1]) + 1
     t_start = np.concatenate(([0], bounds))
     t_end = np.append(bounds, lengths.size)
-    longest_run = int((t_end - t_start).max())
-    cap = longest_run if max_batch is None else min(longest_run, max_batch)
-    table = cost.single_table(int(l_sorted.max()), cap)
+    window = min(int((t_end - t_start).max()), _run_window(cost, max_batch))
+    table = cost.single_table(int(l_sorted.max()), window)
     starts = np.concatenate(
-        [_split(l_sorted[a:b], table, max_batch) + a for a, b in zip(t_start, t_end)]
+        [_split(l_sorted[a:b], table, window) + a for a, b in zip(t_start, t_end)]
     )
     return _pack(order.astype(np.int64), l_sorted, starts, t_sorted[starts], table)
 
@@ -247,27 +283,31 @@ def turbo_dp(lengths: np.ndarray, cost: CostModel, max_batch: int | None = None)
         return _no_minibatches()
     order = np.argsort(lengths, kind="stable").astype(np.int64)
     l_sorted = lengths[order]
-    cap = lengths.size if max_batch is None else min(lengths.size, max_batch)
-    table = cost.single_table(int(l_sorted[-1]), cap)
-    starts = _split(l_sorted, table, max_batch)
+    window = min(lengths.size, _run_window(cost, max_batch))
+    table = cost.single_table(int(l_sorted[-1]), window)
+    starts = _split(l_sorted, table, window)
     return _pack(order, l_sorted, starts, np.full(starts.size, MIXED_TENANTS, np.int64), table)
 
 
-def _group_sizes(g: np.ndarray) -> list[int]:
-    """Eq. 4.2 on one class of ``m`` equal shapes; ``g[n - 1]`` costs a group of n.
+def _group_sizes(g: np.ndarray, m: int) -> list[int]:
+    """Eq. 4.2 on one class of ``m`` equal shapes; ``g[n - 1]`` costs a group of n, for n up to
+    ``g.size`` (the window: groups larger than that are never tried).
 
     Returns group sizes summing to m, in member order.
     """
-    m = g.size
+    w = g.size
     state = np.zeros(m + 1)
     best_n = np.zeros(m + 1, dtype=np.int64)
+    g_rev = g[::-1]  # g_rev[w - n] = g(n)
+    argmin = np.argmin
     for i in range(1, m + 1):
-        # cand[n - 1] = state[i - n] + g(n) for n = 1..i; read reversed so that ties go to the
-        # largest group.
-        cand = state[i - 1 :: -1] + g[:i]
-        k = i - 1 - int(np.argmin(cand[::-1]))
+        # cand[k] = state[i - n] + g(n) for n = top - k, top = min(i, w): largest group first,
+        # so the first minimum gives ties to the largest group.
+        top = min(i, w)
+        cand = state[i - top : i] + g_rev[w - top :]
+        k = int(argmin(cand))
         state[i] = cand[k]
-        best_n[i] = k + 1
+        best_n[i] = top - k
     sizes = []
     i = m
     while i > 0:
@@ -293,12 +333,12 @@ def stage2(mb: MiniBatches, cost: CostModel) -> Groups:
     c_start = np.flatnonzero(np.concatenate(([m_total > 0], new_class)))
     c_count = np.diff(np.append(c_start, m_total))
     c_len, c_size = lens[c_start], sizes[c_start]
-    single = (cost.single_table(int(c_len.max()), int(c_size.max()))[c_len, c_size]
-              if m_total else np.zeros(0))
+    single = cost.single_v(c_len, c_size) if m_total else np.zeros(0)
 
-    # One vectorised B query for every (class, n >= 2) pair of the classes that can batch:
-    # class c's costs for n = 2..count sit at b_cost[b_off[c] : b_off[c] + count - 1].
-    reps = np.maximum(c_count - 1, 0)
+    # One vectorised B query for every (class, 2 <= n <= window) pair of the classes that can
+    # batch: class c's costs for n = 2..min(count, window) sit at b_cost[b_off[c] :][:reps[c]].
+    window = _group_window(cost)
+    reps = np.clip(c_count, 1, window) - 1
     b_off = np.cumsum(reps) - reps
     q_class = np.repeat(np.arange(c_count.size), reps)
     q_n = np.arange(q_class.size) - b_off[q_class] + 2
@@ -312,8 +352,8 @@ def stage2(mb: MiniBatches, cost: CostModel) -> Groups:
             parts, costs = [1], single[c : c + 1]
         else:
             off = int(b_off[c])
-            costs = np.concatenate((single[c : c + 1], b_cost[off : off + count - 1]))
-            parts = _group_sizes(costs)
+            costs = np.concatenate((single[c : c + 1], b_cost[off : off + int(reps[c])]))
+            parts = _group_sizes(costs, count)
         g_size.extend(parts)
         g_class.extend([c] * len(parts))
         g_cost.extend(float(costs[n - 1]) for n in parts)
@@ -329,6 +369,31 @@ def stage2(mb: MiniBatches, cost: CostModel) -> Groups:
 
 
 # -- exhaustive references, for tests only ----------------------------------------------------
+
+
+def reference_split(
+    lengths_sorted: np.ndarray, cost: CostModel, max_batch: int | None = None
+) -> tuple[float, np.ndarray]:
+    """Eq. 4.1 without the window: every run ``[j, i]`` up to ``max_batch`` is tried, costed
+    with :meth:`CostModel.single_v`. Returns ``(cost_ms, starts)``. O(n^2): tests only."""
+    lengths = _as_lengths(lengths_sorted, "lengths_sorted")
+    n = lengths.size
+    if n == 0:
+        return 0.0, np.zeros(0, dtype=np.int64)
+    state = np.zeros(n + 1)
+    best_start = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        lo = 0 if max_batch is None else max(0, i + 1 - max_batch)
+        cand = state[lo : i + 1] + cost.single_v(int(lengths[i]), np.arange(i + 1 - lo, 0, -1))
+        k = int(np.argmin(cand))
+        state[i + 1] = cand[k]
+        best_start[i] = lo + k
+    starts = []
+    i = n - 1
+    while i >= 0:
+        starts.append(int(best_start[i]))
+        i = int(best_start[i]) - 1
+    return float(state[n]), np.asarray(starts[::-1], dtype=np.int64)
 
 
 def brute_force_split(
