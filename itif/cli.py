@@ -70,7 +70,7 @@ def cmd_plan(args) -> int:
     from itif.batching.report import plan_report  # noqa: PLC0415
 
     report = plan_report(args.backbone, args.workload, args.tenants, args.requests,
-                         skew=args.skew, seed=args.seed)
+                         skew=args.skew, seed=args.seed, threads=args.threads)
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--requests", type=int, default=64)
     s.add_argument("--skew", default=None, help="tenant popularity, e.g. zipf:1.5")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the run (default: torch's); 1 is steadier on a "
+                        "shared CPU")
     s.add_argument("--json", action="store_true", help="compact JSON")
     s.set_defaults(fn=cmd_plan)
 
