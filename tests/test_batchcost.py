@@ -5,17 +5,16 @@ on the shared 2-core CI machine wall times of the same forward moved by 2-10x fr
 minute (other jobs; a descheduled OpenMP thread stalls a parallel op for a whole time slice),
 while thread CPU time moved by about 10-20 %.
 
-Bounds, from measurements on that machine (bert-tiny, 1 thread, best of 5): the predictor's
-error on ``itif plan``'s three workloads x five strategies was within -24 % .. +21 % over
-several runs, and within 10 % of the run's common drift (all strategies of one run move
-together as the load changes). So:
+Bounds, from measurements on that machine (bert-tiny, 1 thread, best of 7 rounds): on ``itif
+plan``'s three workloads x five strategies the error was within +-8 % on a quiet machine; on
+the three layouts below -1 .. -10 %. Under heavy load from other jobs even thread CPU time
+rose by up to 60 % (measured 12 -> 20 ms for one layout), moving every layout together. So:
 
-* absolute error <= 30 % on each layout below;
-* the ratio of two layouts' predictions is within 20 % of the ratio of their measurements
-  (common drift cancels);
+* the drift common to all layouts (geometric mean of predicted / measured) is within 1.6x;
+* after removing it, each layout's error is within 15 %;
 * a predictor that prices every GEMM as one ``mm`` over its rows, whatever the backend, misses
-  the 128-segment ``loop`` layout by far more than 30 % (about -45 % measured; asserted, so
-  the bound means something).
+  by more than 15 % on some layout whatever common factor it is given (measured: 26-40 % on
+  the 128-segment ``loop`` and the ``bmm`` layouts; asserted, so the bound means something).
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from itif.batching.batchcost import (
 from itif.batching.layout import SINGLE_GEMM, build_layout, layout_packed, layout_pad_to_max
 
 TENANTS = 32
-ABS_BOUND = 0.30
-RATIO_BOUND = 0.20
+ABS_BOUND = 0.60
+REL_BOUND = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def setup():
         eng = itif.Engine("bert-tiny")
         for i in range(TENANTS):
             eng.add_tenant(f"t{i}", random_weights(eng.spec, num_labels=2, seed=i))
-        model = BatchCostModel.profile(eng)
+        model = BatchCostModel.profile(eng, passes=2)
         rng = np.random.default_rng(7)
         tenant = np.repeat(np.arange(TENANTS, dtype=np.int32), 4)
         length = rng.integers(4, 17, tenant.size).astype(np.int32)
@@ -114,6 +113,12 @@ def test_backends_are_the_ones_meant(setup):
         assert abs(exact - approx) <= 0.05 * exact + 0.05, (k, exact, approx)
 
 
+def _drift(pred, measured):
+    """Geometric mean of predicted / measured: the error common to every layout (the load on
+    the machine now versus during calibration moves all of them together)."""
+    return float(np.exp(np.mean([np.log(pred[k] / measured[k]) for k in measured])))
+
+
 def test_prediction_error_and_a_backend_blind_predictor_fails(setup):
     eng, model, reqs, layouts = setup
     measured = _measure(eng, reqs, layouts)
@@ -122,19 +127,16 @@ def test_prediction_error_and_a_backend_blind_predictor_fails(setup):
             for k, lay in layouts.items()}
     wrong = {k: blind.predict_batch(lay, prepare_for(eng, reqs, lay), key=())
              for k, lay in layouts.items()}
-    err = {k: (pred[k] - measured[k]) / measured[k] for k in layouts}
-    wrong_err = {k: (wrong[k] - measured[k]) / measured[k] for k in layouts}
-    detail = dict(measured=measured, predicted=pred, err=err, blind_err=wrong_err)
+    drift, wrong_drift = _drift(pred, measured), _drift(wrong, measured)
+    err = {k: pred[k] / measured[k] / drift - 1 for k in layouts}
+    wrong_err = {k: wrong[k] / measured[k] / wrong_drift - 1 for k in layouts}
+    detail = dict(measured=measured, predicted=pred, blind=wrong, drift=drift, err=err,
+                  blind_err=wrong_err)
+    assert 1 / (1 + ABS_BOUND) <= drift <= 1 + ABS_BOUND, detail
     for k in layouts:
-        assert abs(err[k]) <= ABS_BOUND, detail
-    # Ratios to packed: drift common to all layouts cancels.
-    for k in ("padded", "interleaved"):
-        p, m = pred[k] / pred["packed"], measured[k] / measured["packed"]
-        assert abs(p / m - 1) <= RATIO_BOUND, (k, p, m, detail)
-    # The deliberately wrong predictor misses the loop layout by far more than the bound.
-    assert abs(wrong_err["interleaved"]) > ABS_BOUND, detail
-    p = wrong["interleaved"] / wrong["packed"]
-    assert abs(p / (measured["interleaved"] / measured["packed"]) - 1) > RATIO_BOUND, detail
+        assert abs(err[k]) <= REL_BOUND, detail
+    # The deliberately wrong predictor cannot be made to fit by any common factor.
+    assert max(abs(e) for e in wrong_err.values()) > REL_BOUND, detail
 
 
 def test_ranking_matches_on_a_clear_case(setup):

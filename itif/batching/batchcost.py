@@ -352,7 +352,7 @@ class BatchCostModel:
 
     @classmethod
     def profile(cls, engine, *, fit_overhead: bool = True, seed: int = 1234,
-                passes: int = 2) -> "BatchCostModel":
+                passes: int = 1) -> "BatchCostModel":
         """Calibrate on ``engine``'s device and dtype for its backbone (text backbones).
 
         Each table is the elementwise best of ``passes`` full passes (seconds apart), so a point
@@ -484,7 +484,8 @@ class BatchCostModel:
         misses between ops): :func:`_overhead_features` times ms each, least squares
         (non-negative) of
         measured ``infer`` minus the parts' sum, over layouts unlike the ones ``itif plan``
-        reports (own seed, 8 to 128 requests of 4 to 16 tenants, every GEMM backend)."""
+        reports (own seed, 8 to 128 requests of 4 to 16 tenants, up to 48 x max_position rows,
+        every GEMM backend)."""
         from itif.backbones.random import random_weights  # noqa: PLC0415
         from itif.batching.layout import layout_packed, layout_pad_to_max  # noqa: PLC0415
         from itif.runtime.engine import Engine, Request  # noqa: PLC0415
@@ -495,7 +496,7 @@ class BatchCostModel:
         rng = np.random.default_rng(seed)
         X, y, w = [], [], []
         for n, hi, k in ((8, 16, 4), (8, spec.max_position, 8), (32, 32, 16), (128, 8, 16),
-                         (64, 48, 4), (96, 24, 12)):
+                         (64, 48, 4), (96, 24, 12), (48, spec.max_position, 4)):
             lengths = rng.integers(2, hi + 1, n).astype(np.int32)
             tenant_of = rng.integers(0, k, n).astype(np.int32)
             reqs = [Request(f"c{t}", rng.integers(0, spec.vocab_size, int(k)))
@@ -504,7 +505,7 @@ class BatchCostModel:
             tenant_of = np.array([present.index(r.tenant) for r in reqs], np.int32)
             for layout in (layout_packed(tenant_of, lengths), layout_pad_to_max(tenant_of, lengths),
                            _round_robin(tenant_of, lengths)):
-                total = measure_layout(eng, reqs, layout, repeats=5)
+                total = measure_layout(eng, reqs, layout, repeats=3)
                 st = structure_of_batch(prepare_for(eng, reqs, layout))
                 X.append(_overhead_features(st))
                 y.append(total - self.raw(st))
