@@ -16,6 +16,7 @@ import torch
 
 from itif.ops import cuda, dispatch, reference
 from itif.ops.reference import AttnGroup, RotParam
+from itif.ops.selftest import softmax_oracle
 from itif.platform import cupy_module
 
 
@@ -231,17 +232,7 @@ def test_bad_slot_rows_are_nan():
 # masked softmax and attention
 
 
-def _softmax_oracle(s, rows_per_seq, lengths, key_mask, scale):
-    rows, L = s.shape
-    n = rows // rows_per_seq
-    live = torch.ones(n, L, dtype=torch.bool, device=s.device)
-    if lengths is not None:
-        live &= torch.arange(L, device=s.device)[None] < lengths[:, None]
-    if key_mask is not None:
-        live &= key_mask.reshape(n, L)
-    live = live.repeat_interleave(rows_per_seq, 0)
-    z = (s.float() * scale).masked_fill(~live, float("-inf"))
-    return torch.softmax(z, -1).nan_to_num(0.0)
+_softmax_oracle = softmax_oracle  # the one oracle, shared with the start-up self-test
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
