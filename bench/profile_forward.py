@@ -44,21 +44,6 @@ def _ms(f, n: int = 20) -> float:
     return float(np.median(ts) * 1e3)
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    e.synchronize()
-    return 2 * a.numel() * 10 / (s.elapsed_time(e) / 1e3)
-
-
 def kind_of(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "ampere_", "cublas", "nvjet", "s16816")):
@@ -125,9 +110,9 @@ def profile_one(eng, spec, T: int, dtype: str) -> dict:
                                       for k, v in sorted(by_kind.items())}
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:12]
     res["top_kernels"] = [dict(name=n[:120], us=round(sum(t), 1), launches=len(t)) for n, t in top]
-    from itif.bench.roofline import batch_weight_bytes  # noqa: PLC0415
+    from itif.bench.roofline import batch_weight_bytes, copy_bandwidth  # noqa: PLC0415
 
-    bw = copy_bandwidth(torch.device("cuda"))
+    bw, _ = copy_bandwidth(torch.device("cuda"))
     wbytes = batch_weight_bytes(eng, [f"t{i}" for i in range(T)], T * 128)
     res["copy_bandwidth_tb_s"] = bw / 1e12
     res["weight_bytes"] = wbytes

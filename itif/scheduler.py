@@ -757,6 +757,7 @@ class Scheduler:
                 continue
             if batch and tokens + t.tokens > budget:
                 continue  # this tenant sits out this batch; it keeps the smallest tag
+            grown = None
             if sizing and batch:
                 grown = self._estimate_locked(len(batch) + 1, tokens + t.tokens) / 1000.0
                 if grown > feasible_slack:
@@ -770,7 +771,8 @@ class Scheduler:
             batch.append(t)
             tokens += t.tokens
             if sizing:  # est only grows with the batch, so the feasible set only shrinks
-                est = self._estimate_locked(len(batch), tokens) / 1000.0
+                est = grown if grown is not None else (
+                    self._estimate_locked(len(batch), tokens) / 1000.0)
                 heapq.heappush(slacks, t.enqueued_at + tq.quota.latency_target_ms / 1000.0 - now)
                 while slacks and slacks[0] < est:
                     heapq.heappop(slacks)

@@ -93,6 +93,14 @@ def diagnostics(rows, meta) -> list[str]:
                                                                              "batch")]
     present = [s for s in SYSTEMS if any(r.get("system") == s for r in ok)]
     keys = _keys(ok)
+
+    def pair_table(first: str, second: str) -> str:
+        """A model x tenants table of every system's ``first / second`` counts."""
+        body = [[m, t] + [_cell(_pick(ok, m, t, s, strat), first, str) + " / " +
+                          _cell(_pick(ok, m, t, s, strat), second, str)
+                          for s in present] for m, t in keys]
+        return _table(["model", "tenants"] + present, body) + "\n"
+
     if any("kernels_per_run" in r for r in ok):
         out.append("### What one run launches\n")
         out.append("CUDA kernels / launch calls of one run, from torch.profiler (outside the "
@@ -100,20 +108,14 @@ def diagnostics(rows, meta) -> list[str]:
                    "included), launch calls the runtime/driver API events that launch work "
                    "(`cudaLaunchKernel`, `cuLaunchKernel`, `cudaGraphLaunch`, ...). mps runs "
                    "in other processes and is not counted.\n")
-        body = [[m, t] + [_cell(_pick(ok, m, t, s, strat), "kernels_per_run", str) + " / " +
-                          _cell(_pick(ok, m, t, s, strat), "launch_calls_per_run", str)
-                          for s in present] for m, t in keys]
-        out.append(_table(["model", "tenants"] + present, body) + "\n")
+        out.append(pair_table("kernels_per_run", "launch_calls_per_run"))
     elif any("aten_ops_per_run" in r for r in ok):
         out.append("### What one run dispatches\n")
         out.append("Aten ops / matmul-family ops (mm, bmm, addmm, matmul, _grouped_mm, linear, "
                    "baddbmm) of one run on the CPU: a TorchDispatchMode, and for hf_compiled the "
                    "profiler's top-level aten ops (compiled code runs its fused kernels outside "
                    "aten).\n")
-        body = [[m, t] + [_cell(_pick(ok, m, t, s, strat), "aten_ops_per_run", str) + " / " +
-                          _cell(_pick(ok, m, t, s, strat), "matmul_ops_per_run", str)
-                          for s in present] for m, t in keys]
-        out.append(_table(["model", "tenants"] + present, body) + "\n")
+        out.append(pair_table("aten_ops_per_run", "matmul_ops_per_run"))
     wb = [r for r in ok if r.get("system", "").startswith("itif") and "weight_bound_ms" in r
           and r.get("strategy") == strat]
     if wb:

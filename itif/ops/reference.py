@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from itif.runtime.gemm import broadcast_rows
+
 
 class RotParam(NamedTuple):
     """A rotated parameter: all slots of one kind, and the slot each row reads.
@@ -43,8 +45,6 @@ def _apply(x: torch.Tensor, p: RotParam, op: str) -> torch.Tensor:
     per segment when there are few, else through materialised per-row values."""
     plan = p.plan
     if plan is not None and p.buf.dim() == 2:
-        from itif.runtime.gemm import broadcast_rows  # noqa: PLC0415 - avoid an import cycle
-
         view = broadcast_rows(p.buf, plan)
         if view is not None:
             target = x.view(plan.n, plan.L, x.shape[-1]) if plan.backend == "bmm" else x

@@ -34,16 +34,14 @@ class Packer:
 
     def __init__(self) -> None:
         self._parts: list[np.ndarray] = []
-        self.slices: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self._sizes: dict[str, int] = {}
+        self.slices: dict[str, tuple[int, int, tuple[int, ...]]] = {}  # name -> start, size, shape
         self.size = 0
 
     def add(self, name: str, arr) -> str:
         a = np.ascontiguousarray(arr, dtype=np.int64)
         if name in self.slices:
             raise KeyError(f"{name} packed twice")
-        self.slices[name] = (self.size, a.shape)
-        self._sizes[name] = a.size
+        self.slices[name] = (self.size, a.size, a.shape)
         self._parts.append(a.reshape(-1))
         self.size += a.size
         return name
@@ -55,8 +53,8 @@ class Packer:
         return buf
 
     def view(self, dev: torch.Tensor, name: str) -> torch.Tensor:
-        start, shape = self.slices[name]
-        return dev[start : start + self._sizes[name]].view(shape)
+        start, size, shape = self.slices[name]
+        return dev[start : start + size].view(shape)
 
 
 class Params:
@@ -70,8 +68,6 @@ class Params:
     def __init__(self, view: StoreView, tenants: tuple[str, ...], runs, tables: dict[str, np.ndarray],
                  rows: int, device: torch.device, dtype: torch.dtype) -> None:
         self.view = view
-        self.tenants = tenants
-        self.rows = rows
         entry = view.tenants[tenants[0]]
         self._kind = {name: kind for name, (kind, _) in entry.slots.items()}
         self._row: dict[str, int] = {}  # name -> row of the packed table matrix
@@ -182,9 +178,9 @@ class PreparedBatch:
         a[:] = self.host_ints.numpy()
         floats = None
         if self.spec.is_text:
-            start, _ = self.packer.slices["ids"]
+            start = self.packer.slices["ids"][0]
             a[start + self.tok_row] = ids
-            start, _ = self.packer.slices["types"]
+            start = self.packer.slices["types"][0]
             a[start : start + self.rows] = 0
             if types is not None:
                 a[start + self.tok_row] = types
