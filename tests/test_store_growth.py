@@ -25,9 +25,6 @@ from itif.backbones.spec import BackboneSpec
 from itif.bench.tenants import tenant_weights
 from itif.weights.store import WeightStore, tensor_key
 
-MAX_WAIT_S = 0.050
-
-
 def _cw(tensors: dict[str, torch.Tensor]) -> CanonicalWeights:
     return CanonicalWeights(tensors, None, False)
 
@@ -41,8 +38,8 @@ def test_readers_and_accounting_never_wait_for_growth():
     """A writer adds 128 tenants with a distinct 2 MiB tensor each: the buffer of that kind
     grows 7 times, the last growth copying 64 slots (128 MiB) into a new 256 MiB buffer. A
     reader thread reads slots through ``store.read()`` and an accounting thread calls
-    ``weight_bytes`` / ``tenant_bytes`` / ``reserved_bytes`` all along; neither ever waits more
-    than 50 ms, and the reader always sees the right bytes."""
+    ``weight_bytes`` / ``tenant_bytes`` / ``reserved_bytes`` all along; both keep finishing
+    calls while the writer copies, and the reader always sees the right bytes."""
     shape = (512, 1024)  # 2 MiB float32
     big = ("big", shape)
     store = WeightStore()
@@ -94,13 +91,15 @@ def test_readers_and_accounting_never_wait_for_growth():
             t.join()
     assert not wrong, wrong[:5]
     assert len(growths) == 7 and store.view.buffers[big].shape[0] == 128
-    during = [d for s, d in reads if any(a <= s <= b for a, b in growths)]
-    assert during, "no read overlapped a growth: the test measured nothing"
-    worst_read = max(d for _, d in reads)
-    worst_acct = max(d for _, d in acct)
-    slowest_growth = max(b - a for a, b in growths)
-    assert worst_read <= MAX_WAIT_S, (worst_read, slowest_growth, len(reads))
-    assert worst_acct <= MAX_WAIT_S, (worst_acct, slowest_growth, len(acct))
+    # A reader or accountant that waited for the writer would finish no call while a growth is
+    # under way. Each of the three slowest growths (tens of ms: a 64-128 MiB copy) must contain
+    # a whole call of both threads, started and finished while the writer was still copying.
+    # (An absolute bound on the slowest call measured the CI machine's scheduler instead: one
+    # 51 ms read on a loaded 2-core runner while a 100 ms growth ran.)
+    for a, b in sorted(growths, key=lambda g: g[0] - g[1])[:3]:
+        inside_reads = sum(1 for s, d in reads if a <= s and s + d <= b)
+        inside_acct = sum(1 for s, d in acct if a <= s and s + d <= b)
+        assert inside_reads >= 1 and inside_acct >= 1, (b - a, inside_reads, inside_acct)
 
 
 # ---- (b) ---------------------------------------------------------------------------------------
