@@ -273,6 +273,9 @@ def test_statistics_count_what_was_sent(daemon, triton):
     assert s.success.count - b.success.count == len(rows)
     assert s.queue.count - b.queue.count == len(rows)
     assert s.compute_infer.count - b.compute_infer.count == len(rows)
+    # perf_analyzer aborts ("Server side statistics compute counts must be the same") unless
+    # compute_input, compute_infer and compute_output counts agree
+    assert s.compute_input.count == s.compute_infer.count == s.compute_output.count
     assert s.success.ns > b.success.ns and s.compute_infer.ns > b.compute_infer.ns
     assert s.fail.count == b.fail.count
     assert 1 <= after.execution_count - before.execution_count <= len(rows)

@@ -316,6 +316,11 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         for name in names:
             s = metrics.tenant_stats(name) if metrics is not None else TenantCallStats()
             D = pb.StatisticDuration
+            # Triton counts compute_input, compute_infer and compute_output once per executed
+            # call, and perf_analyzer aborts unless the three counts are equal. itif measures
+            # one compute span (batch start to result, which includes copying the rows in and
+            # the outputs out), so compute_infer carries it and the other two have the same
+            # count with 0 ns: no time is reported twice.
             out.append(pb.ModelStatistics(
                 name=name, version=VERSION, last_inference=s.last_inference_ms,
                 inference_count=s.inferences, execution_count=s.executions,
@@ -323,8 +328,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                     success=D(count=s.success, ns=s.success_ns),
                     fail=D(count=s.fail, ns=s.fail_ns),
                     queue=D(count=s.queue, ns=s.queue_ns),
-                    compute_input=D(), compute_output=D(),
-                    compute_infer=D(count=s.compute, ns=s.compute_ns)),
+                    compute_input=D(count=s.compute, ns=0),
+                    compute_infer=D(count=s.compute, ns=s.compute_ns),
+                    compute_output=D(count=s.compute, ns=0)),
             ))
         return pb.ModelStatisticsResponse(model_stats=out)
 
