@@ -10,7 +10,21 @@ from itif.errors import (
     Overloaded,
     TenantNotFound,
 )
-from itif.runtime.engine import Engine, Request, Result, TenantInfo
+from itif.requests import Request, Result
+
+_LAZY = {"Engine": "itif.runtime.engine", "TenantInfo": "itif.runtime.engine"}
+
+
+def __getattr__(name: str):
+    """``itif.Engine`` and ``itif.TenantInfo`` load the engine (and torch) on first use, so that
+    ``import itif.scheduler`` or ``import itif.config`` stays light."""
+    if name in _LAZY:
+        import importlib  # noqa: PLC0415
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'itif' has no attribute {name!r}")
 
 __all__ = [
     "PRESETS",

@@ -76,3 +76,15 @@ class DeadlineExceeded(ItifError):
 
 class Cancelled(ItifError):
     code = "CANCELLED"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the host or the device ran out of memory: ``MemoryError``, torch's
+    ``OutOfMemoryError`` ("CUDA out of memory"), CuPy's ``OutOfMemoryError`` and
+    ``cudaErrorMemoryAllocation`` ("out of memory"). The one test every layer uses (the
+    scheduler's ``OutOfMemory``, the server's RESOURCE_EXHAUSTED)."""
+    if isinstance(exc, MemoryError):
+        return True
+    if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
+        return True
+    return "out of memory" in str(exc).lower()

@@ -1,6 +1,7 @@
 """Shared pieces of the reliability suite (tests/test_reliability_*.py).
 
-Every test drives a REAL ``itif serve`` subprocess on loopback (``RDaemon``), and records what it
+Every test drives a REAL ``itif serve`` subprocess on loopback (``tests.daemon_harness.Daemon``,
+re-exported here), and records what it
 tried in a ``Tally`` (``rel`` fixture): inputs sent, faults injected, unexpected outcomes. With
 ``ITIF_RELIABILITY_REPORT=<file>`` each test appends one JSON line to that file at teardown;
 ``bench/reliability_report.py`` renders the table of docs/reliability.md from it.
@@ -15,9 +16,6 @@ import functools
 import hashlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -30,14 +28,21 @@ import grpc
 import pytest
 
 from itif.client import Client
-from itif.config import hash_token
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.weights.safetensors_io import save_safetensors
-from tests.daemon_harness import ADMIN, free_port, tenant_yaml  # noqa: F401 - re-exported
+from tests.daemon_harness import ADMIN, ROOT, TLS, Daemon, free_port
+
+# The harness (tests/daemon_harness.py: ADMIN ... free_port) is re-exported for the suite.
+__all__ = [
+    "ADMIN", "ROOT", "TLS", "Daemon", "free_port",
+    "OK", "REPORT_ENV", "SUSTAIN_ENV", "Tally", "code_of", "error_of", "flood_main", "infer_sha",
+    "make_tokens", "metric", "promise", "rel", "scrape", "sha256", "state_dict",
+    "sustain_seconds", "upload_bytes", "upload_messages", "wait_until", "weights_bytes",
+    "weights_file",
+]
 
 REPORT_ENV = "ITIF_RELIABILITY_REPORT"
 SUSTAIN_ENV = "ITIF_RELIABILITY_SUSTAIN_S"
-ROOT = Path(__file__).resolve().parent.parent
 OK = grpc.StatusCode.OK
 
 
@@ -176,233 +181,6 @@ def weights_file(dirpath: Path, seed: int, num_labels: int = 2) -> Path:
     if not p.exists():
         p.write_bytes(weights_bytes(seed, num_labels))
     return p
-
-
-# ---- the daemon -----------------------------------------------------------------------------
-@dataclass
-class TLS:
-    """PEM files/bytes for a TLS daemon and its clients."""
-
-    ca: bytes
-    client_key: bytes | None = None
-    client_cert: bytes | None = None
-
-
-@dataclass
-class RDaemon:
-    """A real ``python -m itif serve`` on 127.0.0.1 with knobs for the reliability suite."""
-
-    root: Path
-    tenants: dict[str, str]  # id -> token
-    tenant_extra: dict[str, dict] = field(default_factory=dict)
-    scheduler: dict = field(default_factory=lambda: {"max_wait_ms": 1})
-    server_extra: dict = field(default_factory=dict)
-    faults: str = ""
-    backbone: str = "bert-tiny"
-    backbone_extra: dict = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
-    tls: TLS | None = None
-    proc: subprocess.Popen | None = None
-
-    # -- layout --
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def config(self) -> Path:
-        return self.root / "tenants.yaml"
-
-    @property
-    def store(self) -> Path:
-        return self.root / "data" / "store"
-
-    @property
-    def weights_dir(self) -> Path:
-        return self.store / "weights"
-
-    @property
-    def tmp_dir(self) -> Path:
-        return self.store / "tmp"
-
-    def tmp_files(self) -> list[str]:
-        try:
-            return sorted(os.listdir(self.tmp_dir))
-        except FileNotFoundError:
-            return []
-
-    def stored(self, tenant: str) -> tuple[bytes | None, str | None]:
-        """(committed file bytes, digest in its sidecar) -- either may be None."""
-        data = self.weights_dir / f"{tenant}.safetensors"
-        side = self.weights_dir / f"{tenant}.sha256"
-        return (data.read_bytes() if data.exists() else None,
-                side.read_text().split()[0] if side.exists() else None)
-
-    # -- config --
-    def yaml(self, tenants: dict[str, str] | None = None, *,
-             tenant_extra: dict[str, dict] | None = None, scheduler: dict | None = None,
-             server_extra: dict | None = None) -> str:
-        server = {"listen": self.addr, "data_dir": "./data",
-                  "admin_token_sha256": hash_token(ADMIN),
-                  **(self.server_extra if server_extra is None else server_extra)}
-        out = ["server:"]
-        for k, v in server.items():
-            if isinstance(v, dict):
-                out.append(f"  {k}:")
-                out += [f"    {kk}: {vv}" for kk, vv in v.items()]
-            else:
-                out.append(f"  {k}: {v}")
-        out += ["backbone:", f"  config: {self.backbone}", "  device: cpu"]
-        out += [f"  {k}: {v}" for k, v in self.backbone_extra.items()]
-        out.append("scheduler:")
-        out += [f"  {k}: {v}" for k, v in (self.scheduler if scheduler is None
-                                            else scheduler).items()]
-        tenants = self.tenants if tenants is None else tenants
-        extra = self.tenant_extra if tenant_extra is None else tenant_extra
-        out.append("tenants:" + ("" if tenants else " []"))
-        return "\n".join(out) + "\n" + (tenant_yaml(tenants, extra) if tenants else "")
-
-    def write_config(self, text: str | None = None) -> None:
-        """Replace the config the way editors do: write a temp file, then rename it over."""
-        tmp = self.config.with_name(".tenants.yaml.tmp")
-        tmp.write_text(self.yaml() if text is None else text)
-        os.replace(tmp, self.config)
-
-    # -- process --
-    def start(self, timeout: float = 90.0, wait: bool = True) -> RDaemon:
-        """Launch the daemon (and by default wait until it is SERVING). If another process took
-        the port between ``free_port()`` and the daemon's bind, move to a new port and retry."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        if not self.config.exists():
-            self.write_config()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("ITIF_FAULT_INJECT", None)
-        if self.faults:
-            env["ITIF_FAULT_INJECT"] = self.faults
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        for attempt in range(3):
-            log_start = len(self.logs())
-            self._log = open(self.root / "daemon.log", "a")  # noqa: SIM115 - closed in stop()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "itif", "serve", "--config", str(self.config)],
-                stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root, env=env)
-            if not wait:
-                return self
-            try:
-                self.wait_serving(timeout)
-                return self
-            except RuntimeError:
-                taken = "cannot listen" in self.logs()[log_start:]
-                generated = self.config.read_text() == self.yaml()
-                self.proc = None
-                self._log.close()
-                if not (taken and generated) or attempt == 2:
-                    raise
-                self.port = free_port()
-                self.config.write_text(self.yaml())  # in place: a symlinked config stays one
-        return self
-
-    def port_open(self) -> bool:
-        """Whether the daemon accepts TCP connections (polled with plain sockets: a gRPC channel
-        that failed to connect backs off for a second or more before it tries again)."""
-        with socket.socket() as s:
-            s.settimeout(1.0)
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
-
-    def wait_port(self, timeout: float = 90.0) -> None:
-        end = time.monotonic() + timeout
-        while not self.port_open():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.logs()}")
-            if time.monotonic() > end:
-                raise TimeoutError(f"daemon port not open:\n{self.logs()[-4000:]}")
-            time.sleep(0.02)
-
-    def wait_serving(self, timeout: float = 90.0) -> None:
-        self.wait_port(timeout)
-        with self.client(ADMIN) as c:
-            end = time.monotonic() + timeout
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.logs()}")
-                try:
-                    if c.health_status(timeout=1.0) == "SERVING":
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > end:
-                    raise TimeoutError(f"daemon not ready:\n{self.logs()[-4000:]}")
-                time.sleep(0.05)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait; returns the exit status."""
-        if self.proc is None:
-            return 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.proc = None
-        self._log.close()
-        return code
-
-    def sigkill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.proc = None
-        self._log.close()
-
-    def restart(self) -> RDaemon:
-        self.stop()
-        return self.start()
-
-    def logs(self) -> str:
-        try:
-            return (self.root / "daemon.log").read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    # -- process introspection (Linux /proc) --
-    def fds(self) -> list[str]:
-        """Targets of the daemon's open descriptors."""
-        out = []
-        base = f"/proc/{self.pid}/fd"
-        for name in os.listdir(base):
-            try:
-                out.append(os.readlink(f"{base}/{name}"))
-            except OSError:  # closed while we looked
-                pass
-        return out
-
-    def rss_bytes(self) -> int:
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS")
-
-    # -- clients --
-    def client(self, token: str, *, tls: TLS | None | bool = True, **kw) -> Client:
-        t = self.tls if tls is True else (tls or None)
-        if t is None:
-            return Client(self.addr, token, **kw)
-        return Client(self.addr, token, root_certificates=t.ca, private_key=t.client_key,
-                      certificate_chain=t.client_cert, **kw)
-
-    def __enter__(self) -> RDaemon:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.stop()
 
 
 def make_tokens(names: Iterable[str]) -> dict[str, str]:

@@ -42,8 +42,7 @@ def total(samples, name: str, **labels) -> float:
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics")
     port = free_port()
-    d = Daemon(root, dict(TOKENS), server_extra=f"  metrics_listen: 127.0.0.1:{port}\n").start()
-    d.metrics_port = port
+    d = Daemon(root, dict(TOKENS), server_extra={"metrics_listen": f"127.0.0.1:{port}"}).start()
     for i, (tid, tok) in enumerate(TOKENS.items()):
         m = make_hf_model("bert-tiny", 2, seed=400 + i)
         path = root / f"{tid}.safetensors"
@@ -138,7 +137,7 @@ def test_config_reload_counters(daemon):
     s = scrape(daemon.metrics_port)
     ok0 = value(s, "itif_config_reloads_total", result="ok")
     failed0 = value(s, "itif_config_reloads_total", result="failed")
-    daemon.extra = {"beta": {"weight": 2.0}}
+    daemon.tenant_extra = {"beta": {"weight": 2.0}}
     daemon.write_config()
     end = time.monotonic() + 15
     while value(scrape(daemon.metrics_port), "itif_config_reloads_total", result="ok") == ok0:
@@ -149,5 +148,5 @@ def test_config_reload_counters(daemon):
                 result="failed") == failed0:
         assert time.monotonic() < end, "the broken edit was never refused"
         time.sleep(0.1)
-    daemon.extra = {}
+    daemon.tenant_extra = {}
     daemon.write_config()  # leave a valid file behind

@@ -25,7 +25,7 @@ from itif.server._proto.itif.v1 import itif_pb2
 from tests.reliability_util import (
     ADMIN,
     OK,
-    RDaemon,
+    Daemon,
     code_of,
     error_of,
     free_port,
@@ -49,7 +49,7 @@ READY = itif_pb2.TenantInfo.READY
 FAILED = itif_pb2.TenantInfo.FAILED
 
 
-def answers(d: RDaemon, tokens: dict[str, str]) -> dict[str, tuple[bytes, str]]:
+def answers(d: Daemon, tokens: dict[str, str]) -> dict[str, tuple[bytes, str]]:
     """Each tenant's (logits bytes, weights sha256) for PROBE, asked one at a time."""
     out = {}
     for tid, tok in tokens.items():
@@ -72,7 +72,7 @@ def assert_same(got: dict, want: dict) -> None:
 class Traffic:
     """Background Infer calls for some tenants until stopped; every status is counted."""
 
-    def __init__(self, d: RDaemon, tokens: dict[str, str], threads_per_tenant: int = 1,
+    def __init__(self, d: Daemon, tokens: dict[str, str], threads_per_tenant: int = 1,
                  pause_s: float = 0.0, timeout: float = 30.0) -> None:
         self.codes: dict[str, Counter] = {t: Counter() for t in tokens}
         self._stop = threading.Event()
@@ -115,7 +115,7 @@ def test_health_truthful_and_graceful_shutdown(tmp_path, rel):
     SIGTERM health turns NOT_SERVING, new calls get UNAVAILABLE, the in-flight calls finish
     OK, and the process exits 0 within server.grace_s."""
     tokens = make_tokens(["a"])
-    d = RDaemon(tmp_path, tokens, faults="start_delay:2000,slow:2500",
+    d = Daemon(tmp_path, tokens, faults="start_delay:2000,slow:2500",
                 server_extra={"grace_s": 20})
     d.start(wait=False)
     try:
@@ -164,13 +164,13 @@ def test_health_truthful_and_graceful_shutdown(tmp_path, rel):
 
 
 # ---- 8, 9: kill -9 during uploads; restart restores every tenant ---------------------------
-def _pace_upload(d: RDaemon, token: str, tenant: str, data: bytes, pace_s: float, out: list):
+def _pace_upload(d: Daemon, token: str, tenant: str, data: bytes, pace_s: float, out: list):
     with d.client(token) as c:
         out.append(error_of(lambda: upload_bytes(c, tenant, data, chunk=16 * 1024,
                                                  pace_s=pace_s, timeout=120)))
 
 
-def _check_pair(d: RDaemon, tenant: str, versions: dict[str, bytes]) -> str:
+def _check_pair(d: Daemon, tenant: str, versions: dict[str, bytes]) -> str:
     """The committed pair is exactly one known version (file and sidecar agree), nothing else
     sits in the weights directory, no temp file is left; returns the version's sha256."""
     data, side = d.stored(tenant)
@@ -190,7 +190,7 @@ def test_kill9_during_upload_keeps_old_or_new_weights_exactly(tmp_path, rel):
     full-speed uploads (streaming, validating, committing): after every restart the tenant
     serves exactly the old or the new weights, and every other tenant is restored unchanged."""
     tokens = make_tokens(["t", "u", "v"])
-    d = RDaemon(tmp_path, tokens)
+    d = Daemon(tmp_path, tokens)
     d.start()
     versions = {sha256(weights_bytes(s)): weights_bytes(s) for s in (60, 61, 62, 63)}
     by_seed = {s: sha256(weights_bytes(s)) for s in (60, 61, 62, 63)}
@@ -272,7 +272,7 @@ def test_restart_restores_every_tenant(tmp_path, rel):
     """Eight tenants (two sharing one file): outputs before == outputs after, bit for bit,
     across a SIGTERM restart and across a SIGKILL restart."""
     tokens = make_tokens([f"t{i}" for i in range(8)])
-    d = RDaemon(tmp_path, tokens).start()
+    d = Daemon(tmp_path, tokens).start()
     try:
         for i, (tid, tok) in enumerate(tokens.items()):
             with d.client(tok) as c:
@@ -296,15 +296,16 @@ def test_restart_restores_every_tenant(tmp_path, rel):
 def test_tenant_beyond_the_memory_budget_is_refused_others_untouched(tmp_path, rel):
     """backbone.max_weight_bytes holds two distinct tenants: a third distinct upload answers
     RESOURCE_EXHAUSTED before anything is committed (no stored file, no temp file, the tenant
-    stays NO_WEIGHTS) and the others serve exactly as before; a tenant whose weights equal a
-    stored one's fits (its tensors are shared); a restart restores all that fit, and with a
+    stays NO_WEIGHTS) and the others serve exactly as before; weights equal to a stored
+    tenant's fit when the operator uploads them (their tensors are shared), but not when the
+    tenant does (a tenant is never credited, or told, what other tenants hold); a restart restores all that fit, and with a
     smaller budget the tenant that no longer fits fails alone (FAILED, the reason given)."""
     from itif.runtime.engine import Engine
 
     one = sum(t.numel() * 4 for t in Engine("bert-tiny").load_weights(
         weights_file(tmp_path, 130)).tensors.values())
     tokens = make_tokens(["m1", "m2", "m3", "m4"])
-    d = RDaemon(tmp_path / "d", tokens, backbone_extra={"max_weight_bytes": int(one * 2.5)})
+    d = Daemon(tmp_path / "d", tokens, backbone_extra={"max_weight_bytes": int(one * 2.5)})
     d.start()
     try:
         for tid, seed in (("m1", 130), ("m2", 131)):
@@ -319,10 +320,19 @@ def test_tenant_beyond_the_memory_budget_is_refused_others_untouched(tmp_path, r
             assert code_of(lambda: c.infer("m3", PROBE)) == C.FAILED_PRECONDITION
         assert d.stored("m3") == (None, None) and d.tmp_files() == []
         assert answers(d, {k: tokens[k] for k in ("m1", "m2")}) == before
-        with d.client(tokens["m4"]) as c:  # the same tensors as m1: nothing new to hold
+        with d.client(tokens["m4"]) as c:
+            # The same tensors as m1, sent by m4 itself: the check charges them in full, as if
+            # nothing were shared, so its outcome (and the reply) says nothing about m1's
+            # weights: refused here. The operator's upload of the same file fits (shared).
+            code, msg = error_of(lambda: upload_bytes(c, "m4", weights_bytes(130)))
+            assert code == C.RESOURCE_EXHAUSTED and "budget" in msg, (code, msg)
+        with d.client(ADMIN) as c:
             r = upload_bytes(c, "m4", weights_bytes(130))
             assert r.shared_bytes == r.weight_bytes > 0
-        rel.inputs += 1
+        with d.client(tokens["m4"]) as c:
+            info = c.get_tenant("m4")
+            assert info.exclusive_bytes == info.weight_bytes == r.weight_bytes  # told no sharing
+        rel.inputs += 2
         everyone = answers(d, {k: tokens[k] for k in ("m1", "m2", "m4")})
         assert d.stop() == 0
         d.start()
@@ -382,7 +392,7 @@ def test_corrupted_stored_file_fails_only_its_tenant(tmp_path, rel):
     before, health is SERVING, and a fresh upload heals the broken tenants."""
     names = [f"c{i}" for i in range(len(CORRUPTIONS))] + ["ok"]
     tokens = make_tokens(names)
-    d = RDaemon(tmp_path, tokens).start()
+    d = Daemon(tmp_path, tokens).start()
     try:
         for i, (tid, tok) in enumerate(tokens.items()):
             with d.client(tok) as c:
@@ -425,7 +435,7 @@ def cfg_daemon(tmp_path_factory):
     """A daemon whose tenants.yaml is a Kubernetes-style ConfigMap mount: tenants.yaml ->
     ..data/tenants.yaml, ..data -> ..v1 (the symlink swap test relies on it)."""
     root = tmp_path_factory.mktemp("config")
-    d = RDaemon(root, dict(CFG_TOKENS),
+    d = Daemon(root, dict(CFG_TOKENS),
                 server_extra={"metrics_listen": f"127.0.0.1:{free_port()}"})
     _k8s_write(d, d.yaml(), first=True)
     d.start()
@@ -439,7 +449,7 @@ def cfg_daemon(tmp_path_factory):
 _K8S_GEN = [0]
 
 
-def _k8s_write(d: RDaemon, text: str, first: bool = False) -> None:
+def _k8s_write(d: Daemon, text: str, first: bool = False) -> None:
     """Publish ``text`` the way the kubelet updates a ConfigMap volume: a new timestamped
     directory, a temporary ``..data_tmp`` symlink to it, renamed over ``..data``."""
     _K8S_GEN[0] += 1
@@ -455,14 +465,14 @@ def _k8s_write(d: RDaemon, text: str, first: bool = False) -> None:
         os.replace(link, d.config)
 
 
-def _count(d: RDaemon, what: str) -> int:
+def _count(d: Daemon, what: str) -> int:
     return d.logs().count(what)
 
 
 APPLIED, REFUSED = "config applied", "config reload refused"
 
 
-def _settle(d: RDaemon, applied: int, refused: int, timeout: float = 10.0) -> float:
+def _settle(d: Daemon, applied: int, refused: int, timeout: float = 10.0) -> float:
     """Wait until the log shows exactly these totals; then one more poll interval and debounce
     to prove nothing else is applied. Returns the seconds the first part took."""
     t0 = time.monotonic()
@@ -474,7 +484,7 @@ def _settle(d: RDaemon, applied: int, refused: int, timeout: float = 10.0) -> fl
     return took
 
 
-def _plain_write(d: RDaemon, text: str | bytes) -> None:
+def _plain_write(d: Daemon, text: str | bytes) -> None:
     """Replace the file in place (truncate and write): what ``echo > tenants.yaml`` does."""
     mode = "wb" if isinstance(text, bytes) else "w"
     with open(d.config, mode) as f:
@@ -579,7 +589,7 @@ def test_half_written_editor_rename_and_symlink_swap_apply_once(cfg_daemon, rel)
     assert not traffic.not_ok(), traffic.codes
 
 
-def _editor(d: RDaemon, text: str) -> None:
+def _editor(d: Daemon, text: str) -> None:
     """vim without writebackup tricks: move the original away, write the new file, drop the
     backup (the path is missing for a moment)."""
     backup = d.config.with_name("tenants.yaml~")
@@ -588,7 +598,7 @@ def _editor(d: RDaemon, text: str) -> None:
     backup.unlink()
 
 
-def _halves(d: RDaemon, text: str) -> None:
+def _halves(d: Daemon, text: str) -> None:
     """Truncate and write the first half (a valid YAML that lists fewer tenants), wait 0.2 s
     (less than one poll), write the rest."""
     cut = text.index("  - id: b")
@@ -606,7 +616,7 @@ def test_reload_under_traffic_drops_nothing_and_removed_tenant_drains(tmp_path, 
     and every forward takes 0.5 s (test hook): nothing dropped; the removed tenant's calls that
     were queued or running when the removal applied all finish OK, its new calls are refused
     (UNAUTHENTICATED, or NOT_FOUND at the boundary), and re-adding it restores its weights."""
-    d = RDaemon(tmp_path, dict(CFG_TOKENS), faults="slow:500").start()
+    d = Daemon(tmp_path, dict(CFG_TOKENS), faults="slow:500").start()
     try:
         for i, (tid, tok) in enumerate(CFG_TOKENS.items()):
             with d.client(tok) as c:
@@ -668,7 +678,7 @@ FLT_TOKENS = make_tokens(["o", "p", "q"])
 
 @pytest.fixture(scope="module")
 def flt_daemon(tmp_path_factory):
-    d = RDaemon(tmp_path_factory.mktemp("faults"), dict(FLT_TOKENS), faults="oom:o")
+    d = Daemon(tmp_path_factory.mktemp("faults"), dict(FLT_TOKENS), faults="oom:o")
     d.start()
     for i, (tid, tok) in enumerate(FLT_TOKENS.items()):
         with d.client(tok) as c:
@@ -736,7 +746,7 @@ def _serialized_upload(path: Path, tenant: str, data: bytes) -> Path:
     return path
 
 
-def _received(d: RDaemon, tenant: str, data: bytes) -> bool:
+def _received(d: Daemon, tenant: str, data: bytes) -> bool:
     """The server holds every byte of ``data`` in a temp file, or has committed it already."""
     for f in d.tmp_files():
         try:
@@ -750,7 +760,7 @@ def _received(d: RDaemon, tenant: str, data: bytes) -> bool:
         return False
 
 
-def _upload_fds(d: RDaemon) -> list[str]:
+def _upload_fds(d: Daemon) -> list[str]:
     return [f for f in d.fds() if str(d.tmp_dir) in f or f.endswith(".upload")]
 
 

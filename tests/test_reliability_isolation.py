@@ -20,7 +20,7 @@ from tests.reliability_util import (
     ADMIN,
     OK,
     TLS,
-    RDaemon,
+    Daemon,
     code_of,
     error_of,
     infer_sha,
@@ -39,7 +39,7 @@ PROBE = [3, 1, 4, 1, 5, 9, 2, 6]
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = RDaemon(tmp_path_factory.mktemp("isolation"), dict(TOKENS))
+    d = Daemon(tmp_path_factory.mktemp("isolation"), dict(TOKENS))
     d.start()
     for i, (tid, tok) in enumerate(TOKENS.items()):
         with d.client(tok) as c:
@@ -48,7 +48,7 @@ def daemon(tmp_path_factory):
     d.stop()
 
 
-def snapshot(d: RDaemon) -> dict:
+def snapshot(d: Daemon) -> dict:
     """Every file under the daemon's directory with its size and mtime (the log excepted), the
     stored pairs, and the temp directory's mtime: anything written shows up."""
     out = {}
@@ -61,7 +61,7 @@ def snapshot(d: RDaemon) -> dict:
     return out
 
 
-def outputs_of(d: RDaemon) -> dict:
+def outputs_of(d: Daemon) -> dict:
     res = {}
     for tid, tok in TOKENS.items():
         with d.client(tok) as c:
@@ -190,19 +190,25 @@ def test_tenant_cannot_write_another_and_path_like_ids_refused(daemon, tmp_path,
 @promise(25)
 def test_path_like_tenant_ids_in_a_config_edit_are_refused(daemon, rel):
     """A tenants.yaml edit naming a tenant ``../evil`` (or ``/abs``, ``a\\x00``) is refused as a
-    whole; the last good config keeps serving."""
+    whole: a valid tenant added by the same edit does not appear either; the last good config
+    keeps serving."""
     before_out = outputs_of(daemon)
     good = daemon.yaml()
+    newcomer = "c-token-0123456789"
     try:
         for bad in ("../evil", "/abs", "a\\x00", "A"):
             n = daemon.logs().count("config reload refused")
-            daemon.write_config(good + f'  - id: "{bad}"\n    token_sha256: {"e" * 64}\n')
+            daemon.write_config(good + f"  - id: c\n    token_sha256: {hash_token(newcomer)}\n"
+                                f'  - id: "{bad}"\n    token_sha256: {"e" * 64}\n')
             rel.inputs += 1
             wait_until(lambda: daemon.logs().count("config reload refused") > n, 10,
                        what=f"reload of id {bad!r} refused")
+            with daemon.client(newcomer) as c:  # the edit's valid half was not applied
+                assert code_of(lambda: c.get_tenant("c")) == C.UNAUTHENTICATED, bad
+            with daemon.client(ADMIN) as c:
+                assert sorted(t.id for t in c.tenants()) == sorted(TOKENS), bad
             assert outputs_of(daemon) == before_out
     finally:
-        n = daemon.logs().count("config reload refused")
         daemon.write_config(good)
         time.sleep(1.5)  # one poll plus debounce: the good file is the baseline again
     assert outputs_of(daemon) == before_out
@@ -266,19 +272,29 @@ def test_admin_token_rotation_applies_live(daemon, rel):
     good = daemon.yaml()
     rotated = good.replace(hash_token(ADMIN), hash_token(new_admin))
     assert rotated != good
+    before_files, before_out = snapshot(daemon), outputs_of(daemon)
     try:
         daemon.write_config(rotated)
         with daemon.client(new_admin) as c:
             wait_until(lambda: code_of(c.tenants) == OK, 10, what="new admin token accepted")
+            assert sorted(t.id for t in c.tenants()) == sorted(TOKENS)  # it is the admin
         with daemon.client(ADMIN) as c:
             assert code_of(c.tenants) == C.UNAUTHENTICATED
             assert code_of(lambda: c.delete_weights("a")) == C.UNAUTHENTICATED
-        rel.inputs += 3
-        outputs_of(daemon)
+        rel.inputs += 4
+        # tenants unaffected: every tenant's token still serves the same outputs (bit for bit,
+        # same weights sha256), and the refused delete removed nothing
+        assert outputs_of(daemon) == before_out
+        assert {k: v for k, v in snapshot(daemon).items() if "tenants.yaml" not in k} == {
+            k: v for k, v in before_files.items() if "tenants.yaml" not in k}
+        rel.inputs += len(TOKENS)
     finally:
         daemon.write_config(good)
         with daemon.client(ADMIN) as c:
             wait_until(lambda: code_of(c.tenants) == OK, 10, what="admin token restored")
+    with daemon.client(new_admin) as c:
+        assert code_of(c.tenants) == C.UNAUTHENTICATED  # rotated back: the new one is gone
+    assert outputs_of(daemon) == before_out
 
 
 # ---- 27: TLS and mutual TLS -------------------------------------------------------------------
@@ -317,7 +333,7 @@ def pki(tmp_path_factory) -> Path:
     return d
 
 
-def _tls_daemon(root: Path, pki: Path, mutual: bool) -> RDaemon:
+def _tls_daemon(root: Path, pki: Path, mutual: bool) -> Daemon:
     tls = {"cert": str(pki / "server.pem"), "key": str(pki / "server.key")}
     if mutual:
         tls["client_ca"] = str(pki / "ca.pem")
@@ -325,7 +341,7 @@ def _tls_daemon(root: Path, pki: Path, mutual: bool) -> RDaemon:
     if mutual:
         creds.client_key = (pki / "client.key").read_bytes()
         creds.client_cert = (pki / "client.pem").read_bytes()
-    return RDaemon(root, {"a": TOKENS["a"]}, server_extra={"tls": tls}, tls=creds)
+    return Daemon(root, {"a": TOKENS["a"]}, server_extra={"tls": tls}, tls=creds)
 
 
 def _refused(code: grpc.StatusCode) -> bool:

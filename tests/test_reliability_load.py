@@ -28,7 +28,7 @@ from tests.reliability_util import (
     ADMIN,
     OK,
     ROOT,
-    RDaemon,
+    Daemon,
     code_of,
     error_of,
     free_port,
@@ -54,10 +54,9 @@ FORWARD_S = 2.0  # every forward sleeps this long (slow hook)
 @pytest.fixture(scope="module")
 def qd(tmp_path_factory):
     port = free_port()
-    d = RDaemon(tmp_path_factory.mktemp("queue"), dict(Q_TOKENS),
+    d = Daemon(tmp_path_factory.mktemp("queue"), dict(Q_TOKENS),
                 faults=f"slow:{FORWARD_S * 1e3:g}", tenant_extra={"a": {"max_queue": 4}},
                 server_extra={"metrics_listen": f"127.0.0.1:{port}"})
-    d.metrics_port = port
     d.start()
     with d.client(Q_TOKENS["a"]) as c:
         upload_bytes(c, "a", weights_bytes(200))
@@ -69,7 +68,7 @@ class Blocker:
     """One call of tenant a that keeps the engine busy for FORWARD_S: started, then waited for
     until it has left the queue (it is running)."""
 
-    def __init__(self, d: RDaemon) -> None:
+    def __init__(self, d: Daemon) -> None:
         self.d = d
         self.result: list = []
         self.thread = threading.Thread(target=self._call)
@@ -192,7 +191,7 @@ N_TOKENS = make_tokens(["noisy", "quiet"])
 N_FORWARD_MS, N_WAIT_MS = 40, 20
 
 
-def _flood(d: RDaemon, folder, rate: float) -> subprocess.Popen:
+def _flood(d: Daemon, folder, rate: float) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         [sys.executable, "-c", "from tests.reliability_util import flood_main; flood_main()",
@@ -229,7 +228,7 @@ def test_noisy_neighbour_at_10x_capacity_does_not_starve_a_quiet_one(tmp_path, r
     a round that misses the bound on a starved CPU is retried (three rounds at most, all
     reported)."""
     port = free_port()
-    d = RDaemon(tmp_path / "d", dict(N_TOKENS), faults=f"slow:{N_FORWARD_MS}",
+    d = Daemon(tmp_path / "d", dict(N_TOKENS), faults=f"slow:{N_FORWARD_MS}",
                 scheduler={"max_wait_ms": N_WAIT_MS}, tenant_extra={"noisy": {"max_queue": 1}},
                 server_extra={"metrics_listen": f"127.0.0.1:{port}"})
     d.start()
@@ -309,7 +308,7 @@ class Mix:
         "cancel": {"OK", "CANCELLED", "RESOURCE_EXHAUSTED"},
     }
 
-    def __init__(self, d: RDaemon, k: int, end: float) -> None:
+    def __init__(self, d: Daemon, k: int, end: float) -> None:
         self.d, self.k, self.end = d, k, end
         self.tenant = S_TENANTS[k % len(S_TENANTS)]
         self.rng = random.Random(k)
@@ -370,7 +369,7 @@ class Mix:
             self.seen[(label, method, code.name)] += 1
 
 
-def _rss_mib(d: RDaemon) -> float:
+def _rss_mib(d: Daemon) -> float:
     return d.rss_bytes() / 2**20
 
 
@@ -388,7 +387,7 @@ def test_sustained_mixed_run_bounded_memory_and_exact_metrics(tmp_path, rel):
     seconds = sustain_seconds()
     port = free_port()
     extra = {t: {"max_queue": 2 if i < 2 else 16} for i, t in enumerate(S_TENANTS)}
-    d = RDaemon(tmp_path, dict(S_TOKENS), tenant_extra=extra, faults="slow:5",
+    d = Daemon(tmp_path, dict(S_TOKENS), tenant_extra=extra, faults="slow:5",
                 server_extra={"metrics_listen": f"127.0.0.1:{port}"})
     d.start()
     try:

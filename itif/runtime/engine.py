@@ -29,42 +29,13 @@ from itif.batching.layout import Layout
 from itif.batching.strategies import DEFAULT_STRATEGY, plan
 from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound
 from itif.platform import resolve_device, resolve_dtype
+from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
 from itif.runtime import forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.graphs import GraphCache
 from itif.weights.store import WeightStore
 
 log = logging.getLogger("itif.engine")
-OUTPUTS = ("logits", "pooled", "last_hidden_state")
-
-
-@dataclass
-class Request:
-    """One inference input of one tenant.
-
-    Text backbones take ``input_ids`` (and optionally ``token_type_ids``), 1-D, at most the
-    backbone's max positions; ViT takes ``pixel_values`` [C, H, W] float. ``outputs`` defaults to
-    ``("logits",)`` for a tenant with a classification head and ``("pooled",)`` otherwise.
-    """
-
-    tenant: str
-    input_ids: Sequence[int] | np.ndarray | None = None
-    token_type_ids: Sequence[int] | np.ndarray | None = None
-    pixel_values: np.ndarray | None = None
-    outputs: Sequence[str] | None = None
-
-
-@dataclass
-class Result:
-    """Outputs of one request (numpy float32); fields not asked for are None."""
-
-    tenant: str
-    logits: np.ndarray | None = None  # [num_labels]
-    pooled: np.ndarray | None = None  # [hidden]
-    last_hidden_state: np.ndarray | None = None  # [length, hidden]
-
-    def as_dict(self) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k) for k in OUTPUTS if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)

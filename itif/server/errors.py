@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from itif.errors import ItifError
+from itif.errors import ItifError, is_out_of_memory
 
 log = logging.getLogger("itif.server")
 
@@ -20,7 +20,7 @@ log = logging.getLogger("itif.server")
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ItifError):
         return getattr(grpc.StatusCode, exc.code), str(exc)
-    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+    if is_out_of_memory(exc):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory while running this batch"
     return grpc.StatusCode.INTERNAL, "internal error (details in the server log)"
 

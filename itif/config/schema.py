@@ -1,0 +1,135 @@
+"""The typed config: frozen dataclasses, one per ``tenants.yaml`` section.
+
+Each field is a :func:`~itif.config.fields.setting`: its default, its converter and its limits
+are written here, once. The parser (``itif.config.parse``) reads them from the fields, and so do
+the scheduler's live objects (``TenantQuota``, ``Scheduler.configure``) through
+:func:`~itif.config.fields.check`, so a value the file refuses is refused everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from itif.config import fields as F
+from itif.config.fields import (
+    DEVICES,
+    DTYPES,
+    GRPC_MAX_MESSAGE,
+    MAX_SEQ_LEN_LIMIT,
+    GiB,
+    KiB,
+    MiB,
+    TiB,
+    DType,
+    Device,
+    backbone_presets,
+    setting,
+)
+
+__all__ = [
+    "BackboneConfig",
+    "Config",
+    "SchedulerConfig",
+    "ServerConfig",
+    "TLSConfig",
+    "Tenant",
+    "hash_token",
+]
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Server TLS. ``client_ca`` set means mutual TLS: clients must present a cert it signed."""
+
+    cert: Path = setting(F.fs_path, base_dir=True)
+    key: Path = setting(F.fs_path, base_dir=True)
+    client_ca: Path | None = setting(F.fs_path, None, base_dir=True)
+
+    @property
+    def mutual(self) -> bool:
+        return self.client_ca is not None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = setting(F.hostport)
+    data_dir: Path = setting(F.fs_path, base_dir=True)
+    admin_token_sha256: str = setting(F.sha256)
+    metrics_listen: str | None = setting(F.hostport, None)
+    max_message_bytes: int = setting(F.size, 64 * MiB, lo=KiB, hi=GRPC_MAX_MESSAGE)
+    max_upload_bytes: int = setting(F.size, 4 * GiB, lo=1, hi=TiB)
+    grace_s: float = setting(F.number, 10.0, lo=0.0, hi=3600.0)
+    #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
+    tls: TLSConfig | None = None
+
+
+@dataclass(frozen=True)
+class BackboneConfig:
+    """``config`` is a preset name (see :data:`BACKBONE_PRESETS`) or an absolute path."""
+
+    config: str = setting(F.backbone_source, base_dir=True)
+    device: Device = setting(F.choice, "auto", choices=DEVICES)
+    dtype: DType = setting(F.choice, "auto", choices=DTYPES)
+    max_seq_len: int | None = setting(F.integer, None, lo=1, hi=MAX_SEQ_LEN_LIMIT)
+    #: Budget of the weight store in bytes (all tenants, shared tensors once); an upload that
+    #: would exceed it is refused with RESOURCE_EXHAUSTED. None: no budget.
+    max_weight_bytes: int | None = setting(F.size, None, lo=1, hi=64 * TiB)
+
+    @property
+    def is_preset(self) -> bool:
+        return self.config in backbone_presets()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = setting(F.integer, 8192, lo=1, hi=1 << 24)
+    max_batch_size: int = setting(F.integer, 256, lo=1, hi=1 << 16)
+    max_wait_ms: float = setting(F.number, 5.0, lo=0.0, hi=60_000.0)
+    strategy: str = setting(F.strategy, "auto")
+    #: Never mix tenants in one batch (each tenant batched alone, as separate models are in
+    #: Triton): the per-tenant baseline of ``itif bench``, not a production setting.
+    isolate_tenants: bool = setting(F.flag, False)
+    #: Stop growing a batch when the next request would make a member that can still meet its
+    #: tenant's latency target miss it (``itif.scheduler``); off (the default): grow to the
+    #: batch limits.
+    latency_sizing: bool = setting(F.flag, False)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str = setting(F.tenant_id)
+    token_sha256: str = setting(F.sha256)
+    #: Requests the tenant may have queued; at least 1 (a tenant that may queue nothing could
+    #: never be served: remove it instead).
+    max_queue: int = setting(F.integer, 64, lo=1, hi=1_000_000)
+    weight: float = setting(F.number, 1.0, lo=0.0, hi=1e6, lo_open=True)
+    max_seq_len: int | None = setting(F.integer, None, lo=1, hi=MAX_SEQ_LEN_LIMIT)
+    latency_target_ms: float = setting(F.number, 100.0, lo=0.0, hi=3_600_000.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig
+    backbone: BackboneConfig
+    scheduler: SchedulerConfig = SchedulerConfig()
+    tenants: tuple[Tenant, ...] = ()
+
+    @property
+    def tenant_ids(self) -> tuple[str, ...]:
+        return tuple(t.id for t in self.tenants)
+
+    def tenant(self, tenant_id: str) -> Tenant | None:
+        """The tenant with this id, or ``None``."""
+        for t in self.tenants:
+            if t.id == tenant_id:
+                return t
+        return None
+
+
+def hash_token(token: str) -> str:
+    """Lowercase hex sha256 of the UTF-8 token: the value to put in ``*token_sha256``."""
+    if not isinstance(token, str):
+        raise TypeError(f"token must be str, got {type(token).__name__}")
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()

@@ -1,0 +1,209 @@
+"""Per-tenant queues and weighted fair batch formation (start-time fair queueing in tokens).
+
+Every tenant has a virtual tag; a batch repeatedly takes the head request of the tenant with the
+smallest tag and advances that tag by ``tokens / weight``. A tenant whose queue was empty
+restarts at the system virtual time (the tag of the last request taken), so idling banks no
+credit. See ``itif.scheduler`` for the whole policy. Nothing here locks: the scheduler calls
+every method with its lock held.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import Callable
+
+from itif.errors import TenantNotFound
+from itif.scheduler.tickets import DONE, QUEUED, RUNNING, TenantQuota, TenantStats, Ticket
+
+__all__ = ["FairQueue", "TenantQueue"]
+
+#: ``error(ticket, now)``: the error of a ticket whose deadline passed while it was queued.
+DeadlineError = Callable[[Ticket, float], BaseException]
+
+
+class TenantQueue:
+    """A tenant's queue: a heap by (-priority, seq) to take from, a FIFO deque to find the oldest.
+    Entries that left out of order (cancelled, expired, taken by priority) are dropped lazily and
+    both containers are compacted when they hold more than twice the live entries."""
+
+    __slots__ = ("name", "quota", "order", "heap", "fifo", "depth", "tag", "removed")
+
+    def __init__(self, name: str, quota: TenantQuota, order: int, tag: float) -> None:
+        self.name = name
+        self.quota = quota
+        self.order = order
+        self.heap: list[tuple[int, int, Ticket]] = []
+        self.fifo: deque[Ticket] = deque()
+        self.depth = 0
+        self.tag = tag
+        self.removed = False
+
+    def push(self, t: Ticket) -> None:
+        heapq.heappush(self.heap, (-t.priority, t.seq, t))
+        self.fifo.append(t)
+        self.depth += 1
+
+    def head(self) -> Ticket | None:
+        heap = self.heap
+        while heap and heap[0][2]._state != QUEUED:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    def oldest(self) -> Ticket | None:
+        fifo = self.fifo
+        while fifo and fifo[0]._state != QUEUED:
+            fifo.popleft()
+        return fifo[0] if fifo else None
+
+    def left(self, t: Ticket) -> None:
+        """``t`` (queued until now) left the queue; the caller already changed its state."""
+        self.depth -= 1
+        if len(self.heap) > 2 * self.depth + 32:
+            self.heap = [e for e in self.heap if e[2]._state == QUEUED]
+            heapq.heapify(self.heap)
+        if len(self.fifo) > 2 * self.depth + 32:
+            self.fifo = deque(x for x in self.fifo if x._state == QUEUED)
+
+    def queued(self) -> list[Ticket]:
+        return [e[2] for e in self.heap if e[2]._state == QUEUED]
+
+
+class FairQueue:
+    """Every tenant's queue, the deadlines of queued requests, the per-tenant counters."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, TenantQueue] = {}
+        self.stats: dict[str, TenantStats] = {}
+        self.vtime = 0.0
+        self.queued = 0
+        self.queued_tokens = 0
+        self.deadlines: list[tuple[float, int, Ticket]] = []
+        self._order = 0
+
+    # ---- tenants ---------------------------------------------------------------------------
+    def set_tenant(self, tenant: str, quota: TenantQuota) -> None:
+        tq = self.tenants.get(tenant)
+        if tq is None:
+            self._order += 1
+            self.tenants[tenant] = TenantQueue(tenant, quota, self._order, self.vtime)
+        else:
+            tq.quota = quota
+            tq.removed = False
+        self.stats.setdefault(tenant, TenantStats())
+
+    def remove_tenant(self, tenant: str) -> None:
+        tq = self.tenants.get(tenant)
+        if tq is None or tq.removed:
+            raise TenantNotFound(f"tenant {tenant!r} not found")
+        tq.removed = True
+        if tq.depth == 0:
+            del self.tenants[tenant]
+
+    def live(self, tenant: str) -> TenantQueue | None:
+        """The tenant's queue if it takes new requests (configured, not removed)."""
+        tq = self.tenants.get(tenant)
+        return None if tq is None or tq.removed else tq
+
+    # ---- in and out ------------------------------------------------------------------------
+    def push(self, t: Ticket) -> None:
+        tq = t._tq
+        if tq.depth == 0:  # (re)activated: no credit for the idle time
+            tq.tag = max(tq.tag, self.vtime)
+        tq.push(t)
+        self.queued += 1
+        self.queued_tokens += t.tokens
+        if t.deadline is not None:
+            heapq.heappush(self.deadlines, (t.deadline, t.seq, t))
+
+    def dequeue(self, t: Ticket) -> None:
+        """A queued ticket leaves the queue without running (cancel, expiry, shutdown)."""
+        t._state = DONE
+        self.queued -= 1
+        self.queued_tokens -= t.tokens
+        tq = t._tq
+        tq.left(t)
+        if tq.removed and tq.depth == 0 and self.tenants.get(tq.name) is tq:
+            del self.tenants[tq.name]
+        if len(self.deadlines) > 2 * self.queued + 64:
+            self.deadlines = [e for e in self.deadlines if e[2]._state == QUEUED]
+            heapq.heapify(self.deadlines)
+
+    def take_all(self) -> list[Ticket]:
+        out = []
+        for tq in list(self.tenants.values()):
+            for t in tq.queued():
+                self.dequeue(t)
+                out.append(t)
+        return out
+
+    def expire_due(self, now: float, error: DeadlineError) -> list[tuple[Ticket, BaseException]]:
+        out = []
+        dl = self.deadlines
+        while dl and dl[0][0] <= now:
+            _, _, t = heapq.heappop(dl)
+            if t._state == QUEUED:
+                self.dequeue(t)
+                self.stats[t.tenant].expired += 1
+                out.append((t, error(t, now)))
+        return out
+
+    # ---- batch formation -------------------------------------------------------------------
+    def form(self, now: float, *, max_tokens: int, max_size: int, isolate: bool,
+             estimate: Callable[[int, int], float] | None, error: DeadlineError,
+             ) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]]]:
+        """Weighted fair batch formation. ``estimate(n, tokens)`` (ms) given: latency sizing
+        (see "How big a batch" in ``itif.scheduler``); ``isolate``: one tenant per batch."""
+        batch: list[Ticket] = []
+        dropped: list[tuple[Ticket, BaseException]] = []
+        budget, size = max_tokens, max_size
+        heap = [(tq.tag, tq.order, tq) for tq in self.tenants.values() if tq.depth > 0]
+        heapq.heapify(heap)
+        tokens = 0
+        # Latency sizing: the smallest slack (time left to its tenant's latency target) of the
+        # members that still meet their target in the batch as formed so far.
+        sizing = estimate is not None
+        feasible_slack = math.inf
+        slacks: list[float] = []  # min-heap of the members' slacks that still meet their target
+        while heap and len(batch) < size:
+            _, _, tq = heapq.heappop(heap)
+            t = tq.head()
+            while t is not None and t.deadline is not None and t.deadline <= now:
+                heapq.heappop(tq.heap)
+                self.dequeue(t)
+                self.stats[t.tenant].expired += 1
+                dropped.append((t, error(t, now)))
+                t = tq.head()
+            if t is None:
+                continue
+            if batch and tokens + t.tokens > budget:
+                continue  # this tenant sits out this batch; it keeps the smallest tag
+            grown = None
+            if sizing and batch:
+                grown = estimate(len(batch) + 1, tokens + t.tokens) / 1000.0
+                if grown > feasible_slack:
+                    break  # t would make a member miss a target it can still meet: stop here
+            heapq.heappop(tq.heap)
+            t._state = RUNNING
+            t.started_at = now
+            self.queued -= 1
+            self.queued_tokens -= t.tokens
+            tq.left(t)
+            batch.append(t)
+            tokens += t.tokens
+            if sizing:  # est only grows with the batch, so the feasible set only shrinks
+                est = grown if grown is not None else estimate(len(batch), tokens) / 1000.0
+                heapq.heappush(slacks, t.enqueued_at + tq.quota.latency_target_ms / 1000.0 - now)
+                while slacks and slacks[0] < est:
+                    heapq.heappop(slacks)
+                feasible_slack = slacks[0] if slacks else math.inf
+            self.vtime = max(self.vtime, tq.tag)
+            tq.tag += max(t.tokens, 1) / tq.quota.weight
+            if isolate:  # the rest of this batch comes from this tenant only
+                heap = [(tq.tag, tq.order, tq)] if tq.depth > 0 else []
+            elif tq.depth > 0:
+                heapq.heappush(heap, (tq.tag, tq.order, tq))
+        for tq in [tq for tq in self.tenants.values() if tq.removed and tq.depth == 0]:
+            del self.tenants[tq.name]
+        return batch, dropped

@@ -1,0 +1,503 @@
+"""The :class:`Scheduler`: configuration, submission, lifecycle, and the batching loop that
+runs ``run_batch`` (bisecting per-request errors). The policy is written in ``itif.scheduler``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import re
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Sequence
+
+from itif.config.fields import check
+from itif.config.schema import SchedulerConfig
+from itif.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidRequest,
+    ItifError,
+    NoWeights,
+    Overloaded,
+    TenantNotFound,
+    Unavailable,
+    is_out_of_memory,
+)
+from itif.requests import Request, Result
+from itif.scheduler.fairqueue import FairQueue
+from itif.scheduler.tickets import (
+    DONE,
+    QUEUED,
+    InternalError,
+    OutOfMemory,
+    SchedulerStats,
+    TenantQuota,
+    TenantStats,
+    Ticket,
+    call_back,
+    clone,
+)
+from itif.scheduler.triggers import decide
+
+log = logging.getLogger("itif.scheduler")
+
+__all__ = ["Scheduler"]
+
+#: Errors that belong to one request, not to the whole batch: isolated by bisection.
+_PER_REQUEST_ERRORS = (InvalidRequest, TenantNotFound, NoWeights)
+_REQUEST_PREFIX = re.compile(r"^request \d+: ")
+
+
+class Scheduler:
+    """Per-tenant bounded queues, one batching loop, one ``run_batch`` (see ``itif.scheduler``)."""
+
+    #: Prior of the learned cost (ms per token) before any batch ran.
+    PRIOR_MS_PER_TOKEN = 0.01
+    EWMA_ALPHA = 0.2
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[Request]], list[Result]],
+        *,
+        max_batch_tokens: int = SchedulerConfig.max_batch_tokens,
+        max_batch_size: int = SchedulerConfig.max_batch_size,
+        max_wait_ms: float = SchedulerConfig.max_wait_ms,
+        estimate_ms: Callable[[int, int], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        isolate_tenants: bool = SchedulerConfig.isolate_tenants,
+        latency_sizing: bool = SchedulerConfig.latency_sizing,
+    ) -> None:
+        self._run_batch = run_batch
+        #: Each batch holds one tenant's requests only (the per-tenant baseline of itif bench).
+        self.isolate_tenants = bool(isolate_tenants)
+        #: Batches sized by latency (see "How big a batch" in ``itif.scheduler``).
+        self.latency_sizing = bool(latency_sizing)
+        self._estimate_fn = estimate_ms
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self.max_batch_tokens = 0
+        self.max_batch_size = 0
+        self.max_wait_ms = 0.0
+        self.configure(max_batch_tokens=max_batch_tokens, max_batch_size=max_batch_size,
+                       max_wait_ms=max_wait_ms)
+        self._q = FairQueue()
+        self._seq = 0
+        self._inflight: list[Ticket] = []
+        self._last_end = -math.inf
+        self._ms_per_token = self.PRIOR_MS_PER_TOKEN
+        self._batches = 0
+        self._runs = 0
+        self._requests_run = 0
+        self._tokens_run = 0
+        self._last_size = 0
+        self._last_tokens = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._grace_end = math.inf
+
+    @classmethod
+    def from_config(cls, run_batch: Callable[[list[Request]], list[Result]], scheduler: Any,
+                    tenants: Iterable[Any] = (), **kw: Any) -> Scheduler:
+        """From ``itif.config.SchedulerConfig`` and ``config.Tenant`` objects."""
+        s = cls(run_batch, max_batch_tokens=scheduler.max_batch_tokens,
+                max_batch_size=scheduler.max_batch_size, max_wait_ms=scheduler.max_wait_ms,
+                isolate_tenants=getattr(scheduler, "isolate_tenants", False),
+                latency_sizing=getattr(scheduler, "latency_sizing", False), **kw)
+        for t in tenants:
+            s.set_tenant(t.id, TenantQuota.from_tenant(t))
+        return s
+
+    # ---- configuration ---------------------------------------------------------------------
+    def configure(self, *, max_batch_tokens: int | None = None, max_batch_size: int | None = None,
+                  max_wait_ms: float | None = None, isolate_tenants: bool | None = None,
+                  latency_sizing: bool | None = None) -> None:
+        """Change batch limits live (a config reload); applies from the next batch. The limits
+        are those of ``itif.config.SchedulerConfig`` (InvalidConfig outside them)."""
+        with self._lock:
+            if max_batch_tokens is not None:
+                self.max_batch_tokens = check(SchedulerConfig, "max_batch_tokens",
+                                              max_batch_tokens)
+            if max_batch_size is not None:
+                self.max_batch_size = check(SchedulerConfig, "max_batch_size", max_batch_size)
+            if max_wait_ms is not None:
+                self.max_wait_ms = check(SchedulerConfig, "max_wait_ms", max_wait_ms)
+            if isolate_tenants is not None:
+                self.isolate_tenants = bool(isolate_tenants)
+            if latency_sizing is not None:
+                self.latency_sizing = bool(latency_sizing)
+            self._cv.notify_all()
+
+    def set_tenant(self, tenant: str, quota: TenantQuota | None = None) -> None:
+        """Add a tenant or change its quota live (a smaller max_queue only refuses new requests;
+        a removed tenant still draining is taken back)."""
+        quota = quota if quota is not None else TenantQuota()
+        if not isinstance(quota, TenantQuota):
+            raise TypeError(f"quota must be a TenantQuota, got {type(quota).__name__}")
+        with self._lock:
+            self._q.set_tenant(tenant, quota)
+            self._cv.notify_all()
+
+    def remove_tenant(self, tenant: str) -> None:
+        """Refuse the tenant's new submissions (TenantNotFound); what is already queued or running
+        still runs. Its counters stay in ``stats``."""
+        with self._lock:
+            self._q.remove_tenant(tenant)
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return [n for n, tq in self._q.tenants.items() if not tq.removed]
+
+    def queue_depth(self, tenant: str) -> int:
+        """Requests of the tenant waiting (not running); 0 for a tenant the scheduler lacks."""
+        with self._lock:
+            tq = self._q.tenants.get(tenant)
+            return tq.depth if tq is not None else 0
+
+    @property
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            q = self._q
+            tenants = {}
+            for name, st in q.stats.items():
+                tq = q.tenants.get(name)
+                tenants[name] = replace(st, queued=tq.depth if tq is not None else 0)
+            return SchedulerStats(
+                tenants=tenants, batches=self._batches, runs=self._runs,
+                requests_run=self._requests_run, tokens_run=self._tokens_run,
+                last_batch_size=self._last_size, last_batch_tokens=self._last_tokens,
+                ms_per_token=self._ms_per_token, queued=q.queued,
+                queued_tokens=q.queued_tokens)
+
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # ---- submission ------------------------------------------------------------------------
+    def submit(self, request: Request, *, tokens: int, deadline: float | None = None,
+               priority: int = 0) -> Ticket:
+        """Queue one request; never blocks. ``tokens`` is its length (for the batch token
+        budget), ``deadline`` an absolute ``clock()`` time, ``priority`` orders requests within
+        the tenant (higher first). Raises Overloaded (queue full), TenantNotFound, InvalidRequest
+        (longer than the tenant's max_seq_len) or Unavailable (stopped)."""
+        return self.submit_many([request], tokens=[tokens], deadline=deadline, priority=priority)[0]
+
+    def submit_many(self, requests: Sequence[Request], *, tokens: Sequence[int],
+                    deadline: float | None = None, priority: int = 0) -> list[Ticket]:
+        """Queue several requests all-or-nothing (a batch RPC): if any tenant's queue cannot take
+        all of its requests, Overloaded is raised and nothing is queued."""
+        requests = list(requests)
+        tokens = [_count(n, f"request {i}: tokens") for i, n in enumerate(tokens)]
+        if len(tokens) != len(requests):
+            raise InvalidRequest(f"tokens has {len(tokens)} entries for {len(requests)} requests")
+        if any(n < 0 for n in tokens):
+            raise InvalidRequest(f"tokens must be >= 0, got {min(tokens)}")
+        priority = _count(priority, "priority")
+        if deadline is not None and not isinstance(deadline, (int, float)):
+            raise InvalidRequest(f"deadline must be a clock() time in seconds, got {deadline!r}")
+        expired: list[Ticket] = []
+        with self._lock:
+            q = self._q
+            if self._stopping:
+                raise Unavailable("the scheduler is shutting down; not accepting requests")
+            want: dict[str, int] = {}
+            for i, r in enumerate(requests):
+                tq = q.live(r.tenant)
+                if tq is None:
+                    raise TenantNotFound(f"tenant {r.tenant!r} not found")
+                limit = tq.quota.max_seq_len
+                if limit is not None and tokens[i] > limit:
+                    raise InvalidRequest(
+                        f"request {i}: length {tokens[i]} exceeds tenant {r.tenant!r}'s "
+                        f"max_seq_len {limit}")
+                want[r.tenant] = want.get(r.tenant, 0) + 1
+            for name, n in want.items():
+                tq = q.tenants[name]
+                if tq.depth + n > tq.quota.max_queue:
+                    for nm, k in want.items():
+                        q.stats[nm].rejected += k
+                    what = "a request" if len(requests) == 1 else f"{n} requests"
+                    raise Overloaded(
+                        f"tenant {name!r} queue is full ({tq.depth} queued, max_queue="
+                        f"{tq.quota.max_queue}); cannot take {what}, retry later")
+            now = self._clock()
+            tickets = []
+            for r, n in zip(requests, tokens):
+                self._seq += 1
+                t = Ticket(self, q.tenants[r.tenant], r, n, priority, deadline, self._seq, now)
+                tickets.append(t)
+                q.stats[r.tenant].submitted += 1
+                if deadline is not None and deadline <= now:
+                    t._state = DONE
+                    q.stats[r.tenant].expired += 1
+                    expired.append(t)
+                    continue
+                q.push(t)
+            if len(tickets) > len(expired):
+                self._cv.notify_all()
+        for t in expired:
+            self._complete(t, None, self._deadline_error(t, now), count=False)
+        return tickets
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> Scheduler:
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("scheduler already started")
+            if self._stopping:
+                raise RuntimeError("scheduler was stopped; make a new one")
+            self._thread = threading.Thread(target=self._loop, name="itif-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Refuse new requests (Unavailable); let queued and in-flight ones finish for up to
+        ``grace_s``; then fail what is left with Unavailable and join the loop thread."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping = True
+                self._grace_end = self._clock() + max(0.0, grace_s)
+            self._cv.notify_all()
+            thread = self._thread
+            grace_end = self._grace_end
+        own = thread is threading.current_thread()
+        if thread is not None and not own:
+            # The loop drains back to back and exits when the queue is empty or the grace is
+            # over, so past the grace it can only be stuck inside run_batch.
+            thread.join(max(0.0, grace_end - self._clock()))
+        # Whatever is left (never started, or run_batch stuck past the grace): fail it.
+        with self._lock:
+            left = self._q.take_all() + [t for t in self._inflight if t._state != DONE]
+        err = Unavailable("the scheduler shut down before the request finished")
+        for t in left:
+            self._complete(t, None, clone(err))
+        if thread is not None and not own and thread.is_alive():
+            thread.join(0.1)
+            if thread.is_alive():
+                log.warning("scheduler thread still inside run_batch after the %.1f s grace; "
+                            "its requests were failed with UNAVAILABLE", grace_s)
+
+    def __enter__(self) -> Scheduler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- ticket hooks ----------------------------------------------------------------------
+    def _cancel(self, t: Ticket) -> bool:
+        with self._lock:
+            if t._state != QUEUED:
+                return False
+            self._q.dequeue(t)
+            self._q.stats[t.tenant].cancelled += 1
+        self._complete(t, None, Cancelled(f"request of tenant {t.tenant!r} was cancelled"),
+                       count=False)
+        return True
+
+    def _expire_one(self, t: Ticket) -> None:
+        with self._lock:
+            if t._state != QUEUED:
+                return
+            self._q.dequeue(t)
+            self._q.stats[t.tenant].expired += 1
+            now = self._clock()
+        self._complete(t, None, self._deadline_error(t, now), count=False)
+
+    def _deadline_error(self, t: Ticket, now: float) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"request of tenant {t.tenant!r}: deadline passed after "
+            f"{(now - t.enqueued_at) * 1e3:.0f} ms in the queue, before it could run")
+
+    # ---- decisions (lock held) -------------------------------------------------------------
+    def _estimate_locked(self, n: int, tokens: int) -> float:
+        if self._estimate_fn is not None:
+            try:
+                return float(self._estimate_fn(n, tokens))
+            except Exception:
+                log.exception("estimate_ms(%d, %d) failed; using the learned estimate", n, tokens)
+        return self._ms_per_token * tokens
+
+    def _decide_locked(self, now: float) -> tuple[bool, float | None]:
+        """(run a batch now?, else when to look again): ``itif.scheduler.triggers``."""
+        return decide(self._q, now, stopping=self._stopping,
+                      max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size,
+                      max_wait_ms=self.max_wait_ms, last_end=self._last_end,
+                      estimate=self._estimate_locked)
+
+    def _form_locked(self, now: float) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]]]:
+        """The next batch: ``FairQueue.form`` with this scheduler's limits."""
+        sizing = self.latency_sizing and not self._stopping
+        return self._q.form(now, max_tokens=self.max_batch_tokens, max_size=self.max_batch_size,
+                            isolate=self.isolate_tenants,
+                            estimate=self._estimate_locked if sizing else None,
+                            error=self._deadline_error)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _next(self) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]], bool]:
+        """Block until there is something to do: (batch to run, tickets to fail, exit?)."""
+        with self._cv:
+            while True:
+                now = self._clock()
+                dropped = self._q.expire_due(now, self._deadline_error)
+                if self._stopping and (self._q.queued == 0 or now >= self._grace_end):
+                    err = Unavailable("the scheduler shut down before the request could run")
+                    dropped += [(t, clone(err)) for t in self._q.take_all()]
+                    return [], dropped, True
+                if dropped:
+                    return [], dropped, False
+                run, wake = self._decide_locked(now)
+                if run:
+                    batch, dropped = self._form_locked(now)
+                    self._inflight = batch
+                    return batch, dropped, False
+                timeout = None if wake is None else min(1.0, max(0.0, wake - now))
+                self._cv.wait(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            batch: list[Ticket] = []
+            try:
+                batch, dropped, exit_ = self._next()
+                for t, err in dropped:
+                    self._complete(t, None, err, count=False)
+                if batch:
+                    self._execute(batch)
+                if exit_:
+                    return
+            except BaseException as e:  # the loop must never die
+                log.exception("scheduler loop error; continuing")
+                err = InternalError(f"scheduler error: {type(e).__name__}: {e}")
+                for t in batch:
+                    if t._state != DONE:
+                        self._complete(t, None, clone(err))
+                time.sleep(0.01)
+            finally:
+                with self._lock:
+                    self._inflight = []
+
+    def _execute(self, batch: list[Ticket]) -> None:
+        """Run one batch (bisecting per-request errors) and deliver every ticket."""
+        n = len(batch)
+        tokens = sum(t.tokens for t in batch)
+        with self._lock:
+            self._batches += 1
+            self._requests_run += n
+            self._tokens_run += tokens
+            self._last_size, self._last_tokens = n, tokens
+            for t in batch:
+                self._q.stats[t.tenant].tokens_run += t.tokens
+        extra_left = 4 * math.ceil(math.log2(n)) if n > 1 else 0
+        stack = [batch]
+        try:
+            while stack:
+                part = stack.pop()
+                out = self._call(part)
+                if not isinstance(out, BaseException):
+                    for t, r in zip(part, out):
+                        self._complete(t, r, None)
+                    continue
+                if isinstance(out, _PER_REQUEST_ERRORS) and len(part) > 1 and extra_left >= 2:
+                    extra_left -= 2
+                    mid = len(part) // 2
+                    stack.append(part[mid:])
+                    stack.append(part[:mid])  # left half runs first
+                    continue
+                err = _wrap(out, part)
+                for t in part:
+                    self._complete(t, None, clone(err))
+        finally:
+            with self._lock:
+                self._last_end = self._clock()
+
+    def _call(self, part: list[Ticket]) -> list[Result] | BaseException:
+        """One run_batch call; its results, or the exception it raised."""
+        requests = [t.request for t in part]
+        start = time.perf_counter()
+        try:
+            results = self._run_batch(requests)
+        except BaseException as e:
+            with self._lock:
+                self._runs += 1
+            if not isinstance(e, ItifError):
+                log.warning("run_batch failed for %d requests: %s: %s", len(part),
+                            type(e).__name__, e)
+            return e
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        with self._lock:
+            self._runs += 1
+            tokens = sum(t.tokens for t in part)
+            if tokens > 0:
+                a = self.EWMA_ALPHA
+                self._ms_per_token = (1 - a) * self._ms_per_token + a * (elapsed_ms / tokens)
+        try:
+            results = list(results)
+        except Exception as e:
+            return InternalError(f"run_batch returned {type(results).__name__}, not a list: {e}")
+        if len(results) != len(part):
+            return InternalError(
+                f"run_batch returned {len(results)} results for {len(part)} requests")
+        return results
+
+    def _complete(self, t: Ticket, result: Result | None, error: BaseException | None,
+                  count: bool = True) -> bool:
+        """Finish a ticket once (first writer wins); callbacks run outside the lock.
+        ``count``: bump completed/failed (the other outcomes were counted by the caller)."""
+        now = self._clock()
+        with self._lock:
+            if t._event.is_set() or t._callbacks is None:
+                return False
+            if count:
+                st = self._q.stats.setdefault(t.tenant, TenantStats())
+                if error is None:
+                    st.completed += 1
+                else:
+                    st.failed += 1
+            t._state = DONE
+            t._result = result
+            t._error = error
+            t.finished_at = now
+            callbacks, t._callbacks = t._callbacks, None
+        t._event.set()
+        for fn in callbacks:
+            call_back(fn, t)
+        return True
+
+
+
+def _count(v: Any, what: str) -> int:
+    if isinstance(v, bool):
+        raise InvalidRequest(f"{what} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise InvalidRequest(f"{what} must be an integer, got {v!r}") from None
+
+
+def _wrap(exc: BaseException, part: list[Ticket]) -> ItifError:
+    """The typed error every ticket of a failed (sub-)batch gets."""
+    if isinstance(exc, ItifError):
+        if len(part) == 1 and isinstance(exc, InvalidRequest) and exc.args:
+            msg = _REQUEST_PREFIX.sub("", str(exc.args[0]))  # "request 0:" means nothing to it
+            try:
+                new = type(exc)(msg)
+                new.__cause__ = exc.__cause__
+                return new
+            except Exception:
+                return exc
+        return exc
+    tokens = sum(t.tokens for t in part)
+    if is_out_of_memory(exc):
+        err: ItifError = OutOfMemory(
+            f"out of memory running a batch of {len(part)} requests ({tokens} tokens): {exc}")
+    else:
+        err = InternalError(f"batch of {len(part)} requests failed: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+

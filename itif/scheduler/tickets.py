@@ -1,0 +1,222 @@
+"""The scheduler's value types and the future of one request (:class:`Ticket`)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from itif.config.fields import check
+from itif.config.schema import Tenant
+from itif.errors import Cancelled, ItifError, Overloaded
+from itif.requests import Request, Result
+
+if TYPE_CHECKING:  # pragma: no cover
+    from itif.scheduler.fairqueue import TenantQueue
+    from itif.scheduler.loop import Scheduler
+
+log = logging.getLogger("itif.scheduler")
+
+__all__ = [
+    "InternalError",
+    "OutOfMemory",
+    "SchedulerStats",
+    "TenantQuota",
+    "TenantStats",
+    "Ticket",
+]
+
+
+class InternalError(ItifError):
+    """An unexpected failure while running a batch (a bug, not the caller's fault)."""
+
+    code = "INTERNAL"
+
+
+class OutOfMemory(Overloaded):
+    """The device ran out of memory running the request's batch; the request may be retried."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+# Ticket states
+QUEUED, RUNNING, DONE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """A tenant's share of the scheduler: the scheduling fields of ``config.Tenant``, with its
+    defaults and limits (one definition, in ``itif.config.schema``)."""
+
+    max_queue: int = Tenant.max_queue
+    weight: float = Tenant.weight
+    latency_target_ms: float = Tenant.latency_target_ms
+    max_seq_len: int | None = Tenant.max_seq_len
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "weight", "latency_target_ms", "max_seq_len"):
+            check(Tenant, name, getattr(self, name))
+
+    @classmethod
+    def from_tenant(cls, tenant: Any) -> TenantQuota:
+        """From an ``itif.config.Tenant`` (or anything with the same attributes)."""
+        return cls(max_queue=tenant.max_queue, weight=tenant.weight,
+                   latency_target_ms=tenant.latency_target_ms, max_seq_len=tenant.max_seq_len)
+
+
+@dataclass
+class TenantStats:
+    """Per-tenant counters. Every accepted request ends in exactly one of completed, failed,
+    expired or cancelled (``submitted`` minus those four is what is queued or running)."""
+
+    submitted: int = 0  # accepted into the queue
+    completed: int = 0  # ran and returned a result
+    failed: int = 0  # ran (or was shut down) and got an error
+    rejected: int = 0  # refused at submit with Overloaded (queue full)
+    expired: int = 0  # deadline passed while queued; never ran
+    cancelled: int = 0  # cancelled while queued; never ran
+    tokens_run: int = 0  # tokens of this tenant handed to run_batch (first run of each request)
+    queued: int = 0  # queue depth at the time of the snapshot
+
+
+@dataclass
+class SchedulerStats:
+    """A consistent snapshot (``Scheduler.stats``); safe to read from any thread."""
+
+    tenants: dict[str, TenantStats] = field(default_factory=dict)
+    batches: int = 0  # batches formed and run
+    runs: int = 0  # calls of run_batch (batches plus bisection re-runs)
+    requests_run: int = 0
+    tokens_run: int = 0
+    last_batch_size: int = 0
+    last_batch_tokens: int = 0
+    ms_per_token: float = 0.0  # learned EWMA (successful runs)
+    queued: int = 0
+    queued_tokens: int = 0
+
+
+class Ticket:
+    """The future of one submitted request.
+
+    ``result()`` returns the :class:`Result` or raises the request's typed error. If the request's
+    deadline passes while it is still queued, a waiter in ``result()`` fails it right away (even
+    while the engine is busy with another batch); once running it finishes normally.
+    """
+
+    __slots__ = (
+        "request", "tenant", "tokens", "priority", "deadline", "seq",
+        "enqueued_at", "started_at", "finished_at",
+        "_sched", "_tq", "_state", "_result", "_error", "_event", "_callbacks",
+    )
+
+    def __init__(self, sched: Scheduler, tq: TenantQueue | None, request: Request, tokens: int,
+                 priority: int, deadline: float | None, seq: int, now: float) -> None:
+        self.request = request
+        self.tenant = request.tenant
+        self.tokens = tokens
+        self.priority = priority
+        self.deadline = deadline
+        self.seq = seq
+        self.enqueued_at = now
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self._sched = sched
+        self._tq = tq
+        self._state = QUEUED
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[Ticket], Any]] | None = []
+
+    # -- future API ------------------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def cancelled(self) -> bool:
+        return self._event.is_set() and isinstance(self._error, Cancelled)
+
+    def cancel(self) -> bool:
+        """Withdraw the request if it is still queued (then it never runs): True. False once it
+        is running or done."""
+        return self._sched._cancel(self)
+
+    def _wait(self, timeout: float | None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._event.is_set():
+            waits = []
+            if end is not None:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"request of tenant {self.tenant!r} not done after {timeout} s")
+                waits.append(left)
+            if self.deadline is not None and self._state == QUEUED:
+                left = self.deadline - self._sched._clock()
+                if left <= 0:
+                    self._sched._expire_one(self)
+                    continue
+                waits.append(left)
+            self._event.wait(min(waits) if waits else None)
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Block until done; the Result, or raise its error (``TimeoutError`` after timeout s)."""
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Ticket], Any]) -> None:
+        """Call ``fn(ticket)`` when done (at once, on this thread, if it already is). Callbacks run
+        on the thread that finishes the ticket (usually the scheduler's) and must be quick;
+        exceptions are logged."""
+        with self._sched._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        call_back(fn, self)
+
+    # -- timings (metrics) -----------------------------------------------------------------------
+    @property
+    def queued_ms(self) -> float:
+        """Time spent queued: submit to batch start (or to the end, if it never ran)."""
+        end = self.started_at if self.started_at is not None else self.finished_at
+        if end is None:
+            end = self._sched._clock()
+        return max(0.0, (end - self.enqueued_at) * 1000.0)
+
+    @property
+    def compute_ms(self) -> float | None:
+        """Batch start to result (including any bisection re-runs); None if it never ran."""
+        if self.started_at is None:
+            return None
+        end = self.finished_at if self.finished_at is not None else self._sched._clock()
+        return max(0.0, (end - self.started_at) * 1000.0)
+
+    def __repr__(self) -> str:
+        state = {QUEUED: "queued", RUNNING: "running", DONE: "done"}[self._state]
+        return f"<Ticket {self.tenant!r} #{self.seq} {state}>"
+
+
+def call_back(fn: Callable[[Ticket], Any], ticket: Ticket) -> None:
+    try:
+        fn(ticket)
+    except Exception:
+        log.exception("done callback of a request of tenant %r failed", ticket.tenant)
+
+
+def clone(err: BaseException) -> BaseException:
+    """A per-ticket copy, so concurrent ``raise`` in many waiters do not share a traceback."""
+    try:
+        c = copy.copy(err)
+        c.__cause__ = err.__cause__
+        c.__traceback__ = None
+        return c
+    except Exception:
+        return err

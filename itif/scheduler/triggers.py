@@ -1,0 +1,49 @@
+"""When a batch runs: the triggers of ``itif.scheduler`` (full, hungry, lazy timeout,
+starvation guard, stopping), as one function of the queue's state."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from itif.scheduler.fairqueue import FairQueue
+
+__all__ = ["decide"]
+
+
+def decide(q: FairQueue, now: float, *, stopping: bool, max_batch_tokens: int,
+           max_batch_size: int, max_wait_ms: float, last_end: float,
+           estimate: Callable[[int, int], float]) -> tuple[bool, float | None]:
+    """(run a batch now?, else when to look again). ``last_end``: when the engine last became
+    idle; ``estimate(n, tokens)``: a batch's predicted run time in ms."""
+    next_deadline = q.deadlines[0][0] if q.deadlines else None
+    if q.queued == 0:
+        return False, next_deadline
+    if stopping:
+        return True, None
+    if q.queued_tokens >= max_batch_tokens or q.queued >= max_batch_size:
+        return True, None  # full
+    est_s = estimate(min(q.queued, max_batch_size),
+                     min(q.queued_tokens, max_batch_tokens)) / 1000.0
+    wake = math.inf
+    oldest_all = math.inf
+    for tq in q.tenants.values():
+        if tq.depth == 0:
+            continue
+        o = tq.oldest()
+        if o is None:
+            continue
+        oldest_all = min(oldest_all, o.enqueued_at)
+        guard_at = o.enqueued_at + tq.quota.latency_target_ms / 2000.0 - est_s
+        if now >= guard_at:
+            return True, None  # starvation guard
+        wake = min(wake, guard_at)
+    if oldest_all <= last_end:
+        return True, None  # hungry: it waited while the engine was busy
+    lazy_at = oldest_all + max_wait_ms / 1000.0
+    if now >= lazy_at:
+        return True, None  # lazy timeout
+    wake = min(wake, lazy_at)
+    if next_deadline is not None:
+        wake = min(wake, next_deadline)
+    return False, wake
