@@ -34,9 +34,9 @@ from itif.errors import (
     TenantNotFound,
     Unauthenticated,
 )
-from itif.metrics import note_tenant
 from itif.runtime.engine import Engine, Request, Result
 from itif.scheduler import Scheduler, TenantQuota, Ticket
+from itif.observer import DaemonObserver
 from itif.weights.blobstore import BlobStore, Upload
 
 log = logging.getLogger("itif.daemon")
@@ -94,7 +94,9 @@ class Daemon:
         self.reloads_ok = 0
         self.reloads_failed = 0
         self.last_reload_error = ""
-        self.metrics = None  # itif.metrics.Metrics, set by the server before start()
+        #: What observes the daemon (``itif.observer``; the server sets ``itif.metrics.Metrics``
+        #: before start()); None: nothing does.
+        self.metrics: DaemonObserver | None = None
         self.kernel_checks: list = []  # itif.ops.selftest.KernelCheck of the start-up self-test
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -108,7 +110,7 @@ class Daemon:
                                  dtype=cfg.backbone.dtype, max_seq_len=cfg.backbone.max_seq_len,
                                  max_weight_bytes=cfg.backbone.max_weight_bytes,
                                  strategy=DEFAULT_STRATEGY if strategy == "auto" else strategy)
-        faults.install(self)  # test-only hooks (ITIF_FAULT_INJECT); nothing when it is unset
+        faults.install(self.engine)  # test-only hooks (ITIF_FAULT_INJECT); nothing when it is unset
         if self.engine.device.type == "cuda":
             self.kernel_checks = _kernel_self_test(self.engine.device, self.engine.dtype)
         sch = cfg.scheduler
@@ -176,14 +178,18 @@ class Daemon:
             return Identity(None, admin=True)
         if found is None:
             raise Unauthenticated("invalid token")
-        note_tenant(found)
+        self._note_tenant(found)
         return Identity(found)
 
     def _visible(self, who: Identity, tenant: str) -> None:
         """Unknown tenants and other tenants' names get the same answer."""
         if tenant not in self.status or not who.may_see(tenant):
             raise TenantNotFound(f"tenant {tenant!r} not found")
-        note_tenant(tenant)
+        self._note_tenant(tenant)
+
+    def _note_tenant(self, tenant: str) -> None:
+        if self.metrics is not None:
+            self.metrics.note_tenant(tenant)
 
     @staticmethod
     def _require_admin(who: Identity) -> None:

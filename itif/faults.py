@@ -27,10 +27,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
-
-if TYPE_CHECKING:  # pragma: no cover
-    from itif.daemon import Daemon
+from typing import Any, Callable, Mapping
 
 log = logging.getLogger("itif.faults")
 
@@ -76,9 +73,9 @@ def parse(spec: str) -> Faults:
     return Faults(frozenset(oom), slow, delay)
 
 
-def install(daemon: Daemon, environ: Mapping[str, str] = os.environ) -> Faults:
-    """Apply the hooks named in ``environ[ENV]`` to a starting daemon (before its scheduler is
-    built). Returns what was installed; with the variable unset, nothing."""
+def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
+    """Apply the hooks named in ``environ[ENV]`` to a starting daemon's engine (before its
+    scheduler is built). Returns what was installed; with the variable unset, nothing."""
     faults = parse(environ.get(ENV, ""))
     if not faults.active:
         return faults
@@ -87,7 +84,6 @@ def install(daemon: Daemon, environ: Mapping[str, str] = os.environ) -> Faults:
     if faults.start_delay_ms:
         time.sleep(faults.start_delay_ms / 1000.0)
     if faults.oom_tenants or faults.slow_ms:
-        engine = daemon.engine
         engine.infer = _faulty(engine.infer, faults)  # instance attribute: this engine only
     return faults
 

@@ -6,7 +6,8 @@ from three places and read by two:
 - :class:`MetricsInterceptor`, the first gRPC interceptor, sees the final status of every call on
   every service (itif.v1, KServe v2, health), refusals by the auth interceptor included: this is
   the ONE place where calls are counted by status code. The tenant label is the tenant the daemon
-  authorised the call for (``note_tenant``, called by ``Daemon.identify``/``Daemon._visible``):
+  authorised the call for (:meth:`Metrics.note_tenant`, which ``Daemon.identify`` and
+  ``Daemon._visible`` call through ``daemon.metrics``, an ``itif.observer.DaemonObserver``):
   the target tenant once the caller may see it, else the calling tenant, else ``""`` (the admin,
   an unauthenticated caller, a probe). Names a caller may not see never become labels, so a
   client cannot grow the label set.
@@ -25,7 +26,6 @@ registry, so nothing else in the process leaks into it.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -43,9 +43,12 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from itif.daemon import Daemon, State
+from itif.server.handlers import wrap_handler
+
 if TYPE_CHECKING:  # pragma: no cover
-    from itif.daemon import Daemon
-    from itif.runtime.engine import Engine, Request, Result
+    from itif.requests import Request, Result
+    from itif.runtime.engine import Engine
     from itif.scheduler import Ticket
 
 log = logging.getLogger("itif.metrics")
@@ -191,7 +194,11 @@ class Metrics:
             self._server.server_close()
             self._server = None
 
-    # ---- feeds -----------------------------------------------------------------------------
+    # ---- feeds (``itif.observer.DaemonObserver`` and the interceptor) ------------------------
+    def note_tenant(self, tenant: str | None) -> None:
+        """The daemon authorised the current call for ``tenant`` (see :func:`note_tenant`)."""
+        note_tenant(tenant)
+
     def observe_rpc(self, tenant: str, method: str, code: str, seconds: float) -> None:
         self.requests.labels(tenant, method, code).inc()
         self.request_seconds.labels(method).observe(seconds)
@@ -316,8 +323,6 @@ class _StateCollector:
         yield g
 
     def _daemon(self, d: Daemon):
-        from itif.daemon import State  # noqa: PLC0415 - itif.daemon imports this module
-
         ready = GaugeMetricFamily("itif_ready", "1 when the daemon serves (backbone loaded)")
         ready.add_metric([], 1.0 if d.ready else 0.0)
         yield ready
@@ -404,69 +409,34 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method.rpartition("/")[2] or details.method
-        m = self.metrics
-        kw = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
+        return wrap_handler(handler, guard=lambda context: _Counted(self.metrics, method, context))
 
-        def finish(holder, context, start, code):
-            m.observe_rpc(holder[0], method, code or _code_name(context.code()) or "OK",
-                          time.perf_counter() - start)
 
-        if handler.unary_unary or handler.stream_unary:
-            inner = handler.unary_unary or handler.stream_unary
+class _Counted:
+    """Held for one call: the call's tenant holder is current inside it (``note_tenant``); on
+    the way out the call is counted with its final status code."""
 
-            async def unary(request, context):
-                holder, start, code = [""], time.perf_counter(), None
-                token = _CALL_TENANT.set(holder)
-                try:
-                    out = inner(request, context)
-                    return (await out) if inspect.isawaitable(out) else out
-                except grpc.aio.AbortError:
-                    raise
-                except asyncio.CancelledError:
-                    code = "CANCELLED"
-                    raise
-                except BaseException:
-                    code = "UNKNOWN"  # what gRPC answers for an exception that escapes
-                    raise
-                finally:
-                    _CALL_TENANT.reset(token)
-                    finish(holder, context, start, code)
+    __slots__ = ("metrics", "method", "context", "holder", "start", "token")
 
-            if handler.unary_unary:
-                return grpc.unary_unary_rpc_method_handler(unary, **kw)
-            return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    def __init__(self, metrics: Metrics, method: str, context: Any) -> None:
+        self.metrics, self.method, self.context = metrics, method, context
 
-        inner = handler.unary_stream or handler.stream_stream
+    def __enter__(self) -> None:
+        self.holder, self.start = [""], time.perf_counter()
+        self.token = _CALL_TENANT.set(self.holder)
 
-        async def streaming(request, context):
-            holder, start, code = [""], time.perf_counter(), None
-            token = _CALL_TENANT.set(holder)
-            try:
-                out = inner(request, context)
-                if inspect.isasyncgen(out):
-                    async for item in out:
-                        yield item
-                elif inspect.isawaitable(out):
-                    await out  # writes through context.write
-                elif out is not None:
-                    for item in out:
-                        yield item
-            except grpc.aio.AbortError:
-                raise
-            except (asyncio.CancelledError, GeneratorExit):
-                code = "CANCELLED"
-                raise
-            except BaseException:
-                code = "UNKNOWN"
-                raise
-            finally:
-                try:
-                    _CALL_TENANT.reset(token)
-                except ValueError:  # finalised in another context (a dropped stream)
-                    pass
-                finish(holder, context, start, code)
-
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming, **kw)
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    def __exit__(self, typ, exc, tb) -> bool:
+        if typ is None or issubclass(typ, grpc.aio.AbortError):
+            code = None  # the status the handler set, or OK
+        elif issubclass(typ, (asyncio.CancelledError, GeneratorExit)):
+            code = "CANCELLED"
+        else:
+            code = "UNKNOWN"  # what gRPC answers for an exception that escapes
+        try:
+            _CALL_TENANT.reset(self.token)
+        except ValueError:  # finalised in another context (a dropped stream)
+            pass
+        self.metrics.observe_rpc(self.holder[0], self.method,
+                                 code or _code_name(self.context.code()) or "OK",
+                                 time.perf_counter() - self.start)
+        return False

@@ -8,7 +8,6 @@ and each handler resolves the caller's identity for authorisation.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import time
@@ -22,6 +21,7 @@ from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
 from itif.server.errors import rpc, status_of
+from itif.server.handlers import wrap_handler
 
 log = logging.getLogger("itif.server")
 SERVICE = itif_pb2.DESCRIPTOR.services_by_name["Itif"].full_name  # "itif.v1.Itif"
@@ -91,42 +91,14 @@ def reject_malformed(handler):
                 await refuse(context)
             yield msg
 
-    kw = dict(request_deserializer=deserialize, response_serializer=handler.response_serializer)
-    if handler.unary_unary or handler.stream_unary:
-        inner, streamed = handler.unary_unary or handler.stream_unary, handler.stream_unary
-
-        async def unary(request, context):
-            if streamed:
-                request = messages(request, context)
-            elif request is _MALFORMED:
-                await refuse(context)
-            out = inner(request, context)
-            return (await out) if inspect.isawaitable(out) else out
-
+    async def prepare(request, context, streamed: bool):
         if streamed:
-            return grpc.stream_unary_rpc_method_handler(unary, **kw)
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-
-    inner, streamed = handler.unary_stream or handler.stream_stream, handler.stream_stream
-
-    async def streaming(request, context):
-        if streamed:
-            request = messages(request, context)
-        elif request is _MALFORMED:
+            return messages(request, context)
+        if request is _MALFORMED:
             await refuse(context)
-        out = inner(request, context)
-        if inspect.isasyncgen(out):
-            async for item in out:
-                yield item
-        elif inspect.isawaitable(out):
-            await out  # writes through context.write
-        elif out is not None:
-            for item in out:
-                yield item
+        return request
 
-    if streamed:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return wrap_handler(handler, prepare=prepare, request_deserializer=deserialize)
 
 
 # ---- protobuf <-> domain ------------------------------------------------------------------

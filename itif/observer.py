@@ -1,0 +1,27 @@
+"""What the daemon tells whoever watches it: the interface the server layer wires up.
+
+``itif.daemon`` is the domain core and imports neither gRPC nor the metrics; the server
+(``itif.server.app``) sets ``daemon.metrics`` to an object with these methods
+(``itif.metrics.Metrics``), or leaves it ``None`` (tests, tools): then nothing is observed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from itif.requests import Request, Result
+    from itif.scheduler import Ticket
+
+__all__ = ["DaemonObserver"]
+
+
+class DaemonObserver(Protocol):
+    def note_tenant(self, tenant: str) -> None:
+        """The tenant the current call was authorised for (the label of its counters)."""
+
+    def watch(self, tenant: str, tickets: Sequence[Ticket]) -> None:
+        """One accepted call of ``tenant``: its rows, as the scheduler finishes them."""
+
+    def run_batch(self, engine) -> Callable[[list[Request]], list[Result]]:
+        """The scheduler's ``run_batch`` for ``engine``: ``engine.infer`` plus observations."""
