@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from itif.server._proto.itif.v1 import itif_pb2
+from itif.server.kserve import PROBES as KSERVE_PROBES
 from tests.reliability_util import (
     ADMIN,
     OK,
@@ -443,11 +444,7 @@ def every_method(daemon) -> list[tuple[str, str]]:
 
 
 def _public(path: str) -> bool:
-    try:
-        from itif.server.kserve import PROBES
-    except ImportError:
-        PROBES = frozenset()
-    return path.startswith(PUBLIC) or path in PROBES
+    return path.startswith(PUBLIC) or path in KSERVE_PROBES
 
 
 def _call_raw(channel, path: str, kind: str, msgs: list[bytes], token: str | None):
@@ -480,18 +477,11 @@ def _prefixed(data: st.DataObject) -> bytes:
     return tag + body
 
 
-@promise(22)
-@settings(FUZZ, max_examples=300)
-@given(data=st.data())
-def test_fuzzed_bytes_to_every_method(daemon, raw_channel, every_method, data):
-    """Random bytes to every method of every service (itif.v1, health, reflection, KServe),
-    with a tenant token, the admin token, a wrong one and none: only the expected codes."""
-    path, kind = data.draw(st.sampled_from(every_method))
-    token = data.draw(st.sampled_from([TOKENS["acme"], TOKENS["beta"], ADMIN, None, "wrong"]))
-    msgs = [_prefixed(data) for _ in range(data.draw(st.integers(1, 3)))]
+def _fuzz_one(channel, path: str, kind: str, msgs: list[bytes], token: str | None) -> None:
+    """Send ``msgs`` to ``path`` and check the code against the method's list."""
     if token == ADMIN and path.rsplit("/", 1)[1] in ("DeleteWeights", "RepositoryModelUnload"):
         token = TOKENS["acme"]  # the admin may legitimately delete a fuzzed tenant's weights
-    code = code_of(lambda: _call_raw(raw_channel, path, kind, msgs, token))
+    code = code_of(lambda: _call_raw(channel, path, kind, msgs, token))
     _FUZZ_COUNTS[code.name] = _FUZZ_COUNTS.get(code.name, 0) + 1
     _FUZZ_METHODS.add(path)
     if code == C.UNIMPLEMENTED:
@@ -501,6 +491,33 @@ def test_fuzzed_bytes_to_every_method(daemon, raw_channel, every_method, data):
     else:  # every method the daemon exposes has its list: a new one must be added to KNOWN
         assert path in KNOWN, f"{path}: which codes may it answer? add it to KNOWN"
         assert code in KNOWN[path] | {C.INVALID_ARGUMENT}, (path, token, msgs, code)
+
+
+FUZZ_TOKENS = [TOKENS["acme"], TOKENS["beta"], ADMIN, None, "wrong"]
+
+
+@promise(22)
+def test_garbage_to_every_method_every_token(daemon, raw_channel, every_method):
+    """Every method (all of them, not a random subset), with every kind of token, gets a few
+    fixed malformed or odd messages: only the method's expected codes."""
+    garbage = [b"", b"\xff", b"\x0a\x05hello", b"\x12\x7f" + b"x" * 5, b"\x08" + b"\xff" * 11]
+    for path, kind in every_method:
+        for token in FUZZ_TOKENS:
+            for g in garbage:
+                _fuzz_one(raw_channel, path, kind, [g], token)
+    assert {p for p, _ in every_method} <= _FUZZ_METHODS
+
+
+@promise(22)
+@settings(FUZZ, max_examples=300)
+@given(data=st.data())
+def test_fuzzed_bytes_to_every_method(daemon, raw_channel, every_method, data):
+    """Random bytes to every method of every service (itif.v1, health, reflection, KServe),
+    with a tenant token, the admin token, a wrong one and none: only the expected codes."""
+    path, kind = data.draw(st.sampled_from(every_method))
+    token = data.draw(st.sampled_from(FUZZ_TOKENS))
+    msgs = [_prefixed(data) for _ in range(data.draw(st.integers(1, 3)))]
+    _fuzz_one(raw_channel, path, kind, msgs, token)
 
 
 _FIELD_FUZZ: dict[str, int] = {}
