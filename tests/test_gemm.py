@@ -3,6 +3,8 @@ computes exactly what one ``torch.mm`` per segment computes. CPU here; gpu-marke
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def test_chooser_picks_the_fewest_launches(case):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_that_can_run_a_plan_matches_the_loop(case, backend):
     segs, _, able = CASES[case]
-    g = torch.Generator().manual_seed(hash(case) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(case.encode()))  # same seed in every process
     x = torch.randn(32, 16, generator=g)
     w = torch.randn(64, 24, 16, generator=g)
     if backend not in able:
