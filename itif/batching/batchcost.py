@@ -26,6 +26,9 @@ time kernel launches only.
   multiplies in, so a scheduler that reports its measured batch times pulls predictions toward
   them.
 
+The timings (:func:`clock`, :func:`measure_layout`, ...) live in ``itif.batching.batchmeasure``
+and are re-exported here.
+
 Tables are interpolated piecewise linearly in raw coordinates (costs are affine in rows and
 segments inside a cell) and extrapolated in proportion beyond the last grid point, as
 ``costmodel`` does. Timings are medians, so one preempted sample on a shared CPU does not move
@@ -37,15 +40,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from itif.batching.batchmeasure import (  # clock, measure_forward: re-exported
+    clock,
+    measure_forward,
+    measure_layout,
+    measure_ms,
+    prepare_for,
+)
 from itif.batching.costmodel import _axis, _interp
 from itif.batching.layout import Layout
 from itif.runtime.gemm import (
@@ -67,41 +75,6 @@ _GRP_SEGS = (2, 4, 16, 64)
 _ATT_LENS = (2, 4, 8, 16, 32, 64, 128, 256)
 _ATT_NS = (1, 8, 32)
 _MEM_ROWS = (16, 128, 1024, 8192)
-
-
-def clock():
-    """``(now, name)``: the clock timings use. With one torch thread on the CPU every op runs
-    on the calling thread, so its CPU time (``time.thread_time``) is the batch's time without
-    the time slices other processes took from it (equal to wall time on an idle machine, and
-    steady on a shared one); otherwise wall time."""
-    if torch.get_num_threads() == 1:
-        return time.thread_time, "thread_cpu"
-    return time.perf_counter, "wall"
-
-
-def _measure_ms(fn, repeats: int = 7, min_sample_s: float = 0.002, budget_s: float = 0.3) -> float:
-    """Best-of-``repeats`` wall time of ``fn()`` in ms (CPU; tiny calls repeated inside one
-    sample). The minimum, not the median: on a shared 2-core CPU a parallel op whose second
-    thread is descheduled waits out a whole 4-8 ms time slice, and that happened in most samples
-    of some points (medians of exactly 8.0 / 16.0 / 24.0 ms for 0.05 ms attention calls)."""
-    now = clock()[0]
-    fn()
-    est = float("inf")
-    for _ in range(2):
-        t0 = now()
-        fn()
-        est = min(est, now() - t0)
-    inner = int(min(200, max(1, min_sample_s / max(est, 1e-9))))
-    samples = []
-    deadline = now() + budget_s
-    while len(samples) < repeats:
-        t0 = now()
-        for _ in range(inner):
-            fn()
-        samples.append((now() - t0) / inner)
-        if now() > deadline and len(samples) >= 3:
-            break
-    return min(samples) * 1e3
 
 
 def _lin1(grid: np.ndarray, table: np.ndarray, x: float) -> float:
@@ -390,13 +363,13 @@ class BatchCostModel:
                         return lambda: run_gemm(x, w, plan, offs, None if offs is not None
                                                 else out[: plan.rows])
 
-                    t["mm"][kind] = [_measure_ms(one(_segs_plan(int(r), 1, "mm"))) for r in mm_rows]
-                    t["bmm"][kind] = [[_measure_ms(one(_segs_plan(int(r), int(g), "bmm")))
+                    t["mm"][kind] = [measure_ms(one(_segs_plan(int(r), 1, "mm"))) for r in mm_rows]
+                    t["bmm"][kind] = [[measure_ms(one(_segs_plan(int(r), int(g), "bmm")))
                                        for r in grp_rows] for g in grp_segs]
-                    t["loop"][kind] = [[_measure_ms(one(_segs_plan(int(r), int(g), "loop")))
+                    t["loop"][kind] = [[measure_ms(one(_segs_plan(int(r), int(g), "loop")))
                                         for r in grp_rows] for g in grp_segs]
                     t["grouped"][kind] = t["loop"][kind] if not grouped_ok else [
-                        [_measure_ms(one(_segs_plan(int(r), int(g), "grouped_mm")))
+                        [measure_ms(one(_segs_plan(int(r), int(g), "grouped_mm")))
                          for r in grp_rows] for g in grp_segs]
                 # attention, one group per call
                 for variant in ("view", "view_masked", "gather"):
@@ -420,7 +393,7 @@ class BatchCostModel:
                             else:
                                 g = AttnGroup(n=n, L=L, start=0,
                                               key_mask=mask if variant == "view_masked" else None)
-                            row.append(_measure_ms(
+                            row.append(measure_ms(
                                 lambda q=qkv, g=g, o=o: ops.attention(q, [g], heads, o)))
                         tab.append(row)
                     t["attn"][variant] = tab
@@ -450,7 +423,7 @@ class BatchCostModel:
                             ops.bias_act(f, rp[I], act)
                             ops.bias_residual_layernorm(h, rp[H], y, rp[H], rp[H], eps)
 
-                        mem.append(_measure_ms(layer))
+                        mem.append(measure_ms(layer))
                         ids = torch.randint(0, spec.vocab_size, (T,), device=dev)
                         posi = torch.randint(0, spec.max_position, (T,), device=dev)
                         types = torch.zeros(T, dtype=torch.int64, device=dev)
@@ -460,7 +433,7 @@ class BatchCostModel:
                             e = ops.embed_text(rw, rpos, rt, ids, posi, types)
                             ops.bias_residual_layernorm(e, None, None, rp[H], rp[H], eps)
 
-                        emb.append(_measure_ms(embed))
+                        emb.append(measure_ms(embed))
                     t["mem"][mode], t["emb"][mode] = mem, emb
             return t
 
@@ -587,62 +560,6 @@ def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
         if err < best_err:
             best, best_err = full, err
     return best
-
-
-def prepare_for(engine, requests, layout: Layout):
-    """The PreparedBatch ``engine`` would run for ``layout`` (host only; nothing runs)."""
-    from itif.runtime.batch import prepare  # noqa: PLC0415
-
-    view = engine.store.view
-    tenants = engine._batch_tenants(view, [r.tenant for r in requests])
-    ids = np.concatenate([np.asarray(r.input_ids, np.int64) for r in requests])
-    return prepare(engine.spec, layout, tenants, view, engine._slot_tables(view, tenants),
-                   engine.device, engine.dtype, ids=ids)
-
-
-def measure_layout(engine, requests, layout: Layout, repeats: int = 7,
-                   stats: dict | None = None, warmup: bool = True) -> float:
-    """Best-of-``repeats`` ms of running ``layout`` through ``engine`` (``infer`` with planning
-    replaced by the given layout: prepare, forward, download, results) on :func:`clock`. The
-    minimum, for the reason given at ``_measure_ms``; ``stats`` (if given) receives the median
-    and the best wall time too."""
-    engine.plan = lambda *a, **k: layout
-    now = clock()[0]
-    try:
-        if warmup:
-            engine.infer(requests)
-        times, walls = [], []
-        for _ in range(repeats):
-            w0, t0 = time.perf_counter(), now()
-            engine.infer(requests)
-            times.append(now() - t0)
-            walls.append(time.perf_counter() - w0)
-    finally:
-        del engine.plan  # the instance attribute: Engine.plan shows through again
-    if stats is not None:
-        stats["median_ms"] = statistics.median(times) * 1e3
-        stats["wall_ms"] = min(walls) * 1e3
-    return min(times) * 1e3
-
-
-def measure_forward(engine, batch, repeats: int = 5) -> float:
-    """Best-of-``repeats`` ms of ``forward.run`` of a prepared batch (upload, forward and the
-    output's copy to the host; no host work around it), on :func:`clock`."""
-    from itif.runtime import forward  # noqa: PLC0415
-
-    now = clock()[0]
-
-    def once():
-        ints, floats = batch.upload(engine.device)
-        forward.run(engine.spec, batch, ints, floats).cpu()
-
-    once()
-    times = []
-    for _ in range(repeats):
-        t0 = now()
-        once()
-        times.append(now() - t0)
-    return min(times) * 1e3
 
 
 __all__ = ["BatchCostModel", "Structure", "clock", "measure_forward", "measure_layout",
