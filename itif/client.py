@@ -13,7 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
 
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # bytes read at a time while hashing
+#: Bytes of file per upload message: well under any sensible ``server.max_message_bytes``
+#: (a message also carries a few bytes of framing, so a chunk of exactly the limit fails).
+UPLOAD_CHUNK = 256 << 10
 
 
 class Client:
@@ -42,8 +45,12 @@ class Client:
 
     # ---- uploads ---------------------------------------------------------------------------
     def upload(self, tenant: str, path: str | os.PathLike, progress: bool = False,
-               timeout: float | None = None) -> itif_pb2.UploadWeightsResponse:
-        """Stream a safetensors file; with ``progress`` a tqdm bar on stderr."""
+               timeout: float | None = None,
+               chunk_bytes: int = UPLOAD_CHUNK) -> itif_pb2.UploadWeightsResponse:
+        """Stream a safetensors file in messages of ``chunk_bytes``; with ``progress`` a tqdm
+        bar on stderr."""
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         path = Path(path)
         size = path.stat().st_size
         digest = hashlib.sha256()
@@ -60,7 +67,7 @@ class Client:
             yield itif_pb2.UploadWeightsRequest(header=itif_pb2.UploadHeader(
                 tenant=tenant, sha256=digest.hexdigest(), total_size=size))
             with open(path, "rb") as f:
-                for block in iter(lambda: f.read(CHUNK), b""):
+                for block in iter(lambda: f.read(chunk_bytes), b""):
                     if bar is not None:
                         bar.update(len(block))
                     yield itif_pb2.UploadWeightsRequest(chunk=block)

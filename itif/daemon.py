@@ -20,7 +20,6 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from enum import Enum
-from pathlib import Path
 from typing import Iterable
 
 from itif import faults
@@ -33,6 +32,7 @@ from itif.errors import (
     PermissionDenied,
     TenantNotFound,
     Unauthenticated,
+    shown,
 )
 from itif.runtime.engine import Engine, Request, Result
 from itif.scheduler import Scheduler, TenantQuota, Ticket
@@ -91,6 +91,7 @@ class Daemon:
         self.status: dict[str, TenantStatus] = {t.id: TenantStatus() for t in config.tenants}
         self.scheduler: Scheduler | None = None
         self._lock = threading.Lock()
+        self._tenant_locks: dict[str, threading.Lock] = {}
         self.reloads_ok = 0
         self.reloads_failed = 0
         self.last_reload_error = ""
@@ -184,7 +185,7 @@ class Daemon:
     def _visible(self, who: Identity, tenant: str) -> None:
         """Unknown tenants and other tenants' names get the same answer."""
         if tenant not in self.status or not who.may_see(tenant):
-            raise TenantNotFound(f"tenant {tenant!r} not found")
+            raise TenantNotFound(f"tenant {shown(tenant)} not found")
         self._note_tenant(tenant)
 
     def _note_tenant(self, tenant: str) -> None:
@@ -202,22 +203,42 @@ class Daemon:
         self._visible(who, tenant)
         return self.blobs.begin_upload(tenant, sha256, total_size)
 
-    def finish_upload(self, tenant: str, upload: Upload) -> TenantView:
-        """Verify, validate, commit durably, then swap in (see the module docstring)."""
-        loaded = {}
+    def _tenant_lock(self, tenant: str) -> threading.Lock:
+        """Serialises what changes one tenant's weights or existence: an upload's commit and
+        swap, a delete, its removal from (or return to) the config. Each runs whole under it,
+        so an acknowledged outcome is the durable one: the file on disk, the weights served and
+        the state reported always agree."""
+        lock = self._tenant_locks.get(tenant)
+        if lock is None:
+            lock = self._tenant_locks.setdefault(tenant, threading.Lock())
+        return lock
 
-        def validate(path: Path) -> None:
-            weights = self.engine.load_weights(path)
-            self.engine.store.check_budget(weights)
-            loaded["weights"] = weights
-
-        upload.commit(validate=validate)
-        self.engine.add_tenant(tenant, loaded["weights"])
-        st = self.status.setdefault(tenant, TenantStatus())
-        st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
+    def finish_upload(self, tenant: str, upload: Upload, who: Identity | None = None) -> TenantView:
+        """Verify, validate, probe, then commit durably and swap in (module docstring). The
+        slow checks run first without the tenant's lock; the commit and swap run under it and
+        refuse a tenant removed from the config meanwhile (nothing is committed then)."""
+        try:
+            upload.seal()  # size and sha256
+            weights = self.engine.load_weights(upload.temp_path)
+            # a tenant's own upload is not credited with what other tenants hold (see
+            # WeightStore.check_budget); the operator's is
+            owner = None if who is None or who.admin else tenant
+            self.engine.store.check_budget(weights, owner=owner)
+            self.engine.probe(weights)
+            with self._tenant_lock(tenant):
+                if tenant not in self.status:
+                    raise TenantNotFound(
+                        f"tenant {tenant!r} was removed from the configuration during its upload; "
+                        "nothing was stored")
+                upload.publish()
+                self.engine.add_tenant(tenant, weights)
+                st = self.status[tenant]
+                st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
+        finally:
+            upload.abort()  # a no-op once published
         log.info("tenant %s uploaded %d bytes (sha256 %s)", tenant, upload.total_size,
                  upload.expected_sha256[:12])
-        return self.tenant_view(tenant)
+        return self.tenant_view(tenant, who)
 
     def upload(self, who: Identity, tenant: str, sha256: str, total_size: int,
                chunks: Iterable[bytes]) -> TenantView:
@@ -225,17 +246,19 @@ class Daemon:
         with self.begin_upload(who, tenant, sha256, total_size) as up:
             for chunk in chunks:
                 up.write(chunk)
-            return self.finish_upload(tenant, up)
+            return self.finish_upload(tenant, up, who)
 
     def delete_weights(self, who: Identity, tenant: str) -> tuple[bool, int]:
         self._require_admin(who)
         self._visible(who, tenant)
-        freed = 0
-        if tenant in self.engine.store:
-            freed = self.engine.tenant_info(tenant).exclusive_bytes
-            self.engine.remove_tenant(tenant)
-        deleted = self.blobs.delete(tenant)
-        self.status[tenant] = TenantStatus()
+        with self._tenant_lock(tenant):
+            self._visible(who, tenant)  # removed from the config while waiting for the lock
+            freed = 0
+            if tenant in self.engine.store:
+                freed = self.engine.tenant_info(tenant).exclusive_bytes
+                self.engine.remove_tenant(tenant)
+            deleted = self.blobs.delete(tenant)
+            self.status[tenant] = TenantStatus()
         return deleted or freed > 0, freed
 
     # ---- inference -------------------------------------------------------------------------
@@ -243,7 +266,7 @@ class Daemon:
         self._visible(who, tenant)
         st = self.status.get(tenant)
         if st is None:  # removed by a config reload a moment ago
-            raise TenantNotFound(f"tenant {tenant!r} not found")
+            raise TenantNotFound(f"tenant {shown(tenant)} not found")
         if st.state is not State.READY:
             why = f": {st.error}" if st.error else ""
             raise NoWeights(f"tenant {tenant!r} has no ready weights ({st.state.name}){why}")
@@ -282,21 +305,26 @@ class Daemon:
         return [t.result(timeout) for t in tickets]
 
     # ---- tenants ---------------------------------------------------------------------------
-    def tenant_view(self, tenant: str) -> TenantView:
+    def tenant_view(self, tenant: str, who: Identity | None = None) -> TenantView:
+        """``who``: the caller, when not the operator. A tenant is told nothing that depends on
+        other tenants' weights: its exclusive bytes are all its bytes (what sharing saves is
+        reported to the admin and the operator's metrics only)."""
         st = self.status[tenant]
         total = exclusive = labels = 0
         if self.engine is not None and tenant in self.engine.store:
             info = self.engine.tenant_info(tenant)
             total, exclusive, labels = info.bytes, info.exclusive_bytes, info.num_labels or 0
+            if who is not None and not who.admin:
+                exclusive = total
         depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0
         return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error)
 
     def get_tenant(self, who: Identity, tenant: str) -> TenantView:
         self._visible(who, tenant)
-        return self.tenant_view(tenant)
+        return self.tenant_view(tenant, who)
 
     def list_tenants(self, who: Identity) -> list[TenantView]:
-        return [self.tenant_view(t) for t in sorted(self.status) if who.may_see(t)]
+        return [self.tenant_view(t, who) for t in sorted(self.status) if who.may_see(t)]
 
     # ---- live configuration ---------------------------------------------------------------
     def apply_config(self, new: Config) -> ConfigDiff:
@@ -317,15 +345,18 @@ class Daemon:
                                          isolate_tenants=sch.isolate_tenants,
                                          latency_sizing=sch.latency_sizing)
                 self.engine.strategy = DEFAULT_STRATEGY if sch.strategy == "auto" else sch.strategy
-            self.config = new
+            self.blobs.max_upload_bytes = new.server.max_upload_bytes  # checked per upload
+            self.config = new  # grace_s and admin_token_sha256 are read from here when used
             for tid in diff.removed:
                 self.scheduler.remove_tenant(tid)
-                self.status.pop(tid, None)
+                with self._tenant_lock(tid):  # after an upload's commit, or it sees it gone
+                    self.status.pop(tid, None)
                 threading.Thread(target=self._retire, args=(tid,), daemon=True,
                                  name=f"retire-{tid}").start()
             for t in diff.added:  # weights kept on disk from an earlier life come back
-                if self.blobs.exists(t.id):
-                    self._load_stored(t.id)
+                with self._tenant_lock(t.id):
+                    if self.blobs.exists(t.id):
+                        self._load_stored(t.id)
             self.reloads_ok += 1
             log.info("config applied: +%s -%s ~%s", [t.id for t in diff.added],
                      list(diff.removed), [t.id for t in diff.changed])
@@ -343,8 +374,9 @@ class Daemon:
         end = time.monotonic() + timeout_s
         while self._outstanding(tenant) and time.monotonic() < end:
             time.sleep(0.05)
-        if tenant not in self.status and tenant in self.engine.store:
-            self.engine.remove_tenant(tenant)  # in-flight forwards hold their own snapshot
+        with self._tenant_lock(tenant):
+            if tenant not in self.status and tenant in self.engine.store:
+                self.engine.remove_tenant(tenant)  # in-flight forwards hold their own snapshot
 
     def _outstanding(self, tenant: str) -> int:
         """The tenant's accepted requests that have not finished (queued or running)."""

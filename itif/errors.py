@@ -7,6 +7,27 @@ codes, and the CLI prints them as ``error: <CODE>: <message>``. Messages name th
 from __future__ import annotations
 
 
+MAX_SHOWN = 64  # characters of a client-chosen name quoted back in an error message
+MAX_MESSAGE = 1024  # characters of an error message sent to a client
+
+
+def shown(value: object, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters: a client-chosen name
+    (a tenant id, a model name) is never echoed whole, however long it is."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def clip(message: str, limit: int = MAX_MESSAGE) -> str:
+    """An error message cut to ``limit`` characters (status details travel in the trailers,
+    whose size the client limits: a longer message would fail the call differently)."""
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message) - limit} more characters)"
+
+
 class ItifError(Exception):
     """Base of every error itif raises on purpose. ``code`` is the gRPC status code name."""
 

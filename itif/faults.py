@@ -13,6 +13,10 @@ naming every active hook. Unset (production), :func:`install` does nothing at al
 ``slow:<ms>``
     every forward sleeps ``<ms>`` milliseconds first (the GIL is released): a device whose
     forward costs a fixed time, for queue-full, deadline and noisy-neighbour tests.
+``commit_pause:<ms>``
+    every weight swap-in (``engine.add_tenant``) sleeps ``<ms>`` milliseconds first: an upload's
+    file is already committed and its weights not yet served, the window in which a racing
+    delete or config removal must wait (acknowledged = durable tests).
 ``start_delay:<ms>``
     the daemon sleeps ``<ms>`` milliseconds while starting (after the port opened, before it
     reports ready), so the window in which health answers NOT_SERVING can be observed.
@@ -41,36 +45,35 @@ class Faults:
     oom_tenants: frozenset[str] = frozenset()
     slow_ms: float = 0.0
     start_delay_ms: float = 0.0
+    commit_pause_ms: float = 0.0
 
     @property
     def active(self) -> bool:
-        return bool(self.oom_tenants or self.slow_ms or self.start_delay_ms)
+        return bool(self.oom_tenants or self.slow_ms or self.start_delay_ms
+                    or self.commit_pause_ms)
 
 
 def parse(spec: str) -> Faults:
     """``"oom:acme,slow:50"`` -> :class:`Faults`; ValueError naming the bad hook."""
     oom: set[str] = set()
-    slow = delay = 0.0
+    ms_of = {"slow": 0.0, "start_delay": 0.0, "commit_pause": 0.0}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, sep, arg = item.partition(":")
         if not sep or not arg:
             raise ValueError(f"{ENV}: hook {item!r} needs an argument (kind:arg)")
         if kind == "oom":
             oom.add(arg)
-        elif kind in ("slow", "start_delay"):
+        elif kind in ms_of:
             try:
                 ms = float(arg)
             except ValueError:
                 raise ValueError(f"{ENV}: {item!r}: {arg!r} is not a number of ms") from None
             if not 0 <= ms <= 600_000:
                 raise ValueError(f"{ENV}: {item!r}: ms must lie in [0, 600000]")
-            if kind == "slow":
-                slow = ms
-            else:
-                delay = ms
+            ms_of[kind] = ms
         else:
-            raise ValueError(f"{ENV}: unknown hook {kind!r} (known: oom, slow, start_delay)")
-    return Faults(frozenset(oom), slow, delay)
+            raise ValueError(f"{ENV}: unknown hook {kind!r} (known: oom, {', '.join(ms_of)})")
+    return Faults(frozenset(oom), ms_of["slow"], ms_of["start_delay"], ms_of["commit_pause"])
 
 
 def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
@@ -85,7 +88,17 @@ def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
         time.sleep(faults.start_delay_ms / 1000.0)
     if faults.oom_tenants or faults.slow_ms:
         engine.infer = _faulty(engine.infer, faults)  # instance attribute: this engine only
+    if faults.commit_pause_ms:
+        engine.add_tenant = _paused(engine.add_tenant, faults.commit_pause_ms / 1000.0)
     return faults
+
+
+def _paused(add_tenant: Callable, seconds: float) -> Callable:
+    def add(*args, **kwargs):
+        time.sleep(seconds)
+        return add_tenant(*args, **kwargs)
+
+    return add
 
 
 def _faulty(infer: Callable, faults: Faults) -> Callable:

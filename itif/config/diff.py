@@ -19,7 +19,7 @@ __all__ = ["ConfigDiff", "diff_configs"]
 
 # server keys that are baked into listeners / the gRPC server at start-up.
 _RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "max_message_bytes", "tls")
-_LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s")
+_LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ConfigDiff:
     removed: tuple[str, ...] = ()
     changed: tuple[Tenant, ...] = ()
     scheduler_changed: bool = False
-    #: Live-applicable server keys that changed (admin_token_sha256, max_upload_bytes, grace_s).
+    #: Live-applicable server keys that changed (``_LIVE_SERVER_KEYS``).
     server_changed: tuple[str, ...] = ()
 
     @property

@@ -61,6 +61,9 @@ class ServerConfig:
     max_message_bytes: int = setting(F.size, 64 * MiB, lo=KiB, hi=GRPC_MAX_MESSAGE)
     max_upload_bytes: int = setting(F.size, 4 * GiB, lo=1, hi=TiB)
     grace_s: float = setting(F.number, 10.0, lo=0.0, hi=3600.0)
+    #: An upload that sends nothing for this long is aborted (DEADLINE_EXCEEDED), freeing the
+    #: tenant's upload slot; nothing of it is stored.
+    upload_idle_s: float = setting(F.number, 60.0, lo=0.0, hi=86_400.0, lo_open=True)
     #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
     tls: TLSConfig | None = None
 

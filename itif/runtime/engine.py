@@ -12,6 +12,7 @@ all tenants against one WeightStore snapshot, then slices each request's outputs
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -27,7 +28,7 @@ from itif.backbones.hf import CanonicalWeights, load_tenant_weights
 from itif.backbones.spec import BackboneSpec, load_spec
 from itif.batching.layout import Layout
 from itif.batching.strategies import DEFAULT_STRATEGY, plan
-from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound
+from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
 from itif.runtime import forward
@@ -55,6 +56,13 @@ class _Inputs:
     types: np.ndarray | None = None
     pixels: np.ndarray | None = None
     wants: list[tuple[str, ...]] = field(default_factory=list)
+
+
+_PROBES = itertools.count()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class Engine:
@@ -100,11 +108,47 @@ class Engine:
 
     # ---- tenants ---------------------------------------------------------------------------
     def load_weights(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> CanonicalWeights:
-        """Read and validate a checkpoint against the backbone without adding it."""
+        """Read and validate a checkpoint against the backbone without adding it: names,
+        shapes, finite values, and finite still once cast to the serving dtype."""
         weights = load_tenant_weights(self.spec, source)
         if self.spec.is_text and weights.num_labels and not weights.has_pooler:
             raise InvalidWeights("a text classification head needs the pooler (pooler.dense.*)")
+        for name, t in weights.tensors.items():
+            if t.dtype == self.dtype or not t.is_floating_point():
+                continue
+            bad = ~torch.isfinite(t.to(self.dtype))
+            if bad.any():
+                top = torch.finfo(self.dtype).max
+                raise InvalidWeights(
+                    f"tensor {name!r}: {int(bad.sum())} values overflow {_dtype_name(self.dtype)} "
+                    f"(largest magnitude {float(t.abs().max()):.4g}; "
+                    f"{_dtype_name(self.dtype)} holds up to {top:.4g})")
         return weights
+
+    def probe(self, weights: CanonicalWeights) -> None:
+        """Run ``weights`` once, alone, on a fixed input and raise :class:`InvalidWeights` if
+        an output is not finite (finite weights can still overflow inside the forward, e.g.
+        1e30 in a dense layer). The weights are added under a name no tenant id can take and
+        removed again; budget as for ``add_tenant``."""
+        name = f"~probe-{next(_PROBES)}"  # tenant ids start with [a-z0-9]
+        self.store.add(name, weights)
+        try:
+            outputs = ("pooled", "last_hidden_state") + (("logits",) if weights.num_labels else ())
+            if self.spec.is_text:
+                n = min(8, self.max_seq_len)
+                req = Request(name, input_ids=np.arange(n) % self.spec.vocab_size, outputs=outputs)
+            else:
+                shape = (self.spec.num_channels, self.spec.image_size, self.spec.image_size)
+                pixels = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+                req = Request(name, pixel_values=pixels, outputs=outputs)
+            (res,) = self.infer([req])
+        finally:
+            self.store.remove(name)
+        for key, value in res.as_dict().items():
+            if not np.isfinite(value).all():
+                raise InvalidWeights(
+                    f"these weights produce non-finite {key} ({int((~np.isfinite(value)).sum())} "
+                    f"of {value.size} values NaN/Inf) on a probe input in {_dtype_name(self.dtype)}")
 
     def add_tenant(self, tenant: str, source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights) -> TenantInfo:
         """Add (or atomically replace) a tenant's weights: a safetensors file, a checkpoint
@@ -119,7 +163,7 @@ class Engine:
     def tenant_info(self, tenant: str) -> TenantInfo:
         entry = self.store.view.tenants.get(tenant)
         if entry is None:
-            raise TenantNotFound(f"tenant {tenant!r} not found")
+            raise TenantNotFound(f"tenant {shown(tenant)} not found")
         total, exclusive = self.store.tenant_bytes(tenant)
         return TenantInfo(tenant, entry.num_labels, entry.has_pooler, total, exclusive)
 

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from typing import Callable
 
-from itif.errors import TenantNotFound
+from itif.errors import TenantNotFound, shown
 from itif.scheduler.tickets import DONE, QUEUED, RUNNING, TenantQuota, TenantStats, Ticket
 
 __all__ = ["FairQueue", "TenantQueue"]
@@ -96,7 +96,7 @@ class FairQueue:
     def remove_tenant(self, tenant: str) -> None:
         tq = self.tenants.get(tenant)
         if tq is None or tq.removed:
-            raise TenantNotFound(f"tenant {tenant!r} not found")
+            raise TenantNotFound(f"tenant {shown(tenant)} not found")
         tq.removed = True
         if tq.depth == 0:
             del self.tenants[tenant]

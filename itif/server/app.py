@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -87,11 +88,13 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     print(f"itif: serving {len(cfg.tenants)} tenants on {listen}", flush=True)
 
     await stop.wait()
-    log.info("shutting down: draining for up to %.1fs", cfg.server.grace_s)
+    grace = daemon.config.server.grace_s  # the live value: tenants.yaml may have changed it
+    log.info("shutting down: draining for up to %.1fs", grace)
     health.shutting_down = True
     watcher.stop()
-    await asyncio.to_thread(daemon.stop)  # refuse new work, finish queued and in-flight calls
-    await server.stop(cfg.server.grace_s)
+    t0 = time.monotonic()
+    await asyncio.to_thread(daemon.stop, grace)  # refuse new work, finish queued and in-flight
+    await server.stop(max(0.0, grace - (time.monotonic() - t0)))  # one grace period in all
     metrics.close()
     log.info("stopped")
     return 0

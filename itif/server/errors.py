@@ -12,14 +12,14 @@ import logging
 
 import grpc
 
-from itif.errors import ItifError, is_out_of_memory
+from itif.errors import ItifError, clip, is_out_of_memory
 
 log = logging.getLogger("itif.server")
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ItifError):
-        return getattr(grpc.StatusCode, exc.code), str(exc)
+        return getattr(grpc.StatusCode, exc.code), clip(str(exc))
     if is_out_of_memory(exc):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory while running this batch"
     return grpc.StatusCode.INTERNAL, "internal error (details in the server log)"

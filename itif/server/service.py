@@ -155,14 +155,15 @@ class ItifService(itif_pb2_grpc.ItifServicer):
     @rpc
     async def UploadWeights(self, request_iterator, context):
         who = self._who(context)
-        first = await anext(aiter(request_iterator), None)
+        d = self.daemon
+        messages = _idle_limited(request_iterator, d.config.server.upload_idle_s)
+        first = await anext(messages, None)
         if first is None or first.WhichOneof("payload") != "header":
             raise InvalidRequest("the first UploadWeights message must carry the header")
         h = first.header
-        d = self.daemon
         up = d.begin_upload(who, h.tenant, h.sha256, h.total_size)
         try:
-            async for msg in request_iterator:
+            async for msg in messages:
                 if msg.WhichOneof("payload") != "chunk":
                     raise InvalidRequest("only chunks may follow the UploadWeights header")
                 up.write(msg.chunk)
@@ -172,7 +173,7 @@ class ItifService(itif_pb2_grpc.ItifServicer):
         # From here the commit owns the upload (Upload.commit aborts it on its own failures) and
         # runs to its end even if this call is cancelled: aborting under a running commit would
         # free the tenant's upload lock, and delete the file, while the commit still uses them.
-        commit = asyncio.ensure_future(asyncio.to_thread(d.finish_upload, h.tenant, up))
+        commit = asyncio.ensure_future(asyncio.to_thread(d.finish_upload, h.tenant, up, who))
         commit.add_done_callback(_retrieve)
         view = await asyncio.shield(commit)
         shared = view.weight_bytes - view.exclusive_bytes
@@ -224,6 +225,22 @@ class ItifService(itif_pb2_grpc.ItifServicer):
         deleted, freed = await asyncio.to_thread(self.daemon.delete_weights, who, request.tenant)
         return itif_pb2.DeleteWeightsResponse(tenant=request.tenant, deleted=deleted,
                                               freed_bytes=freed)
+
+
+async def _idle_limited(messages, idle_s: float):
+    """The messages of a client stream; DeadlineExceeded when the client sends nothing for
+    ``idle_s`` seconds (an idle upload must not hold its tenant's upload slot forever)."""
+    it = aiter(messages)
+    while True:
+        try:
+            msg = await asyncio.wait_for(anext(it), idle_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the upload sent nothing for {idle_s:g} s (server.upload_idle_s); it was "
+                "aborted and nothing of it was stored") from None
+        yield msg
 
 
 def _retrieve(fut: asyncio.Future) -> None:

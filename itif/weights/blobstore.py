@@ -51,7 +51,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from itif.errors import InvalidRequest, InvalidWeights, Overloaded
+from itif.errors import InvalidRequest, InvalidWeights, Overloaded, shown
 from itif.weights.safetensors_io import sha256_file
 
 __all__ = ["TENANT_ID_RE", "BlobStore", "Upload", "validate_tenant_id"]
@@ -75,7 +75,7 @@ def validate_tenant_id(tid: object) -> str:
     """
     # fullmatch, not match: "$" alone would accept a trailing "\n".
     if not isinstance(tid, str) or not _TENANT_ID.fullmatch(tid):
-        raise InvalidRequest(f"invalid tenant id {tid!r}: must match {TENANT_ID_RE}")
+        raise InvalidRequest(f"invalid tenant id {shown(tid)}: must match {TENANT_ID_RE}")
     return tid
 
 
@@ -329,6 +329,7 @@ class Upload:
         self.written = 0
         self._store = store
         self._hash = hashlib.sha256()
+        self._digest: str | None = None  # set by seal()
         fd, name = tempfile.mkstemp(prefix=f"{tenant}-", suffix=_UPLOAD_SUFFIX, dir=store._tmp)
         self.temp_path = Path(name)
         try:
@@ -346,6 +347,8 @@ class Upload:
     def write(self, chunk: bytes | bytearray | memoryview) -> None:
         """Append ``chunk``. Exceeding the declared size aborts and raises :class:`Overloaded`."""
         self._check_open()
+        if self._digest is not None:
+            raise InvalidRequest(f"upload for tenant {self.tenant!r} is sealed")
         n = memoryview(chunk).nbytes
         if self.written + n > self.total_size:
             self.abort()
@@ -368,7 +371,22 @@ class Upload:
         committed weights untouched) and the error re-raised: :class:`InvalidWeights` for a short
         upload or digest mismatch, whatever ``validate`` raised otherwise.
         """
+        self.seal()
+        if validate is not None:
+            try:
+                validate(self.temp_path)
+            except BaseException:
+                self.abort()
+                raise
+        return self.publish()
+
+    def seal(self) -> str:
+        """Check size and digest and make the temp file durable; return the digest. After this
+        :attr:`temp_path` is complete and may be read (validated) before :meth:`publish`. On a
+        failure the upload is aborted and :class:`InvalidWeights` raised."""
         self._check_open()
+        if self._digest is not None:
+            return self._digest
         try:
             if self.written != self.total_size:
                 raise InvalidWeights(
@@ -384,8 +402,17 @@ class Upload:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            if validate is not None:
-                validate(self.temp_path)
+        except BaseException:
+            self.abort()
+            raise
+        self._digest = digest
+        return digest
+
+    def publish(self) -> Path:
+        """Seal if not yet sealed, then make the upload the tenant's committed weights (the
+        commit point of the module docstring). Aborts on failure."""
+        digest = self.seal()
+        try:
             path = self._store._publish(self.tenant, self.temp_path, digest)
         except BaseException:
             self.abort()

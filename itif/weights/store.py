@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from itif.backbones.hf import CanonicalWeights
-from itif.errors import Overloaded, TenantNotFound
+from itif.errors import Overloaded, TenantNotFound, shown
 from itif.platform import cupy_module
 
 KindKey = tuple[str, tuple[int, ...]]  # (canonical name, shape)
@@ -273,7 +273,7 @@ class WeightStore:
         with self._state:
             entry = self._view.tenants.get(tenant)
             if entry is None:
-                raise TenantNotFound(f"tenant {tenant!r} not found")
+                raise TenantNotFound(f"tenant {shown(tenant)} not found")
             total = exclusive = 0
             for kind_key, slot in entry.slots.values():
                 kind = self._kinds[kind_key]
@@ -348,22 +348,31 @@ class WeightStore:
             with self._state:
                 old = self._view.tenants.get(tenant)
                 if old is None:
-                    raise TenantNotFound(f"tenant {tenant!r} not found")
+                    raise TenantNotFound(f"tenant {shown(tenant)} not found")
                 tenants = self._view.tenants.copy()  # the dict behind the proxy: O(n) but fast
                 del tenants[tenant]
                 self._publish(tenants)
                 self._release(old)
             self._reclaim()
 
-    def check_budget(self, weights: CanonicalWeights, digests: Digests | None = None) -> Digests:
+    def check_budget(self, weights: CanonicalWeights, digests: Digests | None = None,
+                     owner: str | None = None) -> Digests:
         """Raise Overloaded if adding ``weights`` now would exceed the memory budget. Returns
-        the weights' keys (and the stored twins it confirmed) for ``add`` to reuse."""
+        the weights' keys (and the stored twins it confirmed) for ``add`` to reuse.
+
+        ``owner``: the tenant the weights are for. Then only tensors the owner itself holds now
+        are credited as already stored; a tensor held only by other tenants is charged in full,
+        so whether the check passes never tells the owner what other tenants uploaded."""
         host = self._host(weights)
         d = self._digests_for(weights, digests, host, pop=False)
         if self.max_bytes is not None:
             with self._writer:
                 self._reclaim()
-                _, new = self._match(d, host)
+                hits, new = self._match(d, host)
+                if owner is not None:
+                    entry = self._view.tenants.get(owner)
+                    own = set(entry.slots.values()) if entry is not None else set()
+                    new = new + [n for n, ks in hits.items() if ks not in own]
                 self._check_budget(new, host)
         self._remember(weights, d)
         return d
