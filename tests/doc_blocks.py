@@ -24,7 +24,7 @@ class Block:
 class Command:
     path: str
     line: int  # 1-based line where the command starts
-    text: str  # as written, continuation lines joined, the trailing comment dropped
+    text: str  # the line as written (continuations joined, a trailing comment kept)
     argv: tuple[str, ...]  # shlex words of one simple command (no `&&` inside)
     chain: tuple[tuple[str, ...], ...]  # every simple command of its `a && b && c` line
 
@@ -71,7 +71,7 @@ def commands(block: Block) -> list[Command]:
             else:
                 cur.append(w)
         chain.append(tuple(cur))
-        text = shlex.join(words)
+        text = line.strip()
         for argv in chain:
             out.append(Command(block.path, block.line + 1 + start, text, argv, tuple(chain)))
     return out
