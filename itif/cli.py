@@ -116,10 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     remote(s, tenant=False)
     s.set_defaults(fn=cmd_tenants)
 
-    s = sub.add_parser("demo", help="daemon on loopback, demo tenants, mixed load, speedup")
+    s = sub.add_parser("demo", help="daemon on loopback, demo tenants fine-tuned from the "
+                       "packaged all-MiniLM-L6-v2 (itif[demo]), mixed load, speedup")
     s.add_argument("--tenants", type=int, default=4)
     s.add_argument("--requests", type=int, default=64, help="requests per tenant")
-    s.add_argument("--quick", action="store_true", help="tiny random backbone, few requests")
+    s.add_argument("--quick", action="store_true",
+                   help="at most 8 requests per tenant (same MiniLM backbone and tenants)")
     s.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("plan", help="plan one batch with every strategy and run it")
