@@ -64,8 +64,12 @@ EOF
         dpkg-deb -x "$tmp"/libb64-0d_*.deb "$tmp/deb"
         cp -L "$tmp"/deb/usr/lib/*/libb64.so.0d "$tmp/out/lib/"
     fi
-    LD_LIBRARY_PATH="$tmp/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        "$tmp/out/bin/perf_analyzer" --version >/dev/null
+    local out
+    if ! out=$(LD_LIBRARY_PATH="$tmp/out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+            "$tmp/out/bin/perf_analyzer" --version 2>&1); then
+        echo "perf_analyzer.sh: the fetched binary does not start: $out" >&2
+        return 1
+    fi
     rm -rf "$DIR"
     mv -T "$tmp/out" "$DIR"
     rm -rf "$tmp"
