@@ -30,11 +30,12 @@ Otherwise it sleeps until the earliest of those times, the next deadline, or a n
 How big a batch (latency sizing)
 --------------------------------
 A fused batch costs more the more it holds, and every member waits for all of it. With
-``latency_sizing`` (off by default until the serving sweep shows it pays) a batch stops growing at the first request whose addition would
-make a member miss its tenant's ``latency_target_ms`` that it would still meet in the batch as
-formed so far (predicted with the run-time estimate). Members already past their target do not
-hold a batch back: under overload batches still grow to the limits, which is what throughput
-needs. Off, batches grow to ``max_batch_tokens`` / ``max_batch_size``.
+``latency_sizing`` (off by default until the serving sweep shows it pays) a batch stops growing
+at the first request whose addition would make a member miss its tenant's
+``latency_target_ms`` that it would still meet in the batch as formed so far (predicted with
+the run-time estimate). Members already past their target do not hold a batch back: under
+overload batches still grow to the limits, which is what throughput needs. Off, batches grow
+to ``max_batch_tokens`` / ``max_batch_size``.
 
 Which requests (weighted fairness)
 ----------------------------------
