@@ -17,6 +17,12 @@ naming every active hook. Unset (production), :func:`install` does nothing at al
     every weight swap-in (``engine.add_tenant``) sleeps ``<ms>`` milliseconds first: an upload's
     file is already committed and its weights not yet served, the window in which a racing
     delete or config removal must wait (acknowledged = durable tests).
+``kill_at:<point>``
+    the daemon SIGKILLs itself the first time a weight commit reaches ``<point>`` (the steps of
+    ``itif.weights.blobstore``'s commit protocol): ``commit_pending`` (intent record durable,
+    data file not yet renamed: the old pair must survive), ``commit_renamed`` (data file renamed,
+    sidecar not yet: start-up must roll forward to the new pair), ``commit_done`` (pair
+    committed, weights not yet swapped in: the new pair serves after a restart).
 ``start_delay:<ms>``
     the daemon sleeps ``<ms>`` milliseconds while starting (after the port opened, before it
     reports ready), so the window in which health answers NOT_SERVING can be observed.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -37,7 +44,9 @@ log = logging.getLogger("itif.faults")
 
 ENV = "ITIF_FAULT_INJECT"
 
-__all__ = ["ENV", "Faults", "install", "parse"]
+__all__ = ["ENV", "KILL_POINTS", "Faults", "install", "parse"]
+
+KILL_POINTS = ("commit_pending", "commit_renamed", "commit_done")
 
 
 @dataclass(frozen=True)
@@ -46,23 +55,29 @@ class Faults:
     slow_ms: float = 0.0
     start_delay_ms: float = 0.0
     commit_pause_ms: float = 0.0
+    kill_at: str = ""
 
     @property
     def active(self) -> bool:
         return bool(self.oom_tenants or self.slow_ms or self.start_delay_ms
-                    or self.commit_pause_ms)
+                    or self.commit_pause_ms or self.kill_at)
 
 
 def parse(spec: str) -> Faults:
     """``"oom:acme,slow:50"`` -> :class:`Faults`; ValueError naming the bad hook."""
     oom: set[str] = set()
     ms_of = {"slow": 0.0, "start_delay": 0.0, "commit_pause": 0.0}
+    kill_at = ""
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, sep, arg = item.partition(":")
         if not sep or not arg:
             raise ValueError(f"{ENV}: hook {item!r} needs an argument (kind:arg)")
         if kind == "oom":
             oom.add(arg)
+        elif kind == "kill_at":
+            if arg not in KILL_POINTS:
+                raise ValueError(f"{ENV}: {item!r}: known points {', '.join(KILL_POINTS)}")
+            kill_at = arg
         elif kind in ms_of:
             try:
                 ms = float(arg)
@@ -72,8 +87,10 @@ def parse(spec: str) -> Faults:
                 raise ValueError(f"{ENV}: {item!r}: ms must lie in [0, 600000]")
             ms_of[kind] = ms
         else:
-            raise ValueError(f"{ENV}: unknown hook {kind!r} (known: oom, {', '.join(ms_of)})")
-    return Faults(frozenset(oom), ms_of["slow"], ms_of["start_delay"], ms_of["commit_pause"])
+            raise ValueError(f"{ENV}: unknown hook {kind!r} (known: oom, kill_at, "
+                             f"{', '.join(ms_of)})")
+    return Faults(frozenset(oom), ms_of["slow"], ms_of["start_delay"], ms_of["commit_pause"],
+                  kill_at)
 
 
 def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
@@ -90,7 +107,22 @@ def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
         engine.infer = _faulty(engine.infer, faults)  # instance attribute: this engine only
     if faults.commit_pause_ms:
         engine.add_tenant = _paused(engine.add_tenant, faults.commit_pause_ms / 1000.0)
+    if faults.kill_at:
+        from itif.weights import blobstore  # noqa: PLC0415 - test-only, when armed
+
+        blobstore.fault_point = _killer(faults.kill_at)
     return faults
+
+
+def _killer(point: str) -> Callable[[str], None]:
+    def reached(name: str) -> None:
+        if name == point:
+            log.warning("kill_at: commit reached %s, SIGKILL now", name)
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return reached
 
 
 def _paused(add_tenant: Callable, seconds: float) -> Callable:

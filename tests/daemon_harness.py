@@ -226,6 +226,15 @@ class Daemon:
         self.proc = None
         self._log.close()
 
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        """Wait for the daemon to end by itself (a fault hook killed it, say); its exit status
+        (negative: the signal)."""
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        self.proc = None
+        self._log.close()
+        return code
+
     def restart(self) -> Daemon:
         self.stop()
         return self.start()

@@ -266,6 +266,74 @@ def test_kill9_during_upload_keeps_old_or_new_weights_exactly(tmp_path, rel):
             d.stop()
 
 
+def _hf_logits(seed: int) -> np.ndarray:
+    """What bert-tiny with ``weights_bytes(seed)`` answers for PROBE (Hugging Face itself)."""
+    import itif
+    from tests.oracle import make_hf_model, reference
+
+    return reference(make_hf_model("bert-tiny", 2, seed=seed),
+                     itif.Request("t", input_ids=PROBE))["logits"]
+
+
+#: Where ``kill_at`` lands in the commit protocol, and what start-up must make of it.
+COMMIT_KILLS = {"commit_pending": "old", "commit_renamed": "new", "commit_done": "new"}
+
+
+@promise(8)
+@pytest.mark.slow
+def test_kill9_inside_the_commit_lands_on_old_or_new_exactly(tmp_path, rel):
+    """SIGKILL at each step of the weight commit, made deterministic by the ``kill_at`` hook:
+    with the intent record durable and the data file not yet renamed the restarted daemon
+    serves the OLD weights; with the data file renamed but the sidecar not yet (recovery rolls
+    forward), or with the pair committed but the weights not yet swapped in, it serves the NEW
+    weights. Every time: the pair on disk is exactly one version, no pending record or temp file
+    is left, the logits equal Hugging Face's for that version, and the other tenant is intact."""
+    tokens = make_tokens(["t", "u"])
+    d = Daemon(tmp_path, tokens)
+    d.start()
+    seeds = {"old": 65, "new": 66}
+    shas = {k: sha256(weights_bytes(s)) for k, s in seeds.items()}
+    want = {k: _hf_logits(s) for k, s in seeds.items()}
+    versions = {shas[k]: weights_bytes(s) for k, s in seeds.items()}
+    outcomes = {}
+    try:
+        with d.client(tokens["u"]) as c:
+            upload_bytes(c, "u", weights_bytes(67))
+        other = answers(d, {"u": tokens["u"]})
+        for point, expected in COMMIT_KILLS.items():
+            with d.client(tokens["t"]) as c:  # the old version, committed normally
+                upload_bytes(c, "t", weights_bytes(seeds["old"]))
+            assert d.stop() == 0
+            d.faults = f"kill_at:{point}"
+            d.start()
+            with d.client(tokens["t"]) as c:
+                code, msg = error_of(lambda: upload_bytes(c, "t", weights_bytes(seeds["new"])))
+            rel.faults += 1
+            assert code != OK, (point, code, msg)  # the daemon died under the call
+            assert d.wait_exit(30) == -signal.SIGKILL, point
+            assert f"kill_at: commit reached {point}" in d.logs(), point  # it landed there
+            d.faults = ""
+            d.start()
+            got = _check_pair(d, "t", versions)
+            assert not list(d.weights_dir.glob("*.pending")), point
+            outcome = "new" if got == shas["new"] else "old"
+            outcomes[point] = outcome
+            assert outcome == expected, (point, outcome)
+            with d.client(tokens["t"]) as c:
+                logits, served = infer_sha(c, "t", PROBE)
+                assert c.get_tenant("t").state == READY
+            assert served == got
+            np.testing.assert_allclose(np.frombuffer(logits, "<f4"), want[outcome],
+                                       rtol=1e-4, atol=1e-4)
+            assert answers(d, {"u": tokens["u"]}) == other
+            rel.inputs += 3
+        rel.notes["commit kills: point -> weights served after restart"] = outcomes
+        assert set(outcomes.values()) == {"old", "new"}  # both outcomes were exercised
+    finally:
+        if d.proc is not None:
+            d.stop()
+
+
 @promise(9)
 @pytest.mark.slow
 def test_restart_restores_every_tenant(tmp_path, rel):

@@ -66,6 +66,9 @@ _PENDING_SUFFIX = ".sha256.pending"
 _UPLOAD_SUFFIX = ".upload"
 _CHUNK = 1 << 20
 
+#: Test-only (``kill_at`` of itif.faults): called with the name of each step a commit reaches.
+fault_point: Callable[[str], None] = lambda name: None
+
 
 def validate_tenant_id(tid: object) -> str:
     """Return ``tid`` if it is a valid tenant id, else raise :class:`InvalidRequest` naming it.
@@ -281,13 +284,16 @@ class BlobStore:
             try:
                 _write_durably(pending, _sidecar_line(tenant, digest))
                 _fsync_dir(self._weights)
+                fault_point("commit_pending")
                 os.replace(upload_path, data)
                 renamed = True
                 # One fsync suffices: journaling filesystems commit a rename as one transaction,
                 # so making it durable in weights/ also removes the name from tmp/.
                 _fsync_dir(self._weights)
+                fault_point("commit_renamed")
                 os.replace(pending, sidecar)
                 _fsync_dir(self._weights)
+                fault_point("commit_done")
             except BaseException:
                 if not renamed:  # old pair untouched: just withdraw the intent record
                     _unlink_quietly(pending)
