@@ -27,7 +27,8 @@ def cmd_serve(args) -> int:
 
 def cmd_upload(args) -> int:
     with _client(args) as c:
-        r = c.upload(args.tenant, args.file, progress=not args.quiet)
+        kw = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
+        r = c.upload(args.tenant, args.file, progress=not args.quiet, **kw)
     print(json.dumps({"tenant": r.tenant, "sha256": r.sha256, "bytes": r.bytes,
                       "weight_bytes": r.weight_bytes, "shared_bytes": r.shared_bytes}))
     return 0
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     remote(s)
     s.add_argument("file")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--chunk-bytes", type=int, default=None,
+                   help="file bytes per message; keep it below the server's max_message_bytes "
+                        "(default: itif.client.UPLOAD_CHUNK, 256 KiB)")
     s.set_defaults(fn=cmd_upload)
 
     s = sub.add_parser("infer", help="run one input")
