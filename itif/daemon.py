@@ -115,14 +115,9 @@ class Daemon:
         if self.engine.device.type == "cuda":
             self.kernel_checks = _kernel_self_test(self.engine.device, self.engine.dtype)
         sch = cfg.scheduler
-        self.scheduler = Scheduler(
+        self.scheduler = Scheduler.from_config(
             self.engine.infer if self.metrics is None else self.metrics.run_batch(self.engine),
-            max_batch_tokens=sch.max_batch_tokens,
-            max_batch_size=sch.max_batch_size, max_wait_ms=sch.max_wait_ms,
-            isolate_tenants=sch.isolate_tenants, latency_sizing=sch.latency_sizing,
-        )
-        for t in cfg.tenants:
-            self.scheduler.set_tenant(t.id, _quota(t))
+            sch, cfg.tenants)
         self.restore()
         self.scheduler.start()
         self.ready = True
@@ -334,9 +329,9 @@ class Daemon:
             diff = diff_configs(self.config, new)
             for t in diff.added:
                 self.status[t.id] = TenantStatus()
-                self.scheduler.set_tenant(t.id, _quota(t))
+                self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
             for t in diff.changed:
-                self.scheduler.set_tenant(t.id, _quota(t))
+                self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
             if diff.scheduler_changed:
                 sch = new.scheduler
                 self.scheduler.configure(max_batch_tokens=sch.max_batch_tokens,
@@ -399,9 +394,4 @@ def _kernel_self_test(device, dtype) -> list:
     line = selftest.summary(checks)
     (log.info if all(c.ok for c in checks) else log.warning)("kernel self-test: %s", line)
     return checks
-
-
-def _quota(t: Tenant) -> TenantQuota:
-    return TenantQuota(max_queue=t.max_queue, weight=t.weight,
-                       latency_target_ms=t.latency_target_ms, max_seq_len=t.max_seq_len)
 
