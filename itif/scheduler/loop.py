@@ -26,6 +26,7 @@ from itif.errors import (
     is_out_of_memory,
 )
 from itif.requests import Request, Result
+from itif.scheduler.estimate import BatchTimeEstimate
 from itif.scheduler.fairqueue import FairQueue
 from itif.scheduler.tickets import (
     DONE,
@@ -52,10 +53,6 @@ _REQUEST_PREFIX = re.compile(r"^request \d+: ")
 
 class Scheduler:
     """Per-tenant bounded queues, one batching loop, one ``run_batch`` (see ``itif.scheduler``)."""
-
-    #: Prior of the learned cost (ms per token) before any batch ran.
-    PRIOR_MS_PER_TOKEN = 0.01
-    EWMA_ALPHA = 0.2
 
     def __init__(
         self,
@@ -87,7 +84,7 @@ class Scheduler:
         self._seq = 0
         self._inflight: list[Ticket] = []
         self._last_end = -math.inf
-        self._ms_per_token = self.PRIOR_MS_PER_TOKEN
+        self._learned = BatchTimeEstimate()  # fixed + per request + per token, from runs
         self._batches = 0
         self._runs = 0
         self._requests_run = 0
@@ -168,7 +165,7 @@ class Scheduler:
                 tenants=tenants, batches=self._batches, runs=self._runs,
                 requests_run=self._requests_run, tokens_run=self._tokens_run,
                 last_batch_size=self._last_size, last_batch_tokens=self._last_tokens,
-                ms_per_token=self._ms_per_token, queued=q.queued,
+                batch_time=self._learned.parts, queued=q.queued,
                 queued_tokens=q.queued_tokens)
 
     @property
@@ -322,7 +319,7 @@ class Scheduler:
                 return float(self._estimate_fn(n, tokens))
             except Exception:
                 log.exception("estimate_ms(%d, %d) failed; using the learned estimate", n, tokens)
-        return self._ms_per_token * tokens
+        return self._learned(n, tokens)
 
     def _decide_locked(self, now: float) -> tuple[bool, float | None]:
         """(run a batch now?, else when to look again): ``itif.scheduler.triggers``."""
@@ -432,10 +429,7 @@ class Scheduler:
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         with self._lock:
             self._runs += 1
-            tokens = sum(t.tokens for t in part)
-            if tokens > 0:
-                a = self.EWMA_ALPHA
-                self._ms_per_token = (1 - a) * self._ms_per_token + a * (elapsed_ms / tokens)
+            self._learned.observe(len(part), sum(t.tokens for t in part), elapsed_ms)
         try:
             results = list(results)
         except Exception as e:

@@ -93,7 +93,9 @@ class SchedulerStats:
     tokens_run: int = 0
     last_batch_size: int = 0
     last_batch_tokens: int = 0
-    ms_per_token: float = 0.0  # learned EWMA (successful runs)
+    #: The learned batch-time model (``itif.scheduler.estimate``): fixed_ms, per_request_ms,
+    #: per_token_ms, fitted on successful runs.
+    batch_time: dict = field(default_factory=dict)
     queued: int = 0
     queued_tokens: int = 0
 
