@@ -75,6 +75,9 @@ class FairQueue:
 
     def __init__(self) -> None:
         self.tenants: dict[str, TenantQueue] = {}
+        #: The tenants with queued requests: what batch formation and the triggers look at, so
+        #: their cost follows the busy tenants, not every registered one.
+        self.active: dict[str, TenantQueue] = {}
         self.stats: dict[str, TenantStats] = {}
         self.vtime = 0.0
         self.queued = 0
@@ -111,6 +114,7 @@ class FairQueue:
         tq = t._tq
         if tq.depth == 0:  # (re)activated: no credit for the idle time
             tq.tag = max(tq.tag, self.vtime)
+            self.active[tq.name] = tq
         tq.push(t)
         self.queued += 1
         self.queued_tokens += t.tokens
@@ -122,17 +126,24 @@ class FairQueue:
         t._state = DONE
         self.queued -= 1
         self.queued_tokens -= t.tokens
-        tq = t._tq
-        tq.left(t)
-        if tq.removed and tq.depth == 0 and self.tenants.get(tq.name) is tq:
-            del self.tenants[tq.name]
+        self._left(t._tq, t)
         if len(self.deadlines) > 2 * self.queued + 64:
             self.deadlines = [e for e in self.deadlines if e[2]._state == QUEUED]
             heapq.heapify(self.deadlines)
 
+    def _left(self, tq: TenantQueue, t: Ticket) -> None:
+        """``t`` left ``tq`` (taken or dropped): an emptied queue leaves ``active``, and a
+        removed tenant's emptied queue goes."""
+        tq.left(t)
+        if tq.depth == 0:
+            if self.active.get(tq.name) is tq:
+                del self.active[tq.name]
+            if tq.removed and self.tenants.get(tq.name) is tq:
+                del self.tenants[tq.name]
+
     def take_all(self) -> list[Ticket]:
         out = []
-        for tq in list(self.tenants.values()):
+        for tq in list(self.active.values()):
             for t in tq.queued():
                 self.dequeue(t)
                 out.append(t)
@@ -158,7 +169,7 @@ class FairQueue:
         batch: list[Ticket] = []
         dropped: list[tuple[Ticket, BaseException]] = []
         budget, size = max_tokens, max_size
-        heap = [(tq.tag, tq.order, tq) for tq in self.tenants.values() if tq.depth > 0]
+        heap = [(tq.tag, tq.order, tq) for tq in self.active.values()]
         heapq.heapify(heap)
         tokens = 0
         # Latency sizing: the smallest slack (time left to its tenant's latency target) of the
@@ -189,7 +200,7 @@ class FairQueue:
             t.started_at = now
             self.queued -= 1
             self.queued_tokens -= t.tokens
-            tq.left(t)
+            self._left(tq, t)
             batch.append(t)
             tokens += t.tokens
             if sizing:  # est only grows with the batch, so the feasible set only shrinks
@@ -204,6 +215,4 @@ class FairQueue:
                 heap = [(tq.tag, tq.order, tq)] if tq.depth > 0 else []
             elif tq.depth > 0:
                 heapq.heappush(heap, (tq.tag, tq.order, tq))
-        for tq in [tq for tq in self.tenants.values() if tq.removed and tq.depth == 0]:
-            del self.tenants[tq.name]
         return batch, dropped

@@ -27,9 +27,7 @@ def decide(q: FairQueue, now: float, *, stopping: bool, max_batch_tokens: int,
                      min(q.queued_tokens, max_batch_tokens)) / 1000.0
     wake = math.inf
     oldest_all = math.inf
-    for tq in q.tenants.values():
-        if tq.depth == 0:
-            continue
+    for tq in q.active.values():  # the tenants with queued requests only
         o = tq.oldest()
         if o is None:
             continue
