@@ -26,6 +26,7 @@ import torch
 from itif.backbones.spec import BackboneSpec
 from itif.batching.layout import Layout
 from itif.runtime.gemm import GemmPlan, Segments, plan_gemm, segments_for, tenant_runs
+from itif.runtime.lora import lora_tables, plan_lora
 from itif.weights.store import StoreView
 
 
@@ -161,6 +162,7 @@ class PreparedBatch:
     labels: np.ndarray  # [n_tenants] label count of each batch tenant (0: no head)
     key: tuple = ()
     tok_row: np.ndarray | None = None  # text: row of every real token, in request order
+    lora: dict = field(default_factory=dict)  # linear weight name -> LoraGroups (runtime.lora)
 
     # flat float32 output: [logits n x max_labels][pooled n x H][hidden T x H]
     @property
@@ -210,6 +212,7 @@ class SlotTables:
     labels: np.ndarray  # [n_tenants] int64 (0: no head)
     head_kind: np.ndarray  # [n_tenants] int64 index into head_kinds (-1: no head)
     head_kinds: tuple  # KindKey of each head.weight kind in the batch
+    lora: dict = field(default_factory=dict)  # linear weight name -> LoraTables (runtime.lora)
 
 
 HEAD_PARAMS = ("pooler.weight", "pooler.bias", "head.weight", "head.bias")
@@ -233,7 +236,7 @@ def slot_tables(spec: BackboneSpec, view: StoreView, tenants: tuple[str, ...]) -
         backbone=backbone, head=head,
         has_pooler=np.fromiter((e.has_pooler for e in entries), bool, count=n),
         labels=np.fromiter((e.num_labels or 0 for e in entries), np.int64, count=n),
-        head_kind=head_kind, head_kinds=tuple(kinds),
+        head_kind=head_kind, head_kinds=tuple(kinds), lora=lora_tables(entries),
     )
 
 
@@ -367,6 +370,7 @@ def prepare(
         if plan.backend == "grouped_mm":
             pk.add(f"offs{k}", plan.offs)
     attn = _attention(layout, pk)
+    lora = plan_lora(tables.lora, row_tenant, pk, device, dtype) if tables.lora else {}
 
     # ---- heads ------------------------------------------------------------------------------
     # CLS rows in (pooler first, tenant) order: the pooler's slots then follow the tenants'
@@ -414,7 +418,7 @@ def prepare(
         head_order=cls_order[head_perm], head_permuted=permuted,
         pooler_rows=pooler_rows if pooler_plans is not None else 0, pooler_plans=pooler_plans,
         heads=heads, want_pooled=want_pooled, want_logits=want_logits, want_hidden=want_hidden,
-        max_labels=max_labels, labels=tables.labels, key=key, tok_row=tok_row,
+        max_labels=max_labels, labels=tables.labels, key=key, tok_row=tok_row, lora=lora,
     )
     if cache is not None:
         cache.put(key, batch)

@@ -150,12 +150,33 @@ class Engine:
                     f"these weights produce non-finite {key} ({int((~np.isfinite(value)).sum())} "
                     f"of {value.size} values NaN/Inf) on a probe input in {_dtype_name(self.dtype)}")
 
-    def add_tenant(self, tenant: str, source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights) -> TenantInfo:
+    def add_tenant(self, tenant: str, source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights,
+                   base: str | None = None) -> TenantInfo:
         """Add (or atomically replace) a tenant's weights: a safetensors file, a checkpoint
-        directory, a dict of Hugging Face-named tensors, or already-validated weights."""
-        weights = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
-        self.store.add(tenant, weights)
+        directory, a dict of Hugging Face-named tensors, or already-validated weights. With
+        ``base``: a PEFT LoRA adapter directory (or ``(adapter_config dict, tensors)``, or
+        what ``load_lora`` returned) on that stored tenant (``itif.backbones.lora``)."""
+        if base is not None:
+            weights = source if isinstance(source, CanonicalWeights) else self.load_lora(source, base)
+        else:
+            weights = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
+        self.store.add(tenant, weights, base=base)
         return self.tenant_info(tenant)
+
+    def load_lora(self, source, base: str) -> CanonicalWeights:
+        """Read and validate a LoRA adapter for stored tenant ``base`` without adding it."""
+        from itif.backbones.lora import load_lora, read_adapter  # noqa: PLC0415
+
+        config, tensors = (source if isinstance(source, tuple) else read_adapter(source))
+        view = self.store.view
+        if base not in view.tenants:
+            raise TenantNotFound(f"base tenant {shown(base)} not found")
+        heads = {}
+        for name in view.tenants[base].slots:
+            if name.startswith(("pooler.", "head.")):
+                buf, slot = view.param(base, name)
+                heads[name] = buf[slot].detach().to("cpu", torch.float32)
+        return load_lora(self.spec, config, tensors, heads)
 
     def remove_tenant(self, tenant: str) -> None:
         self.store.remove(tenant)

@@ -33,6 +33,7 @@ from itif.ops import dispatch as ops
 from itif.ops.reference import AttnGroup, RotParam
 from itif.runtime.batch import PreparedBatch
 from itif.runtime.gemm import GemmPlan, broadcast_rows, run_gemm
+from itif.runtime.lora import apply_lora
 
 
 class _Bound:
@@ -66,7 +67,11 @@ class _Bound:
         k = self.P.index(name)
         plan = self.P.plans[k]
         offs = self.offs(f"offs{k}") if plan.backend == "grouped_mm" else None
-        return run_gemm(x, self.P.buffer(name), plan, offs)
+        y = run_gemm(x, self.P.buffer(name), plan, offs)
+        groups = self.b.lora.get(name)
+        if groups:  # LoRA tenants' low-rank updates of their rows (itif.runtime.lora)
+            apply_lora(y, x, groups, self.P.view.buffers, self.get, self.offs)
+        return y
 
     def attn_groups(self) -> list[AttnGroup]:
         out = []

@@ -294,15 +294,25 @@ class WeightStore:
         return Digests(weights, self.dtype, self._host(weights))
 
     def add(self, tenant: str, weights: CanonicalWeights,
-            digests: Digests | None = None) -> StoreView:
+            digests: Digests | None = None, base: str | None = None) -> StoreView:
         """Add or replace a tenant. A replacement is atomic: readers see old or new weights.
 
         ``digests``: what ``check_budget`` (or ``digests``) returned for these same weights;
-        without it, keys ``check_budget`` computed for this weights object are reused."""
+        without it, keys ``check_budget`` computed for this weights object are reused.
+        ``base``: a stored tenant whose every tensor this one also reads, in the same slots
+        (nothing copied or hashed); ``weights`` then holds only what it adds or replaces (a
+        LoRA tenant's adapters and heads). It keeps the base's tensors of this moment, whatever
+        later happens to the base."""
         host = self._host(weights)
         d = self._digests_for(weights, digests, host, pop=True)
         with self._writer:
             self._reclaim()
+            inherited: dict[str, tuple[KindKey, int]] = {}
+            if base is not None:
+                entry = self._view.tenants.get(base)
+                if entry is None:
+                    raise TenantNotFound(f"base tenant {shown(base)} not found")
+                inherited = {n: ks for n, ks in entry.slots.items() if n not in weights.tensors}
             hits, new = self._match(d, host)
             self._check_budget(new, host)
             self._reserve(Counter((n, tuple(host[n].shape)) for n in new))
@@ -322,7 +332,7 @@ class WeightStore:
                     kind.free.append(slot)
                 raise
             with self._state:
-                for name, (key, slot) in hits.items():
+                for name, (key, slot) in (*hits.items(), *inherited.items()):
                     self._kinds[key].refs[slot] += 1
                     slots[name] = (key, slot)
                 for name in new:
@@ -330,7 +340,7 @@ class WeightStore:
                     self._index(self._kinds[key], slot, d.keys[name], d._sha.get(name))
                 self._generation += 1
                 old = self._view.tenants.get(tenant)
-                ordered = {n: slots[n] for n in weights.tensors}
+                ordered = {n: slots[n] for n in (*inherited, *weights.tensors)}
                 entry = TenantEntry(
                     MappingProxyType(ordered), weights.num_labels, weights.has_pooler,
                     self._generation,

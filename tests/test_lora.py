@@ -1,0 +1,118 @@
+"""LoRA tenants (issue 14, item 2): a PEFT adapter on a base tenant, served in the same fused
+batches as full fine-tunes; every request's outputs equal PEFT's model with that adapter.
+
+The oracle is PEFT itself: ``get_peft_model`` on the base tenant's Hugging Face model with
+random (non-zero) adapters, saved with ``save_pretrained`` and loaded by itif from that
+directory."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import itif
+from itif.errors import InvalidWeights, TenantNotFound
+from itif.weights.safetensors_io import load_safetensors
+from tests.oracle import make_hf_model, max_diff, random_request, reference
+
+peft = pytest.importorskip("peft")
+
+TOL = 1e-4
+
+
+def _adapter(base_model, tmp_path, name: str, seed: int, **cfg):
+    """A PEFT LoRA model on a copy of ``base_model`` with random adapters; saved to a dir."""
+    import copy  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(init_lora_weights=False, **cfg)
+    model = peft.get_peft_model(copy.deepcopy(base_model), config).eval()
+    path = tmp_path / name
+    model.save_pretrained(path)
+    return model.base_model.model, path
+
+
+def _engine_with_base(preset: str, labels: int = 3):
+    eng = itif.Engine(preset)
+    base = make_hf_model(preset, labels, seed=11)
+    eng.add_tenant("base", {k: v for k, v in base.state_dict().items()})
+    return eng, base
+
+
+def _check(eng, models: dict, reqs, tol=TOL):
+    results = eng.infer(reqs)
+    for req, res in zip(reqs, results):
+        diff = max_diff(res, reference(models[req.tenant], req))
+        assert diff <= tol, (req.tenant, diff)
+
+
+@pytest.mark.parametrize("preset", ["bert-tiny", "vit-tiny"])
+def test_lora_tenants_equal_peft_mixed_with_full_fine_tunes(preset, tmp_path):
+    eng, base = _engine_with_base(preset)
+    spec = eng.spec
+    targets = (["query", "value", "dense"] if spec.family == "bert"
+               else ["q_proj", "v_proj", "o_proj", "fc1", "fc2"])
+    models = {"base": base}
+    # two ranks (two adapter kinds in one batch), one with a saved head, one with rsLoRA
+    for name, seed, cfg in (
+        ("lora4", 1, dict(r=4, lora_alpha=8, target_modules=targets)),
+        ("lora8", 2, dict(r=8, lora_alpha=16, target_modules=targets[:2],
+                          modules_to_save=["classifier"])),
+        ("lora4b", 3, dict(r=4, lora_alpha=4, target_modules=targets[1:], use_rslora=True)),
+    ):
+        model, path = _adapter(base, tmp_path, name, seed, **cfg)
+        eng.add_tenant(name, path, base="base")
+        models[name] = model
+    full = make_hf_model(preset, 3, seed=12)
+    eng.add_tenant("full", {k: v for k, v in full.state_dict().items()})
+    models["full"] = full
+    rng = np.random.default_rng(5)
+    names = list(models)
+    reqs = [random_request(spec, names[i % len(names)], rng) for i in range(15)]
+    _check(eng, models, reqs)
+    # a LoRA tenant reads the base's tensors in place: it holds only its adapters and heads
+    info, base_info = eng.tenant_info("lora4"), eng.tenant_info("base")
+    assert info.exclusive_bytes < base_info.bytes / 4, (info, base_info)
+    view = eng.store.view
+    w = "layers.0.ffn_in.weight" if spec.family == "bert" else "layers.0.qkv.weight"
+    assert view.param("lora4", w) == view.param("base", w)
+
+
+def test_lora_changes_only_its_own_rows(tmp_path):
+    eng, base = _engine_with_base("bert-tiny")
+    model, path = _adapter(base, tmp_path, "a", 7, r=2, lora_alpha=2, target_modules=["key"])
+    rng = np.random.default_rng(1)
+    reqs = [random_request(eng.spec, "base", rng) for _ in range(3)]
+    alone = eng.infer(reqs)
+    eng.add_tenant("a", path, base="base")
+    mixed = eng.infer(reqs + [random_request(eng.spec, "a", rng) for _ in range(3)])
+    for x, y in zip(alone, mixed[:3]):  # a bigger batch may round differently (~1e-8), no more
+        np.testing.assert_allclose(x.logits, y.logits, rtol=0, atol=1e-6)
+    _check(eng, {"base": base, "a": model}, reqs + [random_request(eng.spec, "a", rng)])
+
+
+def test_bad_adapters_are_refused_naming_the_problem(tmp_path):
+    eng, base = _engine_with_base("bert-tiny")
+    _, path = _adapter(base, tmp_path, "ok", 3, r=4, lora_alpha=8, target_modules=["query"])
+    with pytest.raises(TenantNotFound, match="base tenant"):
+        eng.add_tenant("x", path, base="nobody")
+    config = json.loads((path / "adapter_config.json").read_text())
+    tensors = load_safetensors(path / "adapter_model.safetensors")
+    for change, match in (({"use_dora": True}, "use_dora"), ({"bias": "all"}, "bias"),
+                          ({"r": 65}, "r=65"), ({"peft_type": "IA3"}, "only LORA")):
+        with pytest.raises(InvalidWeights, match=match):
+            eng.add_tenant("x", ({**config, **change}, tensors), base="base")
+    a_name = next(k for k in tensors if "lora_A" in k)
+    with pytest.raises(InvalidWeights, match="without"):
+        eng.add_tenant("x", (config, {a_name: tensors[a_name]}), base="base")
+    with pytest.raises(InvalidWeights, match="not an encoder linear"):
+        eng.add_tenant("x", (config, {k.replace("query", "quack"): v
+                                      for k, v in tensors.items()}), base="base")
+    bad = dict(tensors)
+    bad[a_name] = torch.full_like(tensors[a_name], float("nan"))
+    with pytest.raises(InvalidWeights, match="non-finite"):
+        eng.add_tenant("x", (config, bad), base="base")
+    assert "x" not in eng.store
