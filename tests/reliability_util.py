@@ -195,9 +195,12 @@ def sustain_seconds(default: float = 60.0) -> float:
 # ---- a load generator in its own process ------------------------------------------------------
 def flood_main() -> None:
     """``python -c 'from tests.reliability_util import flood_main; flood_main()' ADDR TOKEN
-    TENANT RATE DIR``: send Infer calls of TENANT at RATE per second (open loop: one call
-    started every 1/RATE s, whatever the answers) while ``DIR/on`` exists; write the cumulative
-    counts by status code to ``DIR/counts.json`` twice a second. Runs until killed.
+    TENANT RATE DIR [invalid]``: send Infer calls of TENANT at RATE per second (open loop: one
+    call started every 1/RATE s, whatever the answers) while ``DIR/on`` exists; write the
+    cumulative counts by status code to ``DIR/counts.json`` twice a second. Runs until killed.
+    With ``invalid``, every call carries an out-of-vocabulary id: the daemon does all the work
+    of a call up to the queue (auth, parsing, validation) and refuses it there
+    (INVALID_ARGUMENT): the same load on the daemon's CPU, without using the queue.
 
     A separate process, so that the flood's client work never competes for the GIL of the
     process that measures the quiet tenant's latency."""
@@ -205,8 +208,11 @@ def flood_main() -> None:
     from itif.server._proto.itif.v1 import itif_pb2 as pb  # noqa: PLC0415
 
     folder_p = Path(folder)
+    ids = list(range(1, 17))
+    if sys.argv[6:7] == ["invalid"]:
+        ids[-1] = 10**6
     raw = pb.InferRequest(tenant=tenant, input=pb.InferInput(
-        input_ids=pb.TokenIds(ids=list(range(1, 17))))).SerializeToString()
+        input_ids=pb.TokenIds(ids=ids))).SerializeToString()
     channel = grpc.insecure_channel(addr)
     call = channel.unary_unary("/itif.v1.Itif/Infer")
     md = (("authorization", f"Bearer {token}"),)

@@ -677,6 +677,19 @@ def _halves(d: Daemon, text: str) -> None:
         f.write(text[cut:])
 
 
+def _quota_effect(d: Daemon, q: int) -> list:
+    """Tenant a's new max_queue ``q`` is in force: an InferBatch of q+1 rows is refused whole
+    (RESOURCE_EXHAUSTED, whatever else is queued), one of q-2 rows is accepted and served (a's
+    two traffic threads hold at most 2 more in its queue). The sequence 8, 40, 5 makes each
+    check fail under the previous quota (9 rows fit under the default 64, 38 are refused under
+    8, 6 fit under 40)."""
+    with d.client(CFG_TOKENS["a"]) as c:
+        over = code_of(lambda: c.infer_batch("a", [c.make_input(PROBE)] * (q + 1), timeout=60))
+        fits = code_of(lambda: c.infer_batch("a", [c.make_input(PROBE)] * (q - 2), timeout=60))
+    assert (over, fits) == (C.RESOURCE_EXHAUSTED, OK), (q, over, fits)
+    return [q, over.name, fits.name]
+
+
 @promise(13)
 @pytest.mark.slow
 def test_reload_under_traffic_drops_nothing_and_removed_tenant_drains(tmp_path, rel):
@@ -705,11 +718,14 @@ def test_reload_under_traffic_drops_nothing_and_removed_tenant_drains(tmp_path, 
             xs = [threading.Thread(target=x_loop) for _ in range(4)]
             for t in xs:
                 t.start()
-            for q in (3, 50, 7):  # quota changes under traffic
-                d.write_config(d.yaml(tenant_extra={"a": {"max_queue": 64, "weight": q}}))
+            quota_checks = []
+            for q in (8, 40, 5):  # quota changes under traffic, each checked by its effect
+                d.write_config(d.yaml(tenant_extra={"a": {"max_queue": q, "weight": 1 + q % 3}}))
                 applied += 1
                 wait_until(lambda: _count(d, APPLIED) >= applied, 10, what="quota reload")
                 rel.faults += 1
+                quota_checks.append(_quota_effect(d, q))
+                rel.inputs += 2
             wait_until(lambda: sum(1 for _, c in x_done if c == "OK") >= 4, 30, what="x OK")
             d.write_config(d.yaml(tenants=ab))  # remove x while its calls are in flight
             rel.faults += 1
@@ -730,12 +746,72 @@ def test_reload_under_traffic_drops_nothing_and_removed_tenant_drains(tmp_path, 
         drained = sum(1 for t, c in x_done if t > removed_at and c == "OK")
         rel.inputs += traffic.total() + len(x_done)
         rel.notes["x calls that finished OK after their tenant was removed"] = drained
+        rel.notes["max_queue reloads: (q, batch of q+1, batch of q-2)"] = quota_checks
         codes = Counter(c for _, c in x_done)
         rel.codes.update(codes)
         assert set(codes) <= {"OK", "UNAUTHENTICATED", "NOT_FOUND"}, codes
         assert drained >= 1, x_done[-10:]
         assert not traffic.not_ok(), traffic.codes
         assert answers(d, CFG_TOKENS) == before
+    finally:
+        d.stop()
+
+
+W_TOKENS = make_tokens(["wa", "wb", "z"])
+W_CALLS = 12  # calls of each of wa and wb queued behind one running forward
+
+
+def _served_order(d: Daemon) -> list[str]:
+    """Queue W_CALLS calls of wa and of wb at once behind a running forward (one request per
+    batch), return the order in which they finish (tenant names)."""
+    done: list[str] = []
+    with d.client(W_TOKENS["z"]) as cz, d.client(W_TOKENS["wa"]) as ca, \
+            d.client(W_TOKENS["wb"]) as cb, d.client(ADMIN) as adm:
+        blocker = cz.stub.Infer.future(itif_pb2.InferRequest(
+            tenant="z", input=cz.make_input(PROBE)), metadata=cz.metadata, timeout=60)
+        wait_until(lambda: adm.get_tenant("z").queue_depth == 0, 5, what="blocker running")
+        futs = []
+        for _ in range(W_CALLS):
+            for tid, c in (("wa", ca), ("wb", cb)):
+                f = c.stub.Infer.future(itif_pb2.InferRequest(
+                    tenant=tid, input=c.make_input(PROBE)), metadata=c.metadata, timeout=60)
+                f.add_done_callback(lambda f, tid=tid: done.append(tid))  # append is atomic
+                futs.append(f)
+        assert not blocker.done(), "the blocker finished before the calls were queued"
+        assert code_of(blocker.result) == OK
+        assert all(code_of(f.result) == OK for f in futs)
+    wait_until(lambda: len(done) == 2 * W_CALLS, 5, what="every completion recorded")
+    return done
+
+
+@promise(13)
+@pytest.mark.slow
+def test_weight_reload_changes_the_share_each_tenant_is_served(tmp_path, rel):
+    """A reloaded fairness ``weight`` takes effect, seen in what is served, not in a log line:
+    wa and wb each queue 12 equal calls behind a running forward, batches hold one request;
+    with weights 3:1 the first 12 served hold >= 8 of wa's (9 expected), and after a live reload
+    to 1:3 they hold <= 4 of wa's (3 expected); equal weights first, as a control."""
+    d = Daemon(tmp_path, dict(W_TOKENS), faults="slow:250",
+               scheduler={"max_wait_ms": 1, "max_batch_size": 1}).start()
+    shares = {}
+    try:
+        for i, (tid, tok) in enumerate(W_TOKENS.items()):
+            with d.client(tok) as c:
+                upload_bytes(c, tid, weights_bytes(150 + i))
+        applied = _count(d, APPLIED)
+        for wa, wb in ((1, 1), (3, 1), (1, 3)):
+            if (wa, wb) != (1, 1):
+                d.write_config(d.yaml(tenant_extra={"wa": {"weight": wa}, "wb": {"weight": wb}}))
+                applied += 1
+                wait_until(lambda: _count(d, APPLIED) >= applied, 10, what="weight reload")
+                rel.faults += 1
+            order = _served_order(d)
+            rel.inputs += 2 * W_CALLS + 1
+            shares[f"{wa}:{wb}"] = order[:W_CALLS].count("wa")
+        rel.notes["wa's calls among the first 12 served, by weights wa:wb"] = shares
+        assert 5 <= shares["1:1"] <= 7, shares
+        assert shares["3:1"] >= 8, shares
+        assert shares["1:3"] <= 4, shares
     finally:
         d.stop()
 
