@@ -1,13 +1,14 @@
 """Shared pieces of the reliability suite (tests/test_reliability_*.py).
 
 Every test drives a REAL ``itif serve`` subprocess on loopback (``tests.daemon_harness.Daemon``,
-re-exported here), and records what it
-tried in a ``Tally`` (``rel`` fixture): inputs sent, faults injected, unexpected outcomes. With
+re-exported here), and records what it tried in a ``Tally`` (``rel`` fixture): inputs sent,
+faults injected, unexpected outcomes. With
 ``ITIF_RELIABILITY_REPORT=<file>`` each test appends one JSON line to that file at teardown;
-``bench/reliability_report.py`` renders the table of docs/reliability.md from it.
+``python -m itif.bench.reliability_doc --run`` records a run under bench/results/ and generates
+the recorded-run section of docs/reliability.md from it.
 
 Test hooks reach the daemon only through the environment variable ``ITIF_FAULT_INJECT``
-(itif/faults.py): ``oom:<tenant>``, ``slow:<ms>``, ``start_delay:<ms>``.
+(itif/faults.py): ``oom:<tenant>``, ``slow:<ms>``, ``start_delay:<ms>``, ``kill_at:<point>``...
 """
 
 from __future__ import annotations
