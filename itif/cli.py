@@ -6,8 +6,11 @@ On failure every command exits non-zero with one stderr line ``error: <STATUS_CO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import tempfile
 
 import grpc
 
@@ -19,6 +22,19 @@ def _client(args):
     return Client(args.server, args.token, root_certificates=ca)
 
 
+@contextlib.contextmanager
+def _upload_source(args):
+    """The file to upload: FILE as given, or a PEFT adapter directory packed into one
+    safetensors file (``itif.backbones.lora.pack_adapter``) for a LoRA tenant."""
+    if args.adapter is None:
+        yield args.file
+        return
+    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="itif-adapter-") as d:
+        yield pack_adapter(args.adapter, os.path.join(d, "adapter.safetensors"))
+
+
 def cmd_serve(args) -> int:
     from itif.server.app import main  # noqa: PLC0415
 
@@ -26,9 +42,13 @@ def cmd_serve(args) -> int:
 
 
 def cmd_upload(args) -> int:
-    with _client(args) as c:
+    if (args.file is None) == (args.adapter is None):
+        from itif.errors import InvalidRequest  # noqa: PLC0415
+
+        raise InvalidRequest("give a weights FILE or --adapter DIR, not both")
+    with _client(args) as c, _upload_source(args) as path:
         kw = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
-        r = c.upload(args.tenant, args.file, progress=not args.quiet, **kw)
+        r = c.upload(args.tenant, path, progress=not args.quiet, **kw)
     print(json.dumps({"tenant": r.tenant, "sha256": r.sha256, "bytes": r.bytes,
                       "weight_bytes": r.weight_bytes, "shared_bytes": r.shared_bytes}))
     return 0
@@ -99,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("upload", help="upload a tenant's safetensors weights")
     remote(s)
-    s.add_argument("file")
+    s.add_argument("file", nargs="?", help="safetensors weights (a full tenant)")
+    s.add_argument("--adapter", metavar="DIR",
+                   help="a PEFT LoRA adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors), for a tenant with a base")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument("--chunk-bytes", type=int, default=None,
                    help="file bytes per message; keep it below the server's max_message_bytes "

@@ -24,6 +24,7 @@ from typing import Iterable
 
 from itif import faults
 from itif.batching.strategies import DEFAULT_STRATEGY
+from itif.backbones.hf import CanonicalWeights
 from itif.config import Config, ConfigDiff, Tenant, diff_configs, hash_token
 from itif.errors import (
     InvalidRequest,
@@ -139,23 +140,53 @@ class Daemon:
             self.scheduler.stop(self.config.server.grace_s if grace_s is None else grace_s)
 
     def restore(self) -> None:
-        """Reload every configured tenant that has a committed weights file."""
-        for t in self.config.tenants:
+        """Reload every configured tenant that has a committed weights file (full tenants
+        first: a LoRA tenant needs its base)."""
+        for t in sorted(self.config.tenants, key=lambda t: t.base is not None):
             if self.blobs.exists(t.id):
                 self._load_stored(t.id)
+
+    def _base_of(self, tenant: str) -> str | None:
+        conf = self.config.tenant(tenant)
+        return None if conf is None else conf.base
+
+    def _load_weights(self, tenant: str, path) -> tuple[CanonicalWeights, str | None]:
+        """(validated weights, base) of a file for ``tenant``: a checkpoint, or for a LoRA
+        tenant an adapter on its base, which must be serving."""
+        base = self._base_of(tenant)
+        if base is None:
+            return self.engine.load_weights(path), None
+        if base not in self.engine.store:
+            raise NoWeights(f"tenant {tenant!r} is a LoRA tenant of {base!r}, which has no "
+                            "weights yet: upload the base first")
+        return self.engine.load_lora(path, base), base
 
     def _load_stored(self, tenant: str) -> None:
         st = self.status.setdefault(tenant, TenantStatus())
         st.state = State.LOADING
         try:
             sha = self.blobs.verify(tenant)
-            weights = self.engine.load_weights(self.blobs.path_for(tenant))
-            self.engine.add_tenant(tenant, weights)
+            weights, base = self._load_weights(tenant, self.blobs.path_for(tenant))
+            self.engine.add_tenant(tenant, weights, base=base)
             st.state, st.sha256, st.error = State.READY, sha, ""
             log.info("tenant %s restored (sha256 %s)", tenant, sha[:12])
         except ItifError as e:
             st.state, st.error = State.FAILED, f"stored weights refused: {e}"
             log.error("tenant %s: stored weights refused: %s", tenant, e)
+
+    def _rederive(self, base: str) -> None:
+        """The LoRA tenants of ``base`` follow its weights: reloaded from their stored adapters
+        after the base changed, unloaded (FAILED, files kept) when it has none."""
+        for t in self.config.tenants:
+            if t.base != base or t.id not in self.status:
+                continue
+            with self._tenant_lock(t.id):
+                if base in self.engine.store and self.blobs.exists(t.id):
+                    self._load_stored(t.id)
+                elif t.id in self.engine.store:
+                    self.engine.remove_tenant(t.id)
+                    st = self.status[t.id]
+                    st.state, st.error = State.FAILED, f"its base {base!r} has no weights"
 
     # ---- auth ------------------------------------------------------------------------------
     def identify(self, authorization: str | None) -> Identity:
@@ -214,23 +245,24 @@ class Daemon:
         refuse a tenant removed from the config meanwhile (nothing is committed then)."""
         try:
             upload.seal()  # size and sha256
-            weights = self.engine.load_weights(upload.temp_path)
+            weights, base = self._load_weights(tenant, upload.temp_path)
             # a tenant's own upload is not credited with what other tenants hold (see
             # WeightStore.check_budget); the operator's is
             owner = None if who is None or who.admin else tenant
             self.engine.store.check_budget(weights, owner=owner)
-            self.engine.probe(weights)
+            self.engine.probe(weights, base)
             with self._tenant_lock(tenant):
                 if tenant not in self.status:
                     raise TenantNotFound(
                         f"tenant {tenant!r} was removed from the configuration during its upload; "
                         "nothing was stored")
                 upload.publish()
-                self.engine.add_tenant(tenant, weights)
+                self.engine.add_tenant(tenant, weights, base=base)
                 st = self.status[tenant]
                 st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
         finally:
             upload.abort()  # a no-op once published
+        self._rederive(tenant)
         log.info("tenant %s uploaded %d bytes (sha256 %s)", tenant, upload.total_size,
                  upload.expected_sha256[:12])
         return self.tenant_view(tenant, who)
@@ -254,6 +286,7 @@ class Daemon:
                 self.engine.remove_tenant(tenant)
             deleted = self.blobs.delete(tenant)
             self.status[tenant] = TenantStatus()
+        self._rederive(tenant)
         return deleted or freed > 0, freed
 
     # ---- inference -------------------------------------------------------------------------
@@ -348,7 +381,8 @@ class Daemon:
                     self.status.pop(tid, None)
                 threading.Thread(target=self._retire, args=(tid,), daemon=True,
                                  name=f"retire-{tid}").start()
-            for t in diff.added:  # weights kept on disk from an earlier life come back
+            for t in sorted(diff.added, key=lambda t: t.base is not None):  # bases first:
+                # weights kept on disk from an earlier life come back
                 with self._tenant_lock(t.id):
                     if self.blobs.exists(t.id):
                         self._load_stored(t.id)

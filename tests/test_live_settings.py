@@ -80,6 +80,8 @@ RESTART = {
 }
 # identity: what names the tenant, not one of its settings
 NOT_SETTINGS = {"tenant.id"}
+# section.field -> (a changed value, what the refusal says): fixed for the tenant's life
+FIXED = {"tenant.base": ("a", "base is fixed for its life")}
 SECTIONS = {"server": ServerConfig, "backbone": BackboneConfig, "scheduler": SchedulerConfig,
             "tenant": Tenant}
 
@@ -112,7 +114,7 @@ def _too_long_refused(d: InProcess, n: int) -> bool:
 
 def test_every_setting_is_live_or_refused_live():
     fields = {f"{sec}.{f.name}" for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-    assert fields == set(LIVE) | set(RESTART) | NOT_SETTINGS
+    assert fields == set(LIVE) | set(RESTART) | set(FIXED) | NOT_SETTINGS
     assert not set(LIVE) & set(RESTART)
 
 
@@ -171,6 +173,16 @@ def test_restart_setting_is_refused_live_and_nothing_changes(running, key):
     before = d.config
     with pytest.raises(InvalidConfig, match=rf"{key}.*needs a restart"):
         d.apply_config(_with(before, key, RESTART[key]))
+    assert d.config is before
+
+
+@pytest.mark.parametrize("key", sorted(FIXED))
+def test_fixed_setting_is_refused_live_and_nothing_changes(running, key):
+    d = running
+    before = d.config
+    value, message = FIXED[key]
+    with pytest.raises(InvalidConfig, match=message):
+        d.apply_config(_with(before, key, value))
     assert d.config is before
 
 

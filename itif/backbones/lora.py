@@ -34,19 +34,44 @@ import torch
 from itif.backbones.hf import CanonicalWeights, _layer_sources
 from itif.backbones.spec import BackboneSpec
 from itif.errors import InvalidWeights
-from itif.weights.safetensors_io import load_safetensors
+from itif.weights.safetensors_io import load_safetensors, read_metadata, save_safetensors
 
-__all__ = ["MAX_RANK", "LINEAR_KINDS", "load_lora", "read_adapter"]
+__all__ = ["CONFIG_KEY", "MAX_RANK", "LINEAR_KINDS", "load_lora", "pack_adapter", "read_adapter"]
 
 MAX_RANK = 64
+#: safetensors metadata key of a packed adapter's adapter_config.json
+CONFIG_KEY = "itif.adapter_config"
 LINEAR_KINDS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
+def pack_adapter(adapter_dir: str | Path, out: str | Path) -> Path:
+    """One safetensors file holding a PEFT adapter directory: its tensors, and its
+    ``adapter_config.json`` in the metadata under :data:`CONFIG_KEY`. This is what a LoRA
+    tenant uploads (``itif upload --adapter DIR``) and what the daemon stores."""
+    config, tensors = read_adapter(adapter_dir)
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out,
+                     metadata={CONFIG_KEY: json.dumps(config, sort_keys=True)})
+    return Path(out)
+
+
 def read_adapter(source: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(adapter_config.json as a dict, the adapter's tensors) of a PEFT adapter directory."""
+    """(adapter_config as a dict, the adapter's tensors) of a PEFT adapter directory or of a
+    file :func:`pack_adapter` wrote."""
     path = Path(source)
+    if path.is_file():
+        raw = read_metadata(path).get(CONFIG_KEY)
+        if raw is None:
+            raise InvalidWeights(f"{path.name!r} is not a LoRA adapter: its safetensors metadata "
+                                 f"has no {CONFIG_KEY!r} (pack one with `itif upload --adapter`)")
+        try:
+            config = json.loads(raw)
+        except ValueError as e:
+            raise InvalidWeights(f"{path.name!r}: {CONFIG_KEY} is not JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise InvalidWeights(f"{path.name!r}: {CONFIG_KEY} is not a JSON object")
+        return config, load_safetensors(path)
     cfg_path, w_path = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():
         raise InvalidWeights(f"{str(path)!r} is not a PEFT adapter directory: it needs "

@@ -76,6 +76,12 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
 
     old_by_id = {t.id: t for t in old.tenants}
     new_ids = {t.id for t in new.tenants}
+    rebased = [f"tenants[{i}].base: {t.id!r} changed from {_show(old_by_id[t.id].base)} to "
+               f"{_show(t.base)}" for i, t in enumerate(new.tenants)
+               if t.id in old_by_id and old_by_id[t.id].base != t.base]
+    if rebased:
+        raise InvalidConfig(f"{'; '.join(rebased)}; a tenant's base is fixed for its life: "
+                            "remove the tenant and add it again (not applied)")
     added = tuple(t for t in new.tenants if t.id not in old_by_id)
     removed = tuple(t.id for t in old.tenants if t.id not in new_ids)
     changed = tuple(t for t in new.tenants if t.id in old_by_id and old_by_id[t.id] != t)

@@ -221,6 +221,17 @@ def _parse_tenants(errs: _Errors, value: Any) -> tuple[Tenant, ...] | object:
             ok = False
         else:
             by_hash[t.token_sha256] = (i, t.id)
+    bases = {t.id: t.base for _, t in tenants}
+    for i, t in tenants:
+        if t.base is None:
+            continue
+        if t.base == t.id or t.base not in bases:
+            errs.add(f"tenants[{i}].base", f"{t.base!r} must be the id of another tenant")
+            ok = False
+        elif bases[t.base] is not None:
+            errs.add(f"tenants[{i}].base", f"{t.base!r} is itself a LoRA tenant (base "
+                                           f"{bases[t.base]!r}); a base must be a full tenant")
+            ok = False
     if not ok:
         return _BAD
     return tuple(t for _, t in tenants)

@@ -110,6 +110,10 @@ class Tenant:
     weight: float = setting(F.number, 1.0, lo=0.0, hi=1e6, lo_open=True)
     max_seq_len: int | None = setting(F.integer, None, lo=1, hi=MAX_SEQ_LEN_LIMIT)
     latency_target_ms: float = setting(F.number, 100.0, lo=0.0, hi=3_600_000.0, lo_open=True)
+    #: A LoRA tenant: the id of the tenant whose weights it adapts. It uploads a PEFT adapter
+    #: (``itif upload --adapter DIR``) and reads every other weight from that tenant, which
+    #: must be a full tenant (no ``base`` of its own). Fixed for the tenant's life.
+    base: str | None = setting(F.tenant_id, None)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ __all__ = [
     "Limits",
     "TensorInfo",
     "load_safetensors",
+    "read_metadata",
     "read_header",
     "save_safetensors",
     "sha256_file",
@@ -329,7 +330,8 @@ def _check_container_count(text: str, limits: Limits) -> None:
         )
 
 
-def _read_header(src: _Source, limits: Limits) -> tuple[dict[str, TensorInfo], int]:
+def _read_header(src: _Source, limits: Limits,
+                 meta_out: dict[str, str] | None = None) -> tuple[dict[str, TensorInfo], int]:
     """Validated entries and the absolute file offset where the data section starts."""
     if src.size < 8:
         raise InvalidWeights(f"{src.label!r} is {src.size} bytes, too short for safetensors")
@@ -368,6 +370,8 @@ def _read_header(src: _Source, limits: Limits) -> tuple[dict[str, TensorInfo], i
     for k, v in metadata.items():
         _check_utf8(f"{_METADATA_KEY} key", k)
         _check_utf8(f"{_METADATA_KEY}[{_show(k)}]", v)
+    if meta_out is not None:
+        meta_out.update(metadata)
 
     if len(header) > limits.max_tensors:
         raise InvalidWeights(
@@ -411,6 +415,14 @@ def _count_non_finite(t: torch.Tensor) -> int:
     if math.isfinite(t.sum(dtype=acc).item()):
         return 0
     return int((~torch.isfinite(t)).sum())
+
+
+def read_metadata(path_or_bytes: PathOrBytes, limits: Limits = Limits()) -> dict[str, str]:
+    """The file's ``__metadata__`` (str -> str), after the whole header is validated."""
+    meta: dict[str, str] = {}
+    with _Source(path_or_bytes, limits) as src:
+        _read_header(src, limits, meta)
+    return meta
 
 
 def load_safetensors(
