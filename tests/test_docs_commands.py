@@ -253,18 +253,33 @@ def test_tenant_guide_commands(tmp_path):
 
     model = Path(minilm.__file__).parent / "model"
     cmds = _cmds("executed: tenant guide")
-    assert [c.argv[1] for c in cmds] == ["upload", "infer", "infer"], cmds
-    token = "acme-guide-token"
-    d = Daemon(tmp_path / "daemon", {"acme": token}, backbone=str(model)).start()
+    assert [c.argv[1] for c in cmds] == ["upload", "upload", "infer", "infer"], cmds
+    tokens = {"acme": "acme-guide-token", "acme-lora": "acme-lora-guide-token"}
+    d = Daemon(tmp_path / "daemon", tokens, backbone=str(model),
+               tenant_extra={"acme-lora": {"base": "acme"}}).start()
     try:
         work = tmp_path / "work"
         work.mkdir()
         shutil.copy(model / "model.safetensors", work / "model.safetensors")
-        outs = [_sh(c.text.replace(f"HOST:{DOC_PORT}", d.addr), work, _env(TOKEN=token), c.where)
+        _peft_adapter(model, work / "my-adapter")
+        outs = [_sh(c.text.replace(f"HOST:{DOC_PORT}", d.addr), work,
+                    _env(TOKEN=tokens["acme-lora" if "--adapter" in c.text else "acme"]), c.where)
                 for c in cmds]
     finally:
         d.stop()
     assert json.loads(outs[0].strip().splitlines()[-1])["tenant"] == "acme"
-    pooled = json.loads(outs[1])["pooled"]  # the MiniLM checkpoint has no classification head
+    assert json.loads(outs[1].strip().splitlines()[-1])["tenant"] == "acme-lora"
+    pooled = json.loads(outs[2])["pooled"]  # the MiniLM checkpoint has no classification head
     assert len(pooled) == 384
-    assert outs[2].startswith("pooled [384]")
+    assert outs[3].startswith("pooled [384]")
+
+
+def _peft_adapter(model_dir: Path, out: Path) -> None:
+    """A PEFT LoRA adapter on the packaged MiniLM, saved as save_pretrained writes it."""
+    peft = pytest.importorskip("peft")
+    import transformers  # noqa: PLC0415
+
+    base = transformers.BertModel.from_pretrained(model_dir)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                        target_modules=["query", "value"]))
+    adapted.save_pretrained(out)
