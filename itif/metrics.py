@@ -26,12 +26,13 @@ registry, so nothing else in the process leaks into it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import grpc
 from prometheus_client import (
@@ -53,12 +54,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("itif.metrics")
 
-__all__ = ["Metrics", "MetricsInterceptor", "TenantCallStats", "note_tenant", "METRIC_NAMES"]
+__all__ = ["Metrics", "MetricsInterceptor", "TenantCallStats", "call_tenant", "note_tenant",
+           "METRIC_NAMES"]
 
 #: Every metric itif exports (docs/ecosystem.md has the table).
 METRIC_NAMES = (
     "itif_requests_total",
     "itif_request_duration_seconds",
+    "itif_http_requests_total",
+    "itif_http_request_duration_seconds",
     "itif_inference_rows_total",
     "itif_queue_seconds",
     "itif_compute_seconds",
@@ -90,6 +94,18 @@ def note_tenant(tenant: str | None) -> None:
     holder = _CALL_TENANT.get()
     if holder is not None and tenant:
         holder[0] = tenant
+
+
+@contextlib.contextmanager
+def call_tenant() -> Iterator[list[str]]:
+    """Count a call that no gRPC interceptor sees (an HTTP request): inside, ``note_tenant``
+    records into the holder it yields (``[""]`` until the daemon names a tenant)."""
+    holder = [""]
+    token = _CALL_TENANT.set(holder)
+    try:
+        yield holder
+    finally:
+        _CALL_TENANT.reset(token)
 
 
 def _code_name(code: Any) -> str | None:
@@ -154,6 +170,13 @@ class Metrics:
         self.request_seconds = Histogram(
             "itif_request_duration_seconds", "gRPC call duration in the server, by method",
             ("method",), buckets=_LATENCY_BUCKETS, registry=r)
+        # the HTTP APIs (``itif.server.http``), counted by ``observe_http``
+        self.http_requests = Counter(
+            "itif_http_requests", "HTTP requests by tenant, API (kserve, openai), method and "
+            "HTTP status", ("tenant", "api", "method", "code"), registry=r)
+        self.http_seconds = Histogram(
+            "itif_http_request_duration_seconds", "HTTP request duration in the server",
+            ("api", "method"), buckets=_LATENCY_BUCKETS, registry=r)
         self.rows = Counter(
             "itif_inference_rows", "Inference rows (one input of a call) that left the queue, by "
             "tenant and outcome", ("tenant", "code"), registry=r)
@@ -202,6 +225,11 @@ class Metrics:
     def observe_rpc(self, tenant: str, method: str, code: str, seconds: float) -> None:
         self.requests.labels(tenant, method, code).inc()
         self.request_seconds.labels(method).observe(seconds)
+
+    def observe_http(self, tenant: str, api: str, method: str, status: int,
+                     seconds: float) -> None:
+        self.http_requests.labels(tenant, api, method, str(status)).inc()
+        self.http_seconds.labels(api, method).observe(seconds)
 
     def watch(self, tenant: str, tickets: Sequence[Ticket]) -> None:
         """Account for one accepted call: its rows as they finish, the call when all have."""

@@ -13,7 +13,9 @@ its ``HOST`` and ``$TOKEN`` placeholders:
 - docs/tenant.md's ``itif upload`` and both ``itif infer`` lines (ids, text) against a daemon
   serving the packaged all-MiniLM-L6-v2 (a real BERT vocabulary and tokenizer), uploading its
   ``model.safetensors``;
-- docs/ecosystem.md's ``bench/perf_analyzer.sh`` commands: by tests/test_perf_analyzer.py.
+- docs/ecosystem.md's ``bench/perf_analyzer.sh`` commands: by tests/test_perf_analyzer.py;
+- docs/ecosystem.md's ``curl`` commands (and its tritonclient.http and openai Python blocks):
+  by tests/test_http.py, against a MiniLM daemon with HTTP on.
 
 Parsed, not run:
 
@@ -72,6 +74,8 @@ def rule(c: Command) -> str | None:
         return "parsed: itif argparse"
     if a[0] == "bench/perf_analyzer.sh":
         return "executed: tests/test_perf_analyzer.py"
+    if a[0] == "curl" and c.path == "docs/ecosystem.md":
+        return "executed: tests/test_http.py"
     if a[0] == "pytest":
         return "parsed: pytest paths"
     if a[0] in ("python", "python3") and len(a) > 1 and (a[1].endswith(".py") or a[1] == "-m"):

@@ -70,6 +70,7 @@ RESTART = {
     "server.listen": f"127.0.0.1:{free_port()}",
     "server.data_dir": "./elsewhere",
     "server.metrics_listen": f"127.0.0.1:{free_port()}",
+    "server.http_listen": f"127.0.0.1:{free_port()}",
     "server.max_message_bytes": 2 << 20,
     "server.tls": "tls",
     "backbone.config": "bert-small",

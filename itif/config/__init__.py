@@ -2,8 +2,8 @@
 
 The operator's file has four top-level sections::
 
-    server:     listen, data_dir, admin_token_sha256, metrics_listen, max_message_bytes,
-                max_upload_bytes, grace_s, tls {cert, key, client_ca}
+    server:     listen, data_dir, admin_token_sha256, metrics_listen, http_listen,
+                max_message_bytes, max_upload_bytes, grace_s, tls {cert, key, client_ca}
     backbone:   config (checkpoint dir / config.json / preset name), device, dtype, max_seq_len,
                 max_weight_bytes
     scheduler:  max_batch_tokens, max_batch_size, max_wait_ms, strategy, isolate_tenants,

@@ -18,7 +18,8 @@ __all__ = ["ConfigDiff", "diff_configs"]
 
 
 # server keys that are baked into listeners / the gRPC server at start-up.
-_RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "max_message_bytes", "tls")
+_RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "http_listen", "max_message_bytes",
+                        "tls")
 _LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s")
 
 
@@ -57,7 +58,7 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
     """Tenant-level difference between two configs.
 
     Raises :class:`InvalidConfig` naming every key whose change needs a restart
-    (``server.listen``, ``server.data_dir``, ``server.metrics_listen``,
+    (``server.listen``, ``server.data_dir``, ``server.metrics_listen``, ``server.http_listen``,
     ``server.max_message_bytes``, ``server.tls``, any ``backbone.*``). Tenant, scheduler and the
     other server keys are live-applicable.
     """

@@ -58,6 +58,9 @@ class ServerConfig:
     data_dir: Path = setting(F.fs_path, base_dir=True)
     admin_token_sha256: str = setting(F.sha256)
     metrics_listen: str | None = setting(F.hostport, None)
+    #: ``host:port`` of the HTTP APIs (KServe v2 REST, OpenAI embeddings; ``itif.server.http``,
+    #: the ``http`` extra); None: no HTTP. Request bodies are bounded by ``max_message_bytes``.
+    http_listen: str | None = setting(F.hostport, None)
     max_message_bytes: int = setting(F.size, 64 * MiB, lo=KiB, hi=GRPC_MAX_MESSAGE)
     max_upload_bytes: int = setting(F.size, 4 * GiB, lo=1, hi=TiB)
     grace_s: float = setting(F.number, 10.0, lo=0.0, hi=3600.0)

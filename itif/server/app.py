@@ -72,6 +72,7 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     await server.start()
     if cfg.server.metrics_listen:
         metrics.serve(cfg.server.metrics_listen)
+    http = await _start_http(daemon, cfg, health)
     log.info("listening on %s%s", listen, " (TLS)" if creds else "")
 
     loop = asyncio.get_running_loop()
@@ -94,10 +95,23 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     watcher.stop()
     t0 = time.monotonic()
     await asyncio.to_thread(daemon.stop, grace)  # refuse new work, finish queued and in-flight
+    if http is not None:  # the HTTP APIs (server.http_listen): in flight answered, then closed
+        await http.stop(max(0.0, grace - (time.monotonic() - t0)))
     await server.stop(max(0.0, grace - (time.monotonic() - t0)))  # one grace period in all
     metrics.close()
     log.info("stopped")
     return 0
+
+
+async def _start_http(daemon: Daemon, cfg: Config, health: HealthService):
+    """The HTTP APIs on ``server.http_listen`` (``itif.server.http``), or None when unset."""
+    if not cfg.server.http_listen:
+        return None
+    from itif.server.http import HttpServer  # noqa: PLC0415 - the optional http extra
+
+    http = HttpServer(daemon, cfg, health)
+    await http.start()
+    return http
 
 
 def main(config_path: str | Path) -> int:

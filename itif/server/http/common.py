@@ -1,0 +1,149 @@
+"""What every HTTP route shares: the caller's token, the bounded body, JSON parsing, and the one
+wrapper (:func:`endpoint`) that turns exceptions into an error answer and counts the request.
+
+Errors map like the gRPC APIs' (``itif.server.errors``: an ``ItifError`` keeps its code and
+message; anything else is logged and answers "internal error"); the HTTP status comes from
+``itif.server.errors.HTTP_STATUS``, and a body over ``server.max_message_bytes`` is 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import zlib
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from itif.errors import InvalidRequest, Overloaded
+from itif.metrics import call_tenant
+from itif.server.errors import http_status_of
+
+log = logging.getLogger("itif.server.http")
+
+#: ``render(status, code, message)``: an API's error answer (KServe's ``{"error": ...}``,
+#: OpenAI's ``{"error": {"message": ...}}``).
+Render = Callable[[int, str, str], Response]
+
+
+class BodyTooLarge(Overloaded):
+    """A request body over ``server.max_message_bytes`` (HTTP 413)."""
+
+    http_status = 413
+
+
+def authorization(request: Request) -> str | None:
+    return request.headers.get("authorization")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes (after a gzip or deflate Content-Encoding is
+    undone); more is refused without reading it all."""
+    too_large = BodyTooLarge(f"the request body is over server.max_message_bytes ({limit} bytes)")
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise InvalidRequest(f"Content-Length {length[:32]!r} is not a byte count")
+        if int(length) > limit:
+            raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise InvalidRequest(f"Content-Encoding {encoding[:32]!r} is not supported "
+                             "(identity, gzip, deflate)")
+    inflate = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        out = inflate.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise InvalidRequest(f"the request body is not valid {encoding} data: {e}") from None
+    if len(out) > limit or inflate.unconsumed_tail:
+        raise too_large
+    return out
+
+
+def parse_json(data: bytes, what: str = "the request body") -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise InvalidRequest(f"{what} is not valid JSON: {str(e)[:200]}") from None
+
+
+#: Bodies larger than this are parsed in a worker thread: the event loop also serves gRPC.
+OFFLOAD_BYTES = 256 << 10
+
+
+async def json_object(data: bytes, what: str = "the request body",
+                      empty_ok: bool = False) -> dict:
+    if empty_ok and not data.strip():
+        return {}
+    if len(data) > OFFLOAD_BYTES:
+        obj = await asyncio.to_thread(parse_json, data, what)
+    else:
+        obj = parse_json(data, what)
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"{what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def field(obj: dict, key: str, kind: type | tuple[type, ...], where: str, default: Any = ...):
+    """``obj[key]`` of the JSON type ``kind`` (a missing key: ``default``, or refused)."""
+    if key not in obj:
+        if default is ...:
+            raise InvalidRequest(f"{where}: {key!r} is required")
+        return default
+    value = obj[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in kinds)
+        raise InvalidRequest(f"{where}: {key!r} must be {names}, got "
+                             f"{_JSON_NAMES.get(type(value), type(value).__name__)}")
+    return value
+
+
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               list: "an array", dict: "an object", type(None): "null"}
+
+
+def endpoint(api: str, method: str, render: Render):
+    """Wrap a route's handler: every exception becomes ``render``'s error answer (never a
+    traceback to the client), and the request is counted in ``itif_http_requests_total`` by
+    tenant (the one the daemon authorised it for, as on gRPC), ``api``, ``method`` and status."""
+
+    def wrap(handler: Callable[..., Awaitable[Response]]):
+        @functools.wraps(handler)
+        async def wrapper(self, request: Request) -> Response:
+            start = time.perf_counter()
+            with call_tenant() as holder:
+                try:
+                    response = await handler(self, request)
+                except Exception as e:  # noqa: BLE001 - the boundary: everything is an answer
+                    status, code, msg = http_status_of(e)
+                    status = getattr(e, "http_status", status)
+                    if code == "INTERNAL":
+                        log.error("%s %s failed", api, method, exc_info=e)
+                    response = render(status, code, msg)
+            metrics = getattr(self.daemon, "metrics", None)
+            if metrics is not None and hasattr(metrics, "observe_http"):
+                metrics.observe_http(holder[0], api, method, response.status_code,
+                                     time.perf_counter() - start)
+            return response
+
+        return wrapper
+
+    return wrap
+
+
+__all__ = ["OFFLOAD_BYTES", "BodyTooLarge", "Render", "authorization", "endpoint", "field", "json_object",
+           "parse_json", "read_body"]

@@ -1,0 +1,276 @@
+"""KServe v2 / Open Inference Protocol over HTTP/REST (what ``tritonclient.http`` speaks).
+
+The same protocol as the gRPC servicer (``itif.server.kserve``), through the same
+protocol-neutral core (``itif.server.kserve_core``): every tenant is a model with version
+``"1"``, the same tensors and outputs, the same auth (``Authorization: Bearer <token>``; the
+health probes need none) and the same answers, with the gRPC status mapped to its HTTP status
+and the error body ``{"error": "<message>"}``.
+
+Inference takes JSON tensors (``data`` flat or nested, row-major; BYTES as strings) and the
+binary tensor extension: with an ``Inference-Header-Content-Length: N`` header the first N bytes
+of the body are the JSON and the rest holds the inputs that carry
+``"parameters": {"binary_data_size": n}``, in order (BYTES with their 4-byte length prefixes).
+An output comes back as binary data when it asks for it (``"parameters": {"binary_data": true}``)
+or, for outputs that do not say, when the request sets ``binary_data_output``; the answer then
+carries ``Inference-Header-Content-Length`` too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from itif.errors import InvalidRequest, Unavailable
+from itif.server.http.common import (
+    OFFLOAD_BYTES,
+    authorization,
+    endpoint,
+    field,
+    json_object,
+    read_body,
+)
+from itif.server.kserve_core import VERSION, KServeCore, decode_raw, decode_values
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+def error(status: int, code: str, message: str) -> Response:
+    """KServe's error body."""
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _ok(body: Any = None) -> Response:
+    return Response(status_code=200) if body is None else JSONResponse(body)
+
+
+def _name_version(request: Request) -> tuple[str, str]:
+    p = request.path_params
+    return p["name"], p.get("version", "")
+
+
+def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    """(the JSON, the binary data) of an inference request body."""
+    if header_length is None:
+        return body, b""
+    if not header_length.strip().isdigit() or int(header_length) > len(body):
+        raise InvalidRequest(f"Inference-Header-Content-Length {header_length[:32]!r} is not a "
+                             f"byte count within the body ({len(body)} bytes)")
+    n = int(header_length)
+    return body[:n], body[n:]
+
+
+def _tensors(core: KServeCore, model: str, req: dict, binary: bytes) -> dict:
+    inputs = field(req, "inputs", list, "the inference request")
+    tensors: dict = {}
+    offset = 0
+    for i, t in enumerate(inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(t, dict):
+            raise InvalidRequest(f"{where} must be an object")
+        name = field(t, "name", str, where)
+        core.check_input(model, name, tensors)
+        where = f"input {name!r}"
+        datatype = field(t, "datatype", str, where)
+        shape = field(t, "shape", list, where)
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise InvalidRequest(f"{where}: shape must be a list of integers, got {shape!r:.100}")
+        params = field(t, "parameters", dict, where, {})
+        size = field(params, "binary_data_size", int, f"{where} parameters", None)
+        if size is not None:
+            if "data" in t:
+                raise InvalidRequest(f"{where}: give either 'data' or binary_data_size, not both")
+            if size < 0 or offset + size > len(binary):
+                raise InvalidRequest(f"{where}: binary_data_size {size} runs past the binary data "
+                                     f"({len(binary) - offset} bytes left)")
+            tensors[name] = decode_raw(name, datatype, shape, binary[offset : offset + size])
+            offset += size
+        elif "data" in t:
+            data = t["data"]
+            if not isinstance(data, list):
+                data = [data]
+            tensors[name] = decode_values(name, datatype, shape, data)
+        else:
+            raise InvalidRequest(f"{where} has neither 'data' nor a binary_data_size parameter")
+    if offset != len(binary):
+        raise InvalidRequest(f"{len(binary) - offset} bytes of binary data follow the inputs "
+                             "that no input's binary_data_size claims")
+    return tensors
+
+
+def _outputs(req: dict) -> tuple[list[str], set[str], dict[str, bool]]:
+    """(names, those asking for classification, binary_data per output that says)."""
+    names, classification, binary = [], set(), {}
+    for i, o in enumerate(field(req, "outputs", list, "the inference request", [])):
+        if not isinstance(o, dict):
+            raise InvalidRequest(f"outputs[{i}] must be an object")
+        name = field(o, "name", str, f"outputs[{i}]")
+        params = field(o, "parameters", dict, f"output {name!r}", {})
+        if params.get("classification"):
+            classification.add(name)
+        wants = field(params, "binary_data", bool, f"output {name!r} parameters", None)
+        if wants is not None:
+            binary[name] = wants
+        names.append(name)
+    return names, classification, binary
+
+
+def _answer(answer: dict, out: list, binary: dict[str, bool]) -> Response:
+    """The inference answer: JSON, or JSON then the binary outputs in order."""
+    tensors, blobs = [], []
+    for o, a in out:
+        t: dict[str, Any] = {"name": o, "datatype": "FP32", "shape": list(a.shape)}
+        if binary[o]:
+            blob = a.tobytes()
+            t["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            t["data"] = a.ravel().tolist()
+        tensors.append(t)
+    head = json.dumps({**answer, "outputs": tensors}).encode()
+    if not blobs:
+        return Response(head, media_type="application/json")
+    return Response(b"".join([head, *blobs]), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+class KServeRest:
+    """The routes of the KServe v2 REST API; the handlers share one ``KServeCore``."""
+
+    def __init__(self, daemon, health=None, *, max_body: int) -> None:
+        self.daemon = daemon
+        self.core = KServeCore(daemon, health)
+        self.max_body = max_body
+
+    def _who(self, request: Request):
+        return self.core.who(authorization(request))
+
+    async def _body(self, request: Request, empty_ok: bool = True) -> dict:
+        return await json_object(await read_body(request, self.max_body), empty_ok=empty_ok)
+
+    # -- health and server ---------------------------------------------------------------------
+    @endpoint("kserve", "ServerLive", error)
+    async def live(self, request: Request) -> Response:
+        return _ok()
+
+    @endpoint("kserve", "ServerReady", error)
+    async def ready(self, request: Request) -> Response:
+        if not self.core.server_ready():
+            raise Unavailable("the daemon is starting or shutting down")
+        return _ok()
+
+    @endpoint("kserve", "ServerMetadata", error)
+    async def server_metadata(self, request: Request) -> Response:
+        return _ok(self.core.server_metadata(authorization(request)))
+
+    # -- models --------------------------------------------------------------------------------
+    @endpoint("kserve", "ModelReady", error)
+    async def model_ready(self, request: Request) -> Response:
+        name, version = _name_version(request)
+        if not self.core.model_ready(self._who(request), name, version):
+            # an unknown or invisible model answers like one that is not loaded (as on gRPC)
+            return error(400, "FAILED_PRECONDITION", f"model {name[:64]!r} is not ready")
+        return _ok()
+
+    @endpoint("kserve", "ModelMetadata", error)
+    async def model_metadata(self, request: Request) -> Response:
+        return _ok(self.core.model_metadata(self._who(request), *_name_version(request)))
+
+    @endpoint("kserve", "ModelConfig", error)
+    async def model_config(self, request: Request) -> Response:
+        return _ok(self.core.model_config(self._who(request), *_name_version(request)))
+
+    @endpoint("kserve", "ModelStatistics", error)
+    async def statistics(self, request: Request) -> Response:
+        name, version = request.path_params.get("name", ""), request.path_params.get("version", "")
+        return _ok(self.core.statistics(self._who(request), name, version))
+
+    # -- repository ----------------------------------------------------------------------------
+    @endpoint("kserve", "RepositoryIndex", error)
+    async def repository_index(self, request: Request) -> Response:
+        who = self._who(request)
+        ready = field(await self._body(request), "ready", bool, "the request body", False)
+        return _ok(self.core.repository_index(who, ready))
+
+    @endpoint("kserve", "RepositoryModelLoad", error)
+    async def load(self, request: Request) -> Response:
+        who = self._who(request)
+        body = await self._body(request)
+        params = field(body, "parameters", dict, "the request body", {})
+        config = field(params, "config", str, "parameters", None)
+        files = {}
+        for key, value in params.items():
+            if key.startswith("file:"):
+                if not isinstance(value, str):
+                    raise InvalidRequest(f"parameter {key!r} must be a base64 string")
+                try:
+                    files[key] = base64.b64decode(value, validate=True)
+                except (binascii.Error, ValueError):
+                    raise InvalidRequest(f"parameter {key!r} is not valid base64") from None
+        await self.core.load(who, request.path_params["name"], files, config)
+        return _ok()
+
+    @endpoint("kserve", "RepositoryModelUnload", error)
+    async def unload(self, request: Request) -> Response:
+        who = self._who(request)
+        await self._body(request)  # {"parameters": {"unload_dependents": ...}}: nothing to do
+        await self.core.unload(who, request.path_params["name"])
+        return _ok()
+
+    # -- inference -----------------------------------------------------------------------------
+    @endpoint("kserve", "ModelInfer", error)
+    async def infer(self, request: Request) -> Response:
+        who = self._who(request)
+        name, version = _name_version(request)
+        self.core.model(who, name, version)  # 404 before any tensor check, as on gRPC
+        head, binary = _split(await read_body(request, self.max_body),
+                              request.headers.get(HEADER_LENGTH))
+        req = await json_object(head, "the inference request")
+        if len(head) > OFFLOAD_BYTES:  # JSON data: decoding it is Python work, off the loop
+            tensors = await asyncio.to_thread(_tensors, self.core, name, req, binary)
+        else:
+            tensors = _tensors(self.core, name, req, binary)
+        outputs, classification, binary_by_output = _outputs(req)
+        params = field(req, "parameters", dict, "the inference request", {})
+        binary_default = params.get("binary_data_output") is True
+        out = await self.core.infer(who, name, version, tensors, outputs, classification, params)
+
+        answer: dict[str, Any] = {"model_name": name, "model_version": VERSION}
+        if isinstance(req.get("id"), str) and req["id"]:
+            answer["id"] = req["id"]
+        binary = {o: binary_by_output.get(o, binary_default) for o, _ in out}
+        if sum(a.size for o, a in out if not binary[o]) * 12 > OFFLOAD_BYTES:  # JSON numbers
+            return await asyncio.to_thread(_answer, answer, out, binary)
+        return _answer(answer, out, binary)
+
+    # -- routes --------------------------------------------------------------------------------
+    def routes(self) -> list[Route]:
+        m = "/v2/models/{name}"
+        mv = "/v2/models/{name}/versions/{version}"
+        out = [
+            Route("/v2/health/live", self.live, methods=["GET"]),
+            Route("/v2/health/ready", self.ready, methods=["GET"]),
+            Route("/v2", self.server_metadata, methods=["GET"]),
+            Route("/v2/models/stats", self.statistics, methods=["GET"]),
+            Route("/v2/repository/index", self.repository_index, methods=["POST"]),
+            Route("/v2/repository/models/{name}/load", self.load, methods=["POST"]),
+            Route("/v2/repository/models/{name}/unload", self.unload, methods=["POST"]),
+        ]
+        for base in (m, mv):
+            out += [
+                Route(base, self.model_metadata, methods=["GET"]),
+                Route(base + "/ready", self.model_ready, methods=["GET"]),
+                Route(base + "/config", self.model_config, methods=["GET"]),
+                Route(base + "/stats", self.statistics, methods=["GET"]),
+                Route(base + "/infer", self.infer, methods=["POST"]),
+            ]
+        return out
+
+
+__all__ = ["KServeRest", "error"]
