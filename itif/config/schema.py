@@ -8,6 +8,7 @@ the scheduler's live objects (``TenantQuota``, ``Scheduler.configure``) through
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,11 +132,22 @@ class Config:
         return tuple(t.id for t in self.tenants)
 
     def tenant(self, tenant_id: str) -> Tenant | None:
-        """The tenant with this id, or ``None``."""
-        for t in self.tenants:
-            if t.id == tenant_id:
-                return t
-        return None
+        """The tenant with this id, or ``None`` (a dict lookup: per request, at any count)."""
+        return self._by_id.get(tenant_id)
+
+    def tenant_by_token_sha256(self, digest: str) -> Tenant | None:
+        """The tenant whose ``token_sha256`` is ``digest``, or ``None``. A dict lookup keyed by
+        the digest of the presented token: its time depends on neither the tenant count nor
+        how much of a stored digest matches (the caller cannot choose digests)."""
+        return self._by_token.get(digest)
+
+    @functools.cached_property
+    def _by_id(self) -> dict[str, Tenant]:
+        return {t.id: t for t in self.tenants}
+
+    @functools.cached_property
+    def _by_token(self) -> dict[str, Tenant]:
+        return {t.token_sha256: t for t in self.tenants}
 
 
 def hash_token(token: str) -> str:
