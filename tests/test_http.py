@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import ssl
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -596,3 +597,25 @@ def test_documented_python_snippets(daemon, marker, capsys):
     else:
         assert out.splitlines()[0].split()[:2] == ["2", "384"]
         assert out.splitlines()[-1] == "['acme']"
+
+
+# ---- TLS ----------------------------------------------------------------------------------------
+def test_https_with_the_servers_certificate(tmp_path):
+    """With server.tls the HTTP port speaks HTTPS with the gRPC port's certificate."""
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    from tests.daemon_harness import TLS
+
+    http = f"127.0.0.1:{free_port()}"
+    with Daemon(tmp_path / "d", {"t1": "t1-tok"}, tls=TLS(ca=cert.read_bytes()),
+                server_extra={"http_listen": http,
+                              "tls": {"cert": str(cert), "key": str(key)}}).start():
+        trust = ssl.create_default_context(cafile=str(cert))
+        r = httpx.get(f"https://{http}/v1/models", headers=H("t1-tok"), verify=trust)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "t1"
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets no answer
+            httpx.get(f"http://{http}/v2/health/live", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
+            httpx.get(f"https://{http}/v2/health/live")
