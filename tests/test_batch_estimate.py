@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from itif.requests import Request, Result
-from itif.scheduler import Scheduler
+from itif.scheduler import Scheduler, TenantQuota
 from itif.scheduler.estimate import BatchTimeEstimate
 
 
@@ -57,3 +57,33 @@ def test_scheduler_learns_the_fixed_cost_of_its_forward():
         parts = s.stats.batch_time
     one = parts["fixed_ms"] + parts["per_request_ms"] + 10 * parts["per_token_ms"]
     assert 15.0 <= one <= 40.0, parts  # ~21 ms; the per-token model said ~0.1 ms
+
+
+def test_split_puts_short_members_first_only_when_it_costs_little():
+    from itif.scheduler.estimate import split_for_latency  # noqa: PLC0415
+
+    est = lambda n, tokens: 1.0 + 0.01 * tokens  # noqa: E731
+    assert split_for_latency([10] * 9 + [2000], est) == 9  # 1 ms more, 20 ms less for nine
+    assert split_for_latency([100] * 10, est) is None  # equal members: nothing to gain
+    assert split_for_latency([10, 2000], lambda n, t: 50.0 + 0.01 * t) is None  # fixed cost
+    assert split_for_latency([5], est) is None
+
+
+def test_scheduler_runs_the_short_part_of_a_split_batch_first():
+    seen: list[list[int]] = []
+
+    def run(batch: list[Request]) -> list[Result]:
+        seen.append([len(r.input_ids) for r in batch])
+        time.sleep(0.0005 * sum(len(r.input_ids) for r in batch))
+        return [Result(r.tenant) for r in batch]
+
+    with Scheduler(run, max_wait_ms=0.0, latency_sizing=True,
+                   estimate_ms=lambda n, tokens: 0.5 + 0.01 * tokens) as s:
+        s.set_tenant("a", TenantQuota(latency_target_ms=10_000))
+        reqs = [Request("a", input_ids=[1] * n) for n in (3000, 8, 9, 10, 11)]
+        tickets = s.submit_many(reqs, tokens=[len(r.input_ids) for r in reqs])
+        for t in tickets:
+            t.result(10)
+    assert seen == [[8, 9, 10, 11], [3000]], seen  # one batch formed, run in two parts
+    assert max(t.finished_at for t in tickets[1:]) < tickets[0].finished_at
+    assert s.stats.batches == 1 and s.stats.runs == 2

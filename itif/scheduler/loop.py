@@ -26,7 +26,7 @@ from itif.errors import (
     is_out_of_memory,
 )
 from itif.requests import Request, Result
-from itif.scheduler.estimate import BatchTimeEstimate
+from itif.scheduler.estimate import BatchTimeEstimate, split_for_latency
 from itif.scheduler.fairqueue import FairQueue
 from itif.scheduler.tickets import (
     DONE,
@@ -392,6 +392,12 @@ class Scheduler:
                 self._q.stats[t.tenant].tokens_run += t.tokens
         extra_left = 4 * math.ceil(math.log2(n)) if n > 1 else 0
         stack = [batch]
+        if self.latency_sizing and n > 1:  # short members first when long ones hold them back
+            by_len = sorted(batch, key=lambda t: t.tokens)
+            with self._lock:
+                k = split_for_latency([t.tokens for t in by_len], self._estimate_locked)
+            if k is not None:
+                stack = [by_len[k:], by_len[:k]]  # the short part runs first
         try:
             while stack:
                 part = stack.pop()
