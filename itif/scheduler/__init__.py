@@ -34,8 +34,14 @@ A fused batch costs more the more it holds, and every member waits for all of it
 at the first request whose addition would make a member miss its tenant's
 ``latency_target_ms`` that it would still meet in the batch as formed so far (predicted with
 the run-time estimate). Members already past their target do not hold a batch back: under
-overload batches still grow to the limits, which is what throughput needs. Off, batches grow
-to ``max_batch_tokens`` / ``max_batch_size``.
+overload batches still grow to the limits, which is what throughput needs. A formed batch whose
+long members would hold its short ones back runs in two parts, the short ones first, when that
+costs at most 5% of its time (``estimate.split_for_latency``). Off, batches grow to
+``max_batch_tokens`` / ``max_batch_size`` and run whole.
+
+The run-time estimate (``itif.scheduler.estimate``) is learned from the batches that ran:
+fixed + per-request + per-token milliseconds, fitted online with exponential forgetting. It
+also drives the starvation guard, with sizing on or off.
 
 Which requests (weighted fairness)
 ----------------------------------
