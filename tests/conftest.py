@@ -14,7 +14,9 @@ if "ITIF_CACHE_DIR" not in os.environ:  # profiled cost models go to a throwaway
 import pytest  # noqa: E402
 
 from tests.oracle import make_hf_model  # noqa: E402
-from tests.reliability_util import rel  # noqa: E402, F401 - the reliability suite's fixture
+from tests.reliability_util import rel  # noqa: E402 - the reliability suite's fixture
+
+__all__ = ["rel"]  # the fixture is used by name, never read here
 
 
 def pytest_collection_modifyitems(config, items):
