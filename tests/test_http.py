@@ -15,6 +15,7 @@ import gzip
 import json
 import ssl
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+import itif
 from itif.weights.safetensors_io import save_safetensors
 from tests.daemon_harness import ADMIN, Daemon, free_port
 from tests.doc_blocks import REPO, blocks, shell_commands
@@ -619,3 +621,64 @@ def test_https_with_the_servers_certificate(tmp_path):
             httpx.get(f"http://{http}/v2/health/live", timeout=5)
         with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
             httpx.get(f"https://{http}/v2/health/live")
+
+
+# ---- start-up and shutdown ----------------------------------------------------------------------
+def test_start_and_drain(tmp_path):
+    """The HTTP port opens before the backbone is ready (live 200, ready and calls 503); on
+    SIGTERM a call in flight is answered, new calls get 503, then the port closes."""
+    import threading
+
+    http = f"127.0.0.1:{free_port()}"
+    d = Daemon(tmp_path / "d", {"t1": "t1-tok"}, faults="start_delay:1000,slow:1000",
+               server_extra={"http_listen": http, "grace_s": 20})
+    d.start(wait=False)
+    base, hd = f"http://{http}", H("t1-tok")
+    try:
+        end = time.monotonic() + 60
+        while True:
+            try:
+                live = httpx.get(f"{base}/v2/health/live", timeout=5)
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < end and d.proc.poll() is None, d.logs()
+                time.sleep(0.02)
+        assert live.status_code == 200
+        ready = httpx.get(f"{base}/v2/health/ready", timeout=5)
+        assert ready.status_code == 503 and "starting" in ready.json()["error"]
+        r = httpx.post(f"{base}/v1/embeddings", json={"model": "t1", "input": [[1, 2]]},
+                       headers=hd, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        d.wait_serving()
+        m = make_hf_model("bert-tiny", None, seed=1617)
+        path = tmp_path / "t1.safetensors"
+        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, path)
+        with d.client("t1-tok") as c:
+            c.upload("t1", path)
+
+        answers = {}
+
+        def call():
+            answers["slow"] = httpx.post(f"{base}/v1/embeddings", headers=hd, timeout=60,
+                                         json={"model": "t1", "input": [[5, 6, 7]]})
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)  # the call is in its (1 s) batch
+        d.proc.send_signal(15)
+        time.sleep(0.2)
+        during = httpx.post(f"{base}/v2/models/t1/infer", json=_infer_body(_ids([5, 6])),
+                            headers=hd, timeout=10)
+        ready = httpx.get(f"{base}/v2/health/ready", timeout=10)
+        t.join(60)
+        assert answers["slow"].status_code == 200, answers["slow"].text
+        hidden = itif.load_spec("bert-tiny").hidden
+        assert len(answers["slow"].json()["data"][0]["embedding"]) == hidden
+        assert during.status_code == 503 and "shutting down" in during.json()["error"]
+        assert ready.status_code == 503
+        assert d.wait_exit(60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{base}/v2/health/live", timeout=5)
+    finally:
+        if d.proc is not None:
+            d.stop()
