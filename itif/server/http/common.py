@@ -107,9 +107,13 @@ def field(obj: dict, key: str, kind: type | tuple[type, ...], where: str, defaul
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = " or ".join(_JSON_NAMES.get(k, k.__name__) for k in kinds)
-        raise InvalidRequest(f"{where}: {key!r} must be {names}, got "
-                             f"{_JSON_NAMES.get(type(value), type(value).__name__)}")
+        raise InvalidRequest(f"{where}: {key!r} must be {names}, got {json_type(value)}")
     return value
+
+
+def json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words ("an object", "a string", ...)."""
+    return _JSON_NAMES.get(type(value), type(value).__name__)
 
 
 _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
@@ -145,5 +149,5 @@ def endpoint(api: str, method: str, render: Render):
     return wrap
 
 
-__all__ = ["OFFLOAD_BYTES", "BodyTooLarge", "Render", "authorization", "endpoint", "field", "json_object",
-           "parse_json", "read_body"]
+__all__ = ["OFFLOAD_BYTES", "BodyTooLarge", "Render", "authorization", "endpoint", "field",
+           "json_object", "json_type", "parse_json", "read_body"]

@@ -30,7 +30,14 @@ from starlette.routing import Route
 
 from itif.errors import InvalidRequest, Unavailable
 from itif.runtime.engine import Request as ItifRequest
-from itif.server.http.common import authorization, endpoint, field, json_object, read_body
+from itif.server.http.common import (
+    authorization,
+    endpoint,
+    field,
+    json_object,
+    json_type,
+    read_body,
+)
 from itif.server.service import await_tickets
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -79,7 +86,7 @@ class OpenAIApi:
             return [np.asarray(d.tokenize(value), np.int64)]
         if not isinstance(value, list) or not value:
             raise InvalidRequest(_INPUT_SHAPES + ("" if isinstance(value, list)
-                                                  else f", got {type(value).__name__}"))
+                                                  else f", got {json_type(value)}"))
         if all(isinstance(v, str) for v in value):
             return [np.asarray(d.tokenize(v), np.int64) for v in value]
         if all(_is_int(v) for v in value):
