@@ -18,11 +18,15 @@ import logging
 import socket
 import ssl
 
-import uvicorn
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+try:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+except ImportError as e:  # the daemon says what to install rather than a bare traceback
+    raise ImportError(f"server.http_listen needs the http extra (pip install 'itif[http]'): "
+                      f"{e}") from e
 
 from itif.config import Config
 from itif.server.http.kserve_rest import KServeRest
