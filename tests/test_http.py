@@ -196,6 +196,18 @@ def test_infer_equals_grpc(daemon, clients):
     np.testing.assert_allclose(np.array(r.json()["outputs"][0]["data"]).reshape(3, 3),
                                want["logits"], atol=1e-5)
 
+    # a large JSON answer (built off the event loop) equals the binary one
+    long_ids = rng.integers(1000, 30000, (2, 40)).astype(np.int64)
+    r = httpx.post(f"http://{daemon.http}/v2/models/beta/infer", headers=hd, json={
+        "inputs": [_ids(long_ids.tolist(), [2, 40])],
+        "outputs": [{"name": "last_hidden_state", "parameters": {"binary_data": False}}]})
+    assert r.status_code == 200, r.text
+    (out,) = r.json()["outputs"]
+    want_h = g.infer("beta", [_ints("input_ids", long_ids, tg)], headers=dict(hd),
+                     outputs=[tg.InferRequestedOutput("last_hidden_state")])
+    np.testing.assert_allclose(np.array(out["data"], np.float32).reshape(out["shape"]),
+                               want_h.as_numpy("last_hidden_state"), atol=1e-5)
+
     stats = h.get_inference_statistics("beta", headers=hd)
     assert _same(stats, g.get_inference_statistics("beta", headers=hd))
     assert stats["model_stats"][0]["inference_count"] >= 4 * 3
