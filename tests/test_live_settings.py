@@ -64,6 +64,9 @@ LIVE = {
     "tenant.weight": (2.5, lambda d: _quota(d).weight == 2.5),
     "tenant.latency_target_ms": (40.0, lambda d: _quota(d).latency_target_ms == 40.0),
     "tenant.max_seq_len": (4, lambda d: _too_long_refused(d, 5)),
+    "tenant.max_inflight": (3, lambda d: _admitted(d, "a") == 3),
+    "server.max_inflight_calls": (5, lambda d: _admitted(d, "") == 5),
+    "server.max_pending_reply_bytes": (4096, lambda d: not _reply_fits(d, 3000, 2000)),
 }
 # section.field -> a changed value: the reload is refused and names the key
 RESTART = {
@@ -72,6 +75,8 @@ RESTART = {
     "server.metrics_listen": f"127.0.0.1:{free_port()}",
     "server.http_listen": f"127.0.0.1:{free_port()}",
     "server.max_message_bytes": 2 << 20,
+    "server.max_pending_calls": 1024,
+    "server.max_streams_per_connection": 8,
     "server.tls": "tls",
     "backbone.config": "bert-small",
     "backbone.device": "auto",
@@ -111,6 +116,35 @@ def _too_long_refused(d: InProcess, n: int) -> bool:
     except InvalidRequest as e:
         return "max_seq_len" in str(e)
     return False
+
+
+def _admitted(d: InProcess, tenant: str, tries: int = 8) -> int:
+    """Calls of ``tenant`` ("" = the admin) a fresh admission takes before refusing one
+    (itif.server.admission reads its limits from the daemon's live config)."""
+    from itif.errors import Overloaded  # noqa: PLC0415
+    from itif.server.admission import Admission  # noqa: PLC0415
+
+    adm = Admission(d)
+    for n in range(tries):
+        try:
+            adm.enter(tenant, "peer")
+        except Overloaded:
+            return n
+    return tries
+
+
+def _reply_fits(d: InProcess, first: int, second: int) -> bool:
+    """Whether a second reply of ``second`` bytes fits beside a held one of ``first``."""
+    from itif.errors import Overloaded  # noqa: PLC0415
+    from itif.server.admission import Admission  # noqa: PLC0415
+
+    adm = Admission(d)
+    adm.reserve(adm.enter("a", "p1"), first)
+    try:
+        adm.reserve(adm.enter("a", "p2"), second)
+    except Overloaded:
+        return False
+    return True
 
 
 def test_every_setting_is_live_or_refused_live():

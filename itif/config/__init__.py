@@ -3,12 +3,15 @@
 The operator's file has four top-level sections::
 
     server:     listen, data_dir, admin_token_sha256, metrics_listen, http_listen,
-                max_message_bytes, max_upload_bytes, grace_s, tls {cert, key, client_ca}
+                max_message_bytes, max_upload_bytes, grace_s, upload_idle_s,
+                max_inflight_calls, max_pending_calls, max_pending_reply_bytes,
+                tls {cert, key, client_ca}
     backbone:   config (checkpoint dir / config.json / preset name), device, dtype, max_seq_len,
                 max_weight_bytes
     scheduler:  max_batch_tokens, max_batch_size, max_wait_ms, strategy, isolate_tenants,
                 latency_sizing
-    tenants:    - {id, token_sha256, max_queue, weight, max_seq_len, latency_target_ms}
+    tenants:    - {id, token_sha256, max_queue, weight, max_seq_len, latency_target_ms,
+                   max_inflight}
 
 Everything is parsed into frozen dataclasses. Validation is strict: unknown keys, wrong types,
 out-of-range values and inconsistent combinations are all rejected with :class:`InvalidConfig`,

@@ -19,8 +19,9 @@ __all__ = ["ConfigDiff", "diff_configs"]
 
 # server keys that are baked into listeners / the gRPC server at start-up.
 _RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "http_listen", "max_message_bytes",
-                        "tls")
-_LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s")
+                        "tls", "max_pending_calls", "max_streams_per_connection")
+_LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s",
+                     "max_inflight_calls", "max_pending_reply_bytes")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
 
     Raises :class:`InvalidConfig` naming every key whose change needs a restart
     (``server.listen``, ``server.data_dir``, ``server.metrics_listen``, ``server.http_listen``,
-    ``server.max_message_bytes``, ``server.tls``, any ``backbone.*``). Tenant, scheduler and the
+    ``server.max_message_bytes``, ``server.tls``, ``server.max_pending_calls``,
+    ``server.max_streams_per_connection``, any ``backbone.*``). Tenant, scheduler and the
     other server keys are live-applicable.
     """
     problems: list[str] = []

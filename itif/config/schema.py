@@ -68,6 +68,20 @@ class ServerConfig:
     #: An upload that sends nothing for this long is aborted (DEADLINE_EXCEEDED), freeing the
     #: tenant's upload slot; nothing of it is stored.
     upload_idle_s: float = setting(F.number, 60.0, lo=0.0, hi=86_400.0, lo_open=True)
+    #: Calls the server holds at once, all callers together (queued, running, or whose reply
+    #: is being sent); one more answers RESOURCE_EXHAUSTED before its request is parsed.
+    max_inflight_calls: int = setting(F.integer, 4096, lo=1, hi=1_000_000)
+    #: Calls gRPC may hold received but not yet taken by the server (a burst waits there for
+    #: the event loop); past it gRPC itself cancels new calls (CANCELLED, not counted).
+    max_pending_calls: int = setting(F.integer, 65_536, lo=1, hi=1_000_000)
+    #: Calls (HTTP/2 streams) one connection may have open at once; gRPC refuses the streams
+    #: of a connection beyond it (UNAVAILABLE, never started): a burst on one connection
+    #: cannot queue in front of every other caller's calls.
+    max_streams_per_connection: int = setting(F.integer, 100, lo=1, hi=1_000_000)
+    #: Bytes of replies a tenant, and a connection, may have computed or in computation and
+    #: not yet read by the client; a call that would need more answers RESOURCE_EXHAUSTED
+    #: before it runs (one call is always admitted when nothing is held).
+    max_pending_reply_bytes: int = setting(F.size, 64 * MiB, lo=KiB, hi=TiB)
     #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
     tls: TLSConfig | None = None
 
@@ -118,6 +132,10 @@ class Tenant:
     #: (``itif upload --adapter DIR``) and reads every other weight from that tenant, which
     #: must be a full tenant (no ``base`` of its own). Fixed for the tenant's life.
     base: str | None = setting(F.tenant_id, None)
+    #: Calls of the tenant the server holds at once (queued, running, or whose reply is being
+    #: sent); one more answers RESOURCE_EXHAUSTED before its request is parsed. None: twice
+    #: ``max_queue``.
+    max_inflight: int | None = setting(F.integer, None, lo=1, hi=1_000_000)
 
 
 @dataclass(frozen=True)

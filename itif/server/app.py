@@ -23,6 +23,7 @@ from itif.daemon import Daemon
 from itif.metrics import Metrics, MetricsInterceptor
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server import kserve
+from itif.server.admission import Admission
 from itif.server.service import SERVICE, HealthService, ItifService
 
 log = logging.getLogger("itif.server")
@@ -47,15 +48,26 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     daemon = Daemon(cfg)
     metrics = daemon.metrics = Metrics(daemon)
     limit = cfg.server.max_message_bytes
+    admission = Admission(daemon)  # calls in flight, unread reply bytes (itif.server.admission)
     server = grpc.aio.server(
-        # metrics first: it sees the final status of every call, auth refusals included
-        interceptors=[MetricsInterceptor(metrics), kserve.ProbeAuthInterceptor(daemon)],
+        # metrics first: it sees the final status of every call, auth and admission refusals
+        # included
+        interceptors=[MetricsInterceptor(metrics), kserve.ProbeAuthInterceptor(daemon, admission)],
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0),
+            # calls gRPC has received and the server not yet taken (one per turn of the event
+            # loop): past gRPC's defaults (1,000, then 3,000) gRPC CANCELS new calls of every
+            # caller, uncounted; keep them for admission to answer (RESOURCE_EXHAUSTED, counted)
+            ("grpc.server.max_pending_requests", cfg.server.max_pending_calls),
+            ("grpc.server.max_pending_requests_hard_limit", cfg.server.max_pending_calls),
+            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: one connection's calls beyond it are
+            # refused by gRPC itself (REFUSED_STREAM: UNAVAILABLE, never started, retryable)
+            # before they can queue in front of every other caller's
+            ("grpc.max_concurrent_streams", cfg.server.max_streams_per_connection),
         ],
-        maximum_concurrent_rpcs=None,
+        maximum_concurrent_rpcs=None,  # the bound is admission's: per tenant, and counted
     )
     itif_pb2_grpc.add_ItifServicer_to_server(ItifService(daemon), server)
     health = HealthService(daemon)

@@ -32,14 +32,15 @@ def _no_guard(context: Any) -> ContextManager[Any]:
 def wrap_handler(handler: grpc.RpcMethodHandler, *, guard: Guard | None = None,
                  prepare: Prepare | None = None,
                  request_deserializer: Callable[[bytes], Any] | None = None,
+                 response_serializer: Callable[[Any], bytes] | None = None,
                  ) -> grpc.RpcMethodHandler:
-    """``handler``'s kind and serializers (``request_deserializer`` replaces its deserializer
-    when given), with a behaviour that runs the original inside ``guard`` after ``prepare``.
-    The original may be sync or async; a streaming one may yield, async-yield, or write
-    through ``context.write``."""
+    """``handler``'s kind and serializers (``request_deserializer`` and ``response_serializer``
+    replace its own when given), with a behaviour that runs the original inside ``guard``
+    after ``prepare``. The original may be sync or async; a streaming one may yield,
+    async-yield, or write through ``context.write``."""
     guard = guard or _no_guard
     kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
-              response_serializer=handler.response_serializer)
+              response_serializer=response_serializer or handler.response_serializer)
     if handler.unary_unary or handler.stream_unary:
         inner, streamed = handler.unary_unary or handler.stream_unary, bool(handler.stream_unary)
 

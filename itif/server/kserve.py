@@ -39,6 +39,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from itif.daemon import Daemon, Identity
 from itif.errors import InvalidRequest
+from itif.server.admission import finish_reply
 from itif.server.errors import rpc
 from itif.server.kserve_core import VERSION, KServeCore, decode_raw, decode_values
 from itif.server.service import AuthInterceptor, reject_malformed
@@ -182,11 +183,13 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         params = {k: _param(p) for k, p in request.parameters.items()}
         out = await self.core.infer(who, name, request.model_version, tensors, outputs,
                                     classification, params, context.time_remaining())
-        return pb.ModelInferResponse(
+        reply = pb.ModelInferResponse(
             model_name=name, model_version=VERSION, id=request.id,
             outputs=[pb.ModelInferResponse.InferOutputTensor(name=n, datatype="FP32",
                                                              shape=a.shape) for n, a in out],
             raw_output_contents=[a.tobytes() for _, a in out])
+        del out
+        return await finish_reply(self.daemon, reply)  # over max_message_bytes: refused here
 
     # -- not offered (answers UNIMPLEMENTED; shared-memory status answers "none registered") ----
     async def ModelStreamInfer(self, request_iterator, context):

@@ -20,6 +20,13 @@ from itif.daemon import Daemon, Identity, State, TenantView
 from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
+from itif.server.admission import (
+    Admission,
+    estimate_reply_bytes,
+    finish_reply,
+    in_admitted_call,
+    reserve_reply,
+)
 from itif.server.errors import rpc, status_of
 from itif.server.handlers import wrap_handler
 
@@ -38,8 +45,10 @@ def _authorization(metadata) -> str | None:
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuse calls to the itif service without a valid token, before the handler runs."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, admission: Admission | None = None) -> None:
         self.daemon = daemon
+        self.admission = admission if admission is not None else Admission(daemon)
+        self._wrapped: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -48,10 +57,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if details.method.startswith(_PUBLIC_PREFIXES):
             return reject_malformed(handler)
         try:
-            self.daemon.identify(_authorization(details.invocation_metadata))
-            return reject_malformed(handler)
+            who = self.daemon.identify(_authorization(details.invocation_metadata))
         except ItifError as e:
             code, msg = status_of(e)
+        else:
+            # counted in (or refused) before its request is even parsed: itif.server.admission;
+            # one wrapper per method and caller, made once (this runs for every call)
+            key = (details.method, who.tenant or "")
+            wrapped = self._wrapped.get(key)
+            if wrapped is None:
+                if len(self._wrapped) >= 4096:  # tenants come and go with reloads
+                    self._wrapped.clear()
+                wrapped = self._wrapped[key] = self.admission.wrap(handler, key[1])
+            return wrapped
 
         async def refuse(request_or_iterator, context):
             await context.abort(code, msg)
@@ -189,7 +207,7 @@ class ItifService(itif_pb2_grpc.ItifServicer):
 
     async def _run(self, context, who, tenant, requests, priority):
         return await await_tickets(self.daemon, who, tenant, requests, context.time_remaining(),
-                                   priority)
+                                   priority, padded_rows=False)
 
     @rpc
     async def Infer(self, request, context):
@@ -197,7 +215,7 @@ class ItifService(itif_pb2_grpc.ItifServicer):
         req = _request(self.daemon, request.input, request.outputs)
         sha = self._sha(request.tenant)
         (res,) = await self._run(context, who, request.tenant, [req], request.priority)
-        return _response(res, self._sha(request.tenant, sha))
+        return await finish_reply(self.daemon, _response(res, self._sha(request.tenant, sha)))
 
     @rpc
     async def InferBatch(self, request, context):
@@ -208,7 +226,9 @@ class ItifService(itif_pb2_grpc.ItifServicer):
         sha = self._sha(request.tenant)
         results = await self._run(context, who, request.tenant, reqs, request.priority)
         sha = self._sha(request.tenant, sha)
-        return itif_pb2.InferBatchResponse(results=[_response(r, sha) for r in results])
+        reply = itif_pb2.InferBatchResponse(results=[_response(r, sha) for r in results])
+        del results
+        return await finish_reply(self.daemon, reply)
 
     @rpc
     async def GetTenant(self, request, context):
@@ -250,13 +270,23 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 
 async def await_tickets(daemon: Daemon, who: Identity, tenant: str, requests: list[Request],
-                        remaining: float | None, priority: int = 0) -> list[Result]:
+                        remaining: float | None, priority: int = 0, *,
+                        padded_rows: bool = True) -> list[Result]:
     """Queue every request at once (all-or-nothing) and await them all without holding a thread.
 
     ``remaining`` is the call's gRPC time left (None: no deadline); it becomes the scheduler's
     absolute deadline on its own clock (time.monotonic). Any failure fails the call and withdraws
     the requests still queued, so a cancelled or expired call frees its work.
+
+    In an admitted gRPC call, the reply is reserved first (``itif.server.admission``): one that
+    could not be sent, or that the caller has no room for, is refused before any work is queued
+    (``padded_rows``: last_hidden_state rows are padded to the longest, as KServe sends them). A
+    tenant the caller may not see is NOT_FOUND before that, as everywhere.
     """
+    if in_admitted_call():
+        daemon._visible(who, tenant)
+        reserve_reply(daemon, estimate_reply_bytes(daemon, tenant, requests,
+                                                   padded_rows=padded_rows))
     loop = asyncio.get_running_loop()
     deadline = None if remaining is None else time.monotonic() + remaining
     tickets = daemon.submit(who, tenant, requests, deadline=deadline, priority=priority)
