@@ -65,6 +65,9 @@ PROMISES = {
     25: "A cannot overwrite B; ids like ../B, /abs, A\\x00 rejected; paths under the store",
     26: "Admin operations need the admin credential; no upload from a URL",
     27: "TLS / mTLS: plaintext and untrusted client certificates refused",
+    28: "Acknowledged = durable under races: upload vs delete vs config removal agree on disk",
+    29: "Nothing a tenant is told depends on other tenants' weights (sharing, budget checks)",
+    30: "Weights finite on disk but overflowing the serving dtype or the forward: refused",
 }
 
 

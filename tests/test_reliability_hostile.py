@@ -28,6 +28,7 @@ from tests.reliability_util import (
     error_of,
     infer_sha,
     make_tokens,
+    promise,
     sha256,
     state_dict,
     upload_bytes,
@@ -63,7 +64,8 @@ def _consistent(d: Daemon, tenant: str) -> tuple[int, str]:
     return info.state, info.sha256
 
 
-def test_upload_racing_delete_leaves_reported_served_and_stored_in_agreement(tmp_path):
+@promise(28)
+def test_upload_racing_delete_leaves_reported_served_and_stored_in_agreement(tmp_path, rel):
     """Before the fix 14 of 40 rounds ended READY and serving with no file on disk (gone
     after a restart): the delete ran between the upload's commit and its swap-in. The daemon's
     ``commit_pause`` hook holds that window open for 300 ms; half the rounds aim the delete
@@ -96,6 +98,9 @@ def test_upload_racing_delete_leaves_reported_served_and_stored_in_agreement(tmp
                 state, sha = _consistent(d, "a")
                 assert state == NO_WEIGHTS or sha == sha256(data)
         assert aimed >= 3, "the delete never landed between commit and swap-in"
+        rel.inputs += 2 * 12
+        rel.faults += 12
+        rel.notes["deletes_aimed_between_commit_and_swap_in"] = aimed
         before = _consistent(d, "a")
         d.stop()
         d.start()
@@ -104,7 +109,8 @@ def test_upload_racing_delete_leaves_reported_served_and_stored_in_agreement(tmp
         d.stop()
 
 
-def test_tenant_removed_from_config_while_its_upload_streams(tmp_path):
+@promise(28)
+def test_tenant_removed_from_config_while_its_upload_streams(tmp_path, rel):
     tokens = make_tokens(["a", "b"])
     d = Daemon(tmp_path / "d", tokens)
     d.start()
@@ -127,6 +133,8 @@ def test_tenant_removed_from_config_while_its_upload_streams(tmp_path):
                 wait_until(lambda: [x.id for x in admin.tenants()] == ["b"], what="the reload")
             t.join()
         code, msg = result["a"]
+        rel.inputs += 1
+        rel.saw(code)
         assert code == C.NOT_FOUND and "removed" in msg, (code, msg)
         assert d.stored("a") == (None, None) and d.tmp_files() == []
         with d.client(ADMIN) as admin:
@@ -143,7 +151,8 @@ def test_tenant_removed_from_config_while_its_upload_streams(tmp_path):
         d.stop()
 
 
-def test_a_tenant_learns_nothing_about_other_tenants_weights(tmp_path):
+@promise(29)
+def test_a_tenant_learns_nothing_about_other_tenants_weights(tmp_path, rel):
     """``b`` uploads, in turn, weights whose head equals ``a``'s and weights with a head
     nobody holds: every figure ``b`` can see is the same for both (before the fix
     ``shared_bytes`` and ``exclusive_bytes`` told the first apart)."""
@@ -166,6 +175,7 @@ def test_a_tenant_learns_nothing_about_other_tenants_weights(tmp_path):
                 (listed,) = c.tenants()
                 seen.append((r.weight_bytes, r.shared_bytes, info.weight_bytes,
                              info.exclusive_bytes, listed.weight_bytes, listed.exclusive_bytes))
+        rel.inputs += 2
         assert seen[0] == seen[1], seen
         assert seen[0][1] == 0 and seen[0][3] == seen[0][2] > 0
         with d.client(ADMIN) as c:  # the operator sees the sharing
@@ -176,7 +186,8 @@ def test_a_tenant_learns_nothing_about_other_tenants_weights(tmp_path):
         d.stop()
 
 
-def test_weights_that_overflow_the_forward_or_the_dtype_are_refused(tmp_path):
+@promise(30)
+def test_weights_that_overflow_the_forward_or_the_dtype_are_refused(tmp_path, rel):
     tokens = make_tokens(["a"])
     for dtype, scale, why in (("float32", 1e30, "non-finite"), ("float16", 1e5, "overflow")):
         d = Daemon(tmp_path / dtype, tokens, backbone_extra={"dtype": dtype})
@@ -191,6 +202,8 @@ def test_weights_that_overflow_the_forward_or_the_dtype_are_refused(tmp_path):
                 bad[name][0, :8] = scale  # finite on disk
                 assert torch.isfinite(bad[name]).all()
                 code, msg = error_of(lambda: upload_bytes(c, "a", _bytes_of(bad, tmp_path, "bad")))
+                rel.inputs += 1
+                rel.saw(code)
                 assert code == C.INVALID_ARGUMENT and why in msg, (dtype, code, msg)
                 assert infer_sha(c, "a", IDS) == before  # the old weights still serve
                 assert c.get_tenant("a").sha256 == before[1]
