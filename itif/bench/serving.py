@@ -83,7 +83,11 @@ class ServeDaemon:
         self.root.mkdir(parents=True, exist_ok=True)
         self.admin = secrets.token_urlsafe(16)
         lines = ["server:", f"  listen: {self.addr}", "  data_dir: ./data",
-                 f"  admin_token_sha256: {hash_token(self.admin)}", "backbone:",
+                 f"  admin_token_sha256: {hash_token(self.admin)}",
+                 # an open-loop sweep past saturation holds thousands of calls on one channel:
+                 # the sweep measures the queue, so the daemon's overload guards stay out of it
+                 "  max_inflight_calls: 1000000", "  max_streams_per_connection: 1000000",
+                 "backbone:",
                  f"  config: {self.model}", f"  device: {self.device}", f"  dtype: {self.dtype}",
                  "scheduler:", f"  max_wait_ms: {self.max_wait_ms}",
                  f"  strategy: {self.strategy}",
