@@ -247,8 +247,8 @@ class Daemon:
             # a tenant's own upload is not credited with what other tenants hold (see
             # WeightStore.check_budget); the operator's is
             owner = None if who is None or who.admin else tenant
-            self.engine.store.check_budget(weights, owner=owner)
-            self.engine.probe(weights, base)
+            digests = self.engine.store.check_budget(weights, owner=owner)
+            self.engine.probe(weights, base, digests)  # keys reused, left for the real add
             with self._tenant_lock(tenant):
                 if tenant not in self.status:
                     raise TenantNotFound(

@@ -125,13 +125,13 @@ class Engine:
                     f"{_dtype_name(self.dtype)} holds up to {top:.4g})")
         return weights
 
-    def probe(self, weights: CanonicalWeights, base: str | None = None) -> None:
+    def probe(self, weights: CanonicalWeights, base: str | None = None, digests=None) -> None:
         """Run ``weights`` once, alone, on a fixed input and raise :class:`InvalidWeights` if
         an output is not finite (finite weights can still overflow inside the forward, e.g.
         1e30 in a dense layer). The weights are added under a name no tenant id can take and
         removed again; budget as for ``add_tenant``. ``base``: as for ``add_tenant``."""
         name = f"~probe-{next(_PROBES)}"  # tenant ids start with [a-z0-9]
-        self.store.add(name, weights, base=base)
+        self.store.add(name, weights, digests, base=base)  # ``digests``: check_budget's
         try:
             outputs = ("pooled", "last_hidden_state") + (("logits",) if weights.num_labels else ())
             if self.spec.is_text:

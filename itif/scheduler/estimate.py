@@ -88,7 +88,8 @@ def split_for_latency(tokens: list[int], estimate, max_loss: float = 0.05) -> in
     ``est(short)`` instead of ``est(all)`` and the long ones ``est(short) + est(long) -
     est(all)`` later (one more forward's fixed cost). Returns the ``k`` that saves the most
     total member latency, if the split costs at most ``max_loss`` of the batch's time
-    (throughput) and saves anything; else None."""
+    (throughput) and saves anything; else None. Only cuts where every long member holds at
+    least twice the short part's mean tokens (equal members are never split)."""
     n = len(tokens)
     if n < 2:
         return None
@@ -97,6 +98,8 @@ def split_for_latency(tokens: list[int], estimate, max_loss: float = 0.05) -> in
     best_k, best_gain, prefix = None, 0.0, 0
     for k in range(1, n):
         prefix += tokens[k - 1]
+        if tokens[k] < 2 * prefix / k:  # only where the rest are long next to the short part
+            continue
         short, long_ = estimate(k, prefix), estimate(n - k, total - prefix)
         extra = short + long_ - whole
         if extra > max_loss * whole:
