@@ -119,7 +119,7 @@ def test_quiet_tenant_p99_under_a_256_call_flood(d, tmp_path):
     same minutes). Before: quiet's p99 grew ~45-70x (every noisy call that arrived first was
     taken by the one event loop before quiet's); now noisy's connection holds at most 16 calls
     in the server and the rest of its flood is refused by gRPC itself: quiet's calls are all OK
-    and the median over the rounds of p99(flood)/p99(idle) is at most 4 (2.5 measured on a
+    and the median over the rounds of p99(flood)/p99(idle) is at most 12 (2.5 measured on a
     2-core machine whose other core runs the flood)."""
     folder = tmp_path / "flood"
     folder.mkdir()
@@ -149,8 +149,9 @@ def test_quiet_tenant_p99_under_a_256_call_flood(d, tmp_path):
         p.kill()
         p.wait()
     ratio = float(np.median([r["flood p99"] / r["idle p99"] for r in rounds]))
-    # 2.5x on a quiet machine, 3.0-3.1x in a CI run beside other work; 29.8x before the fix
-    assert ratio <= 4.0, rounds
+    # 2.5x on a quiet machine, 3.0-7.3x in CI runs on a busy 2-core runner; 29.8x before the
+    # fix. The bound catches that regression without measuring the runner's load.
+    assert ratio <= 12.0, rounds
 
 
 # ---- 5: a slow reader -------------------------------------------------------------------------
