@@ -73,7 +73,7 @@ def _layouts(tenant, length):
     return {"packed": packed, "padded": padded, "interleaved": interleaved}
 
 
-def _measure(eng, reqs, layouts, rounds=7):
+def _measure(eng, reqs, layouts, rounds=15):
     """Best of ``rounds``, the layouts taking turns (so load from other work hits them alike)."""
     best = {k: float("inf") for k in layouts}
     for r in range(rounds):
