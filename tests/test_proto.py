@@ -264,7 +264,9 @@ def test_every_rpc_message_field_and_enum_value_is_commented():
 def test_service_shape():
     svc = itif_pb2.DESCRIPTOR.services_by_name["Itif"]
     methods = {m.name: m for m in svc.methods}
-    assert set(methods) == {"UploadWeights", "Infer", "InferBatch", "GetTenant", "ListTenants", "DeleteWeights"}
+    assert set(methods) == {"UploadWeights", "Infer", "InferBatch", "GetTenant", "ListTenants",
+                            "DeleteWeights", "Generate"}
+    assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert methods["UploadWeights"].client_streaming and not methods["UploadWeights"].server_streaming
     assert methods["Infer"].input_type.name == "InferRequest"
     assert methods["GetTenant"].output_type.name == "TenantInfo"

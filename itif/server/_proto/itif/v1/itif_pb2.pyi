@@ -8,6 +8,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EarlyStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EARLY_STOPPING_UNSPECIFIED: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_FALSE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_TRUE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_NEVER: _ClassVar[EarlyStopping]
+EARLY_STOPPING_UNSPECIFIED: EarlyStopping
+EARLY_STOPPING_FALSE: EarlyStopping
+EARLY_STOPPING_TRUE: EarlyStopping
+EARLY_STOPPING_NEVER: EarlyStopping
+
 class Tensor(_message.Message):
     __slots__ = ("name", "shape", "data")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -167,3 +178,75 @@ class DeleteWeightsResponse(_message.Message):
     deleted: bool
     freed_bytes: int
     def __init__(self, tenant: _Optional[str] = ..., deleted: _Optional[bool] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("tenant", "input_ids", "text", "max_new_tokens", "num_beams", "length_penalty", "early_stopping", "no_repeat_ngram_size", "num_return_sequences", "do_sample", "temperature", "top_k", "top_p", "seed", "eos_token_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    NO_REPEAT_NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    input_ids: TokenIds
+    text: str
+    max_new_tokens: int
+    num_beams: int
+    length_penalty: float
+    early_stopping: EarlyStopping
+    no_repeat_ngram_size: int
+    num_return_sequences: int
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    eos_token_id: int
+    def __init__(self, tenant: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., no_repeat_ngram_size: _Optional[int] = ..., num_return_sequences: _Optional[int] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., eos_token_id: _Optional[int] = ...) -> None: ...
+
+class GenerateTokens(_message.Message):
+    __slots__ = ("sequence", "ids", "text")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, sequence: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GeneratedSequence(_message.Message):
+    __slots__ = ("ids", "text", "score", "finish_reason")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    score: float
+    finish_reason: str
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., score: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class GenerateResult(_message.Message):
+    __slots__ = ("sequences", "weights_sha256")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[GeneratedSequence]
+    weights_sha256: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[GeneratedSequence, _Mapping]]] = ..., weights_sha256: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("tokens", "result")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    tokens: GenerateTokens
+    result: GenerateResult
+    def __init__(self, tokens: _Optional[_Union[GenerateTokens, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ...) -> None: ...

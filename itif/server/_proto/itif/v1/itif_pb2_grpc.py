@@ -66,6 +66,11 @@ class ItifStub:
                 request_serializer=itif_dot_v1_dot_itif__pb2.DeleteWeightsRequest.SerializeToString,
                 response_deserializer=itif_dot_v1_dot_itif__pb2.DeleteWeightsResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/itif.v1.Itif/Generate',
+                request_serializer=itif_dot_v1_dot_itif__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=itif_dot_v1_dot_itif__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class ItifServicer:
@@ -122,6 +127,19 @@ class ItifServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Generates text with a tenant's fine-tuned decoder (a daemon whose backbone is a decoder:
+        GPT-2, BART, Marian). Server-streaming: for greedy search and sampling, `tokens` messages
+        carry each sequence's new token ids as they are decided; beam search sends none (its beams
+        are only final at the end). The last message is always `result`: the sequences, their
+        scores and finish reasons. Bad parameters answer INVALID_ARGUMENT naming the field; an
+        encoder daemon answers UNIMPLEMENTED. The call's gRPC deadline bounds the whole
+        generation; a cancelled call (or a client that goes away) frees its sequences at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ItifServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +172,11 @@ def add_ItifServicer_to_server(servicer, server):
                     servicer.DeleteWeights,
                     request_deserializer=itif_dot_v1_dot_itif__pb2.DeleteWeightsRequest.FromString,
                     response_serializer=itif_dot_v1_dot_itif__pb2.DeleteWeightsResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=itif_dot_v1_dot_itif__pb2.GenerateRequest.FromString,
+                    response_serializer=itif_dot_v1_dot_itif__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +342,33 @@ class Itif:
             '/itif.v1.Itif/DeleteWeights',
             itif_dot_v1_dot_itif__pb2.DeleteWeightsRequest.SerializeToString,
             itif_dot_v1_dot_itif__pb2.DeleteWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/itif.v1.Itif/Generate',
+            itif_dot_v1_dot_itif__pb2.GenerateRequest.SerializeToString,
+            itif_dot_v1_dot_itif__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
