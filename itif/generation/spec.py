@@ -1,0 +1,299 @@
+"""DecoderSpec: the generative backbone every tenant of one GenEngine shares, and its canonical
+parameters.
+
+Three families:
+
+* ``gpt2``: decoder-only, pre-LayerNorm blocks, learned positions, a final LayerNorm, the LM head
+  tied to the word embeddings;
+* ``bart``: encoder-decoder, post-LayerNorm, learned positions read at ``position + 2``, a
+  LayerNorm over the embeddings (``layernorm_embedding``), embeddings scaled by sqrt(hidden) when
+  ``scale_embedding``, a ``final_logits_bias``;
+* ``marian``: as BART but with fixed sinusoidal positions (computed here, never stored), no
+  embedding LayerNorm, scaled embeddings (per its config) and decoder start = pad.
+
+Canonical names (``{i}`` a layer; ``H`` hidden, ``I`` FFN width, ``V`` vocabulary)::
+
+    emb.word [V,H]                       word embeddings; also the LM head (tied, stored once)
+    lm_head.weight [V,H]                 only when the checkpoint does not tie it
+    final_logits_bias [V]                bart, marian
+    gpt2:  emb.pos [P,H]  final_ln.{weight,bias} [H]
+    bart:  enc.emb.pos [P+2,H]  dec.emb.pos [P+2,H]  enc.emb.ln.{weight,bias}  dec.emb.ln.{weight,bias}
+    encoder layer (bart, marian), post-LN:
+           enc.{i}.qkv.{weight [3H,H], bias [3H]}  enc.{i}.attn_out.{weight [H,H], bias}
+           enc.{i}.ln1.{weight,bias}  enc.{i}.ffn_in.{weight [I,H], bias [I]}
+           enc.{i}.ffn_out.{weight [H,I], bias}  enc.{i}.ln2.{weight,bias}
+    decoder layer: dec.{i}.qkv / attn_out / ffn_in / ffn_out as above, and
+           gpt2 (pre-LN): dec.{i}.ln1 (before attention), dec.{i}.ln2 (before the FFN)
+           bart, marian (post-LN): dec.{i}.ln1 (after self-attention),
+               dec.{i}.cross_q.{weight [H,H], bias}  dec.{i}.cross_kv.{weight [2H,H], bias [2H]}
+               dec.{i}.cross_out.{weight [H,H], bias}  dec.{i}.ln_cross.{weight,bias}
+               dec.{i}.ln2 (after the FFN)
+
+Q, K and V are one fused kind (one GEMM); the cross-attention keys and values are one kind too
+(``cross_kv``), computed once per source sequence. Encoder and decoder word embeddings must be
+the same tensor (all three families share them); they are ``emb.word``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from itif.errors import InvalidConfig
+from itif.generation.api import GenerationDefaults
+
+Family = Literal["gpt2", "bart", "marian"]
+_ACT_NAMES = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new",
+              "relu": "relu", "swish": "silu", "silu": "silu", "tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    family: Family
+    vocab_size: int
+    hidden: int
+    heads: int
+    ffn: int
+    dec_layers: int
+    enc_layers: int = 0
+    max_position: int = 128
+    act: str = "gelu"
+    eps: float = 1e-5
+    scale_embedding: bool = False
+    tied_lm_head: bool = True
+    pad_token_id: int | None = None
+    name: str = field(default="custom", compare=False)
+    source_dir: Path | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in ("gpt2", "bart", "marian"):
+            raise InvalidConfig(f"model_type {self.family!r} is not a served decoder (gpt2, bart, marian)")
+        if self.hidden % self.heads:
+            raise InvalidConfig(f"hidden size {self.hidden} is not divisible by {self.heads} heads")
+        if self.act not in _ACT_NAMES.values():
+            raise InvalidConfig(f"activation {self.act!r} is not one of {sorted(set(_ACT_NAMES))}")
+        if self.family != "gpt2" and self.enc_layers < 1:
+            raise InvalidConfig(f"{self.family} needs encoder layers, got {self.enc_layers}")
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return self.family != "gpt2"
+
+    @property
+    def pre_ln(self) -> bool:
+        return self.family == "gpt2"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def pos_offset(self) -> int:
+        return 2 if self.family == "bart" else 0
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden) if self.scale_embedding else 1.0
+
+    @property
+    def max_len(self) -> int:
+        """Longest sequence (source, or prompt plus new tokens) the position table allows."""
+        return self.max_position
+
+    def params(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The canonical table, in a fixed order: (name, shape)."""
+        H, I, V, P = self.hidden, self.ffn, self.vocab_size, self.max_position
+        out: list[tuple[str, tuple[int, ...]]] = [("emb.word", (V, H))]
+        if not self.tied_lm_head:
+            out.append(("lm_head.weight", (V, H)))
+        lin = lambda p, n, o, i: [(f"{p}{n}.weight", (o, i)), (f"{p}{n}.bias", (o,))]  # noqa: E731
+        ln = lambda p, n: [(f"{p}{n}.weight", (H,)), (f"{p}{n}.bias", (H,))]  # noqa: E731
+        if self.family == "gpt2":
+            out.append(("emb.pos", (P, H)))
+        else:
+            out.append(("final_logits_bias", (V,)))
+            if self.family == "bart":
+                out += [("enc.emb.pos", (P + 2, H)), ("dec.emb.pos", (P + 2, H))]
+                out += ln("enc.emb.", "ln") + ln("dec.emb.", "ln")
+            for i in range(self.enc_layers):
+                p = f"enc.{i}."
+                out += (lin(p, "qkv", 3 * H, H) + lin(p, "attn_out", H, H) + ln(p, "ln1")
+                        + lin(p, "ffn_in", I, H) + lin(p, "ffn_out", H, I) + ln(p, "ln2"))
+        for i in range(self.dec_layers):
+            p = f"dec.{i}."
+            out += ln(p, "ln1") + lin(p, "qkv", 3 * H, H) + lin(p, "attn_out", H, H)
+            if self.encoder_decoder:
+                out += (lin(p, "cross_q", H, H) + lin(p, "cross_kv", 2 * H, H)
+                        + lin(p, "cross_out", H, H) + ln(p, "ln_cross"))
+            out += lin(p, "ffn_in", I, H) + lin(p, "ffn_out", H, I) + ln(p, "ln2")
+        if self.family == "gpt2":
+            out += ln("", "final_ln")
+        return out
+
+    def sinusoidal(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Marian's fixed position table [max_position, H]: sines of the even frequencies in the
+        first half, cosines of the odd ones in the second (not interleaved)."""
+        n, dim = self.max_position, self.hidden
+        pos = torch.arange(n, dtype=torch.float64)[:, None]
+        j = torch.arange(dim, dtype=torch.float64)
+        enc = pos / torch.pow(10000.0, 2 * torch.div(j, 2, rounding_mode="floor") / dim)
+        out = torch.empty(n, dim, dtype=torch.float64)
+        half = dim // 2 if dim % 2 == 0 else dim // 2 + 1
+        out[:, :half] = torch.sin(enc[:, 0::2])
+        out[:, half:] = torch.cos(enc[:, 1::2])
+        return out.to(torch.float32).to(dtype)
+
+    def hf_config(self) -> dict:
+        """A Hugging Face config.json dict of this spec (tests and tools)."""
+        if self.family == "gpt2":
+            return dict(model_type="gpt2", vocab_size=self.vocab_size, n_positions=self.max_position,
+                        n_embd=self.hidden, n_layer=self.dec_layers, n_head=self.heads,
+                        n_inner=self.ffn, activation_function=self.act if self.act != "silu" else "silu",
+                        layer_norm_epsilon=self.eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        tie_word_embeddings=self.tied_lm_head)
+        act = {"silu": "swish"}.get(self.act, self.act)
+        return dict(model_type=self.family, vocab_size=self.vocab_size, d_model=self.hidden,
+                    encoder_layers=self.enc_layers, decoder_layers=self.dec_layers,
+                    encoder_attention_heads=self.heads, decoder_attention_heads=self.heads,
+                    encoder_ffn_dim=self.ffn, decoder_ffn_dim=self.ffn,
+                    max_position_embeddings=self.max_position, activation_function=act,
+                    scale_embedding=self.scale_embedding, dropout=0.0, attention_dropout=0.0,
+                    activation_dropout=0.0, tie_word_embeddings=self.tied_lm_head,
+                    pad_token_id=self.pad_token_id)
+
+
+PRESETS: dict[str, DecoderSpec] = {
+    # Tiny shapes for tests and the CPU demo (vocabulary small enough that EOS occurs).
+    "gpt2-tiny": DecoderSpec("gpt2", 96, 32, 4, 64, 2, max_position=64, act="gelu_new"),
+    "bart-tiny": DecoderSpec("bart", 96, 32, 4, 64, 2, 2, max_position=64, pad_token_id=1),
+    "marian-tiny": DecoderSpec("marian", 96, 32, 4, 64, 2, 2, max_position=64, act="silu",
+                               scale_embedding=True, pad_token_id=95),
+    # The thesis' "Decoding" model (Table 5.1): 6+6 layers, 8 heads, hidden 512, Marian-shaped.
+    "marian-decoding": DecoderSpec("marian", 8000, 512, 8, 2048, 6, 6, max_position=512,
+                                   act="silu", scale_embedding=True, pad_token_id=7999),
+}
+PRESETS = {k: replace(v, name=k) for k, v in PRESETS.items()}
+
+
+def _get(cfg: dict, *names, default=None):
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return default
+
+
+def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None = None) -> DecoderSpec:
+    """A spec from a Hugging Face config.json dict (model_type gpt2, bart or marian)."""
+    family = cfg.get("model_type")
+    if family not in ("gpt2", "bart", "marian"):
+        raise InvalidConfig(f"model_type {family!r} is not a served decoder (gpt2, bart, marian)")
+    try:
+        if family == "gpt2":
+            H = int(_get(cfg, "n_embd", "hidden_size"))
+            act = str(cfg.get("activation_function", "gelu_new"))
+            if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+                raise InvalidConfig("GPT-2 with scale_attn_by_inverse_layer_idx or "
+                                    "reorder_and_upcast_attn is not supported")
+            if cfg.get("scale_attn_weights") is False:
+                raise InvalidConfig("GPT-2 with scale_attn_weights false is not supported")
+            return DecoderSpec(
+                "gpt2", int(cfg["vocab_size"]), H, int(_get(cfg, "n_head", "num_attention_heads")),
+                int(_get(cfg, "n_inner", default=4 * H)), int(_get(cfg, "n_layer", "num_hidden_layers")),
+                max_position=int(_get(cfg, "n_positions", "max_position_embeddings", default=1024)),
+                act=_ACT_NAMES.get(act, act), eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                tied_lm_head=bool(cfg.get("tie_word_embeddings", True)),
+                pad_token_id=cfg.get("pad_token_id"), name=name, source_dir=source_dir)
+        if family == "bart" and (cfg.get("add_final_layer_norm") or cfg.get("normalize_before")):
+            raise InvalidConfig("BART with add_final_layer_norm or normalize_before (mBART) is not supported")
+        heads = int(cfg["encoder_attention_heads"])
+        if int(cfg["decoder_attention_heads"]) != heads or int(cfg["encoder_ffn_dim"]) != int(cfg["decoder_ffn_dim"]):
+            raise InvalidConfig("encoder and decoder with different head counts or FFN widths are not supported")
+        dec_vocab = cfg.get("decoder_vocab_size")
+        if dec_vocab is not None and int(dec_vocab) != int(cfg["vocab_size"]):
+            raise InvalidConfig("a decoder_vocab_size other than vocab_size is not supported")
+        act = str(cfg.get("activation_function", "gelu"))
+        return DecoderSpec(
+            family, int(cfg["vocab_size"]), int(cfg["d_model"]), heads, int(cfg["encoder_ffn_dim"]),
+            int(cfg["decoder_layers"]), int(cfg["encoder_layers"]),
+            max_position=int(cfg.get("max_position_embeddings", 1024)), act=_ACT_NAMES.get(act, act),
+            eps=1e-5, scale_embedding=bool(cfg.get("scale_embedding", False)),
+            tied_lm_head=bool(cfg.get("tie_word_embeddings", True)),
+            pad_token_id=cfg.get("pad_token_id"), name=name, source_dir=source_dir)
+    except KeyError as e:
+        raise InvalidConfig(f"config.json of a {family} model lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, InvalidConfig):
+            raise
+        raise InvalidConfig(f"config.json has a bad value: {e}") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidConfig(f"cannot read {str(path)!r}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise InvalidConfig(f"{str(path)!r} is not a JSON object")
+    return cfg
+
+
+def load_decoder_spec(backbone: str | os.PathLike | DecoderSpec) -> DecoderSpec:
+    """A DecoderSpec, a preset name, a config.json or a checkpoint directory holding one."""
+    if isinstance(backbone, DecoderSpec):
+        return backbone
+    text = str(backbone)
+    if text in PRESETS:
+        return PRESETS[text]
+    path = Path(text)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.is_file():
+        raise InvalidConfig(f"backbone {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                            "nor an existing config.json or checkpoint directory")
+    return spec_from_hf_config(_read_json(cfg_path), cfg_path.parent.name, cfg_path.parent)
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def defaults_from_config(cfg: dict, gen: dict | None = None) -> GenerationDefaults:
+    """GenerationDefaults as ``generate()`` reads them: ``generation_config.json`` when the
+    checkpoint has one, else the generation keys of ``config.json``."""
+    src = gen if gen is not None else cfg
+
+    def opt(key):
+        v = src.get(key)
+        return None if v is None else int(v)
+
+    bad = src.get("bad_words_ids") or ()
+    return GenerationDefaults(
+        eos_token_ids=_ids(src.get("eos_token_id")), pad_token_id=opt("pad_token_id"),
+        bos_token_id=opt("bos_token_id"), decoder_start_token_id=opt("decoder_start_token_id"),
+        forced_bos_token_id=opt("forced_bos_token_id"), forced_eos_token_id=opt("forced_eos_token_id"),
+        bad_words_ids=tuple(tuple(int(t) for t in w) for w in bad),
+        min_length=int(src.get("min_length") or 0), min_new_tokens=int(src.get("min_new_tokens") or 0))
+
+
+def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:
+    """A checkpoint directory's generation settings, or None when it has no config at all."""
+    p = Path(path)
+    cfg_path, gen_path = p / "config.json", p / "generation_config.json"
+    if not cfg_path.is_file() and not gen_path.is_file():
+        return None
+    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+    gen = _read_json(gen_path) if gen_path.is_file() else None
+    return defaults_from_config(cfg, gen)
+
+
+__all__ = ["DecoderSpec", "PRESETS", "defaults_from_config", "defaults_from_dir",
+           "load_decoder_spec", "spec_from_hf_config"]
