@@ -1,4 +1,4 @@
-"""The ``itif`` command line: serve, upload, infer, tenants, demo, plan, bench.
+"""The ``itif`` command line: serve, upload, infer, generate, tenants, demo, plan, bench.
 
 On failure every command exits non-zero with one stderr line ``error: <STATUS_CODE_NAME>: <msg>``.
 """
@@ -64,6 +64,47 @@ def cmd_infer(args) -> int:
     else:
         for k, v in out.items():
             print(f"{k} {list(v.shape)}: {v.round(5).tolist() if v.size <= 16 else v.ravel()[:8].round(5).tolist() + ['...']}")
+    return 0
+
+
+def _early_stopping(value: str):
+    return {"true": True, "false": False, "never": "never"}[value]
+
+
+def cmd_generate(args) -> int:
+    """Stream one Generate call: each token message as it arrives (its text when the tenant
+    ships a tokenizer, else its ids), then the final sequences; ``--json``: one JSON object per
+    message instead."""
+    ids = [int(x) for x in args.ids.split(",") if x.strip()] if args.ids is not None else None
+    params = {k: getattr(args, k) for k in ("max_new_tokens", "num_beams", "length_penalty",
+                                             "no_repeat_ngram_size", "num_return_sequences",
+                                             "temperature", "top_k", "top_p", "seed",
+                                             "eos_token_id")}
+    early = None if args.early_stopping is None else _early_stopping(args.early_stopping)
+    with _client(args) as c:
+        for msg in c.generate_stream(args.tenant, ids, text=args.text, timeout=args.timeout,
+                                     early_stopping=early, do_sample=args.do_sample, **params):
+            if msg.WhichOneof("event") == "tokens":
+                t = msg.tokens
+                if args.json:
+                    print(json.dumps({"sequence": t.sequence, "ids": list(t.ids),
+                                      "text": t.text}), flush=True)
+                else:
+                    print(t.text if t.text else " ".join(map(str, t.ids)),
+                          end="" if t.text else " ", flush=True)
+                continue
+            seqs = msg.result.sequences
+            if args.json:
+                print(json.dumps({"sequences": [
+                    {"ids": list(s.ids), "text": s.text, "finish_reason": s.finish_reason,
+                     **({"score": s.score} if s.HasField("score") else {})} for s in seqs],
+                    "weights_sha256": msg.result.weights_sha256}), flush=True)
+            else:
+                print()
+                for i, s in enumerate(seqs):
+                    score = f" score {s.score:.5f}" if s.HasField("score") else ""
+                    shown = repr(s.text) if s.text else ",".join(map(str, s.ids))
+                    print(f"[{i}] {shown} ({s.finish_reason}{score})")
     return 0
 
 
@@ -138,6 +179,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=30.0, help="deadline, seconds")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(fn=cmd_infer)
+
+    s = sub.add_parser("generate", help="generate with a tenant's decoder (a decoder daemon), "
+                       "streaming tokens as they are decided")
+    remote(s)
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--ids", help="comma-separated token ids (the prompt, or the source)")
+    g.add_argument("--text", help="text (tenants that ship a tokenizer)")
+    s.add_argument("--max-new-tokens", type=int, help="default 20")
+    s.add_argument("--num-beams", type=int, help="beam search with N beams (default 1)")
+    s.add_argument("--length-penalty", type=float, help="beam score length exponent (default 1)")
+    s.add_argument("--early-stopping", choices=("true", "false", "never"),
+                   help="when beam search stops (default false)")
+    s.add_argument("--no-repeat-ngram-size", type=int, help="ban repeated n-grams (default 0)")
+    s.add_argument("--num-return-sequences", type=int, help="sequences returned (default 1)")
+    s.add_argument("--do-sample", action="store_true", help="sample instead of searching")
+    s.add_argument("--temperature", type=float, help="sampling temperature (default 1)")
+    s.add_argument("--top-k", type=int, help="sample among the k likeliest (default 0: off)")
+    s.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1: off)")
+    s.add_argument("--seed", type=int, help="sampling seed")
+    s.add_argument("--eos-token-id", type=int, help="end token (default: the checkpoint's)")
+    s.add_argument("--timeout", type=float, default=120.0, help="deadline, seconds")
+    s.add_argument("--json", action="store_true", help="one JSON object per streamed message")
+    s.set_defaults(fn=cmd_generate)
 
     s = sub.add_parser("tenants", help="list tenants (admin token)")
     remote(s, tenant=False)

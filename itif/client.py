@@ -109,6 +109,51 @@ class Client:
         resp = self.stub.InferBatch(req, metadata=self.metadata, timeout=timeout)
         return [self.outputs_of(r) for r in resp.results]
 
+    # ---- generation (a decoder daemon) -----------------------------------------------------
+    #: Parameters of :meth:`generate_stream` that travel as the proto's optional fields.
+    GENERATE_FIELDS = ("max_new_tokens", "num_beams", "length_penalty", "no_repeat_ngram_size",
+                       "num_return_sequences", "temperature", "top_k", "top_p", "seed",
+                       "eos_token_id")
+
+    @classmethod
+    def generate_request(cls, tenant: str, ids: Sequence[int] | None = None, *,
+                         text: str | None = None, early_stopping: bool | str | None = None,
+                         do_sample: bool = False, **params) -> itif_pb2.GenerateRequest:
+        """A Generate message: ``ids`` or ``text``; ``params`` any of :attr:`GENERATE_FIELDS`
+        (left out or None: the server's default, as in Hugging Face ``generate()``);
+        ``early_stopping`` True, False or "never"."""
+        unknown = set(params) - set(cls.GENERATE_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown generation parameters {sorted(unknown)}")
+        early = {None: itif_pb2.EARLY_STOPPING_UNSPECIFIED, False: itif_pb2.EARLY_STOPPING_FALSE,
+                 True: itif_pb2.EARLY_STOPPING_TRUE, "never": itif_pb2.EARLY_STOPPING_NEVER}
+        if early_stopping not in early:
+            raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+        req = itif_pb2.GenerateRequest(
+            tenant=tenant, early_stopping=early[early_stopping], do_sample=do_sample,
+            **{k: v for k, v in params.items() if v is not None})
+        if text is not None:
+            req.text = text
+        else:
+            req.input_ids.ids.extend(int(i) for i in ids)
+        return req
+
+    def generate_stream(self, tenant: str, ids: Sequence[int] | None = None, *,
+                        text: str | None = None, timeout: float | None = None, **params):
+        """The Generate call's messages as they arrive (``tokens`` ..., then ``result``); the
+        call object itself, so ``.cancel()`` ends it early. ``params``: :meth:`generate_request`."""
+        req = self.generate_request(tenant, ids, text=text, **params)
+        return self.stub.Generate(req, metadata=self.metadata, timeout=timeout)
+
+    def generate(self, tenant: str, ids: Sequence[int] | None = None, *,
+                 text: str | None = None, timeout: float | None = None, **params
+                 ) -> itif_pb2.GenerateResult:
+        """The final result of a Generate call (token messages read and dropped)."""
+        for msg in self.generate_stream(tenant, ids, text=text, timeout=timeout, **params):
+            if msg.WhichOneof("event") == "result":
+                return msg.result
+        raise RuntimeError("the Generate stream ended without a result")
+
     # ---- tenants and health ----------------------------------------------------------------
     def get_tenant(self, tenant: str) -> itif_pb2.TenantInfo:
         return self.stub.GetTenant(itif_pb2.GetTenantRequest(tenant=tenant), metadata=self.metadata)

@@ -10,6 +10,11 @@ the memory budget, committed atomically (fsync, rename, fsync dir), and only the
 the weight store. A failure at any step leaves the previous weights serving. On start every
 configured tenant with a stored file is restored after its sha256 is re-checked; a file that
 fails marks that tenant alone FAILED.
+
+A decoder backbone (``backbone.config`` such as ``gpt2-tiny``, or a GPT-2 / BART / Marian
+config) makes the engine an ``itif.decoder_backend.DecoderBackend`` around a GenEngine: uploads,
+restore and deletes run unchanged, Infer answers UNIMPLEMENTED, and Generate
+(:meth:`Daemon.submit_generate`) runs in the GenEngine's own iteration loop.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Iterable
 
-from itif import faults
+from itif import daemon_tiers, faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
 from itif.config import Config, ConfigDiff, Tenant, diff_configs, hash_token
+from itif.decoder_backend import DecoderBackend, build_generator
 from itif.errors import (
     InvalidRequest,
     ItifError,
@@ -33,8 +39,10 @@ from itif.errors import (
     PermissionDenied,
     TenantNotFound,
     Unauthenticated,
+    Unimplemented,
     shown,
 )
+from itif.generation.api import GenerateRequest, check_request
 from itif.runtime.engine import Engine, Request, Result
 from itif.scheduler import Scheduler, TenantQuota, Ticket
 from itif.observer import DaemonObserver
@@ -80,6 +88,8 @@ class TenantView:
     num_labels: int
     queue_depth: int
     error: str
+    tier: str = ""  # weight tiers (``itif.weights.tiers``): device, host, disk or none
+    host_bytes: int = 0  # bytes of its host-tier copy
 
 
 class Daemon:
@@ -91,6 +101,7 @@ class Daemon:
                                max_upload_bytes=config.server.max_upload_bytes)
         self.status: dict[str, TenantStatus] = {t.id: TenantStatus() for t in config.tenants}
         self.scheduler: Scheduler | None = None
+        self.tiers = None  # itif.weights.tiers.TierManager with backbone.device_weight_bytes
         self._lock = threading.Lock()
         self._tenant_locks: dict[str, threading.Lock] = {}
         self.reloads_ok = 0
@@ -100,27 +111,39 @@ class Daemon:
         #: before start()); None: nothing does.
         self.metrics: DaemonObserver | None = None
         self.kernel_checks: list = []  # itif.ops.selftest.KernelCheck of the start-up self-test
+        self._generating: set = set()  # GenEngine tickets of running Generate calls
+        self._gen_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Load the backbone, restore stored tenants, start the scheduler (slow: run it after
         the server already answers health checks with NOT_SERVING)."""
         cfg = self.config
+        if self.engine is None and cfg.backbone.is_decoder:
+            self.engine = DecoderBackend(build_generator(
+                cfg.backbone.config, cfg.backbone.device, cfg.backbone.dtype,
+                cfg.backbone.kv_cache_bytes, cfg.server.max_new_tokens))
         if self.engine is None:
             strategy = cfg.scheduler.strategy
             self.engine = Engine(cfg.backbone.config, device=cfg.backbone.device,
                                  dtype=cfg.backbone.dtype, max_seq_len=cfg.backbone.max_seq_len,
-                                 max_weight_bytes=cfg.backbone.max_weight_bytes,
+                                 max_weight_bytes=daemon_tiers.device_budget(cfg.backbone),
                                  strategy=DEFAULT_STRATEGY if strategy == "auto" else strategy)
         faults.install(self.engine)  # test-only hooks (ITIF_FAULT_INJECT); nothing when it is unset
         if self.engine.device.type == "cuda":
             self.kernel_checks = _kernel_self_test(self.engine.device, self.engine.dtype)
         sch = cfg.scheduler
-        self.scheduler = Scheduler.from_config(
-            self.engine.infer if self.metrics is None else self.metrics.run_batch(self.engine),
-            sch, cfg.tenants)
-        self.restore()
+        gen = self.generator
+        # a decoder daemon queues no Infer batches (submit refuses them): the scheduler only
+        # keeps the tenants' quotas, as the reload path expects
+        run = (self.engine.infer if gen is not None or self.metrics is None
+               else self.metrics.run_batch(self.engine))
+        self.scheduler = Scheduler.from_config(run, sch, cfg.tenants)
+        self.tiers = daemon_tiers.build(self)
+        (self.restore if self.tiers is None else lambda: daemon_tiers.restore(self))()
         self.scheduler.start()
+        if gen is not None:
+            gen.start()
         self.ready = True
         log.info("ready: backbone %s on %s (%s), %d tenants, %d with weights",
                  self.engine.spec.name, self.engine.device, self.engine.dtype,
@@ -134,10 +157,24 @@ class Daemon:
 
         return dispatch.fallbacks()
 
+    @property
+    def generator(self):
+        """The GenEngine of a decoder daemon; None for an encoder daemon."""
+        return self.engine.gen if isinstance(self.engine, DecoderBackend) else None
+
     def stop(self, grace_s: float | None = None) -> None:
         self.ready = False
+        grace = self.config.server.grace_s if grace_s is None else grace_s
         if self.scheduler is not None:
-            self.scheduler.stop(self.config.server.grace_s if grace_s is None else grace_s)
+            self.scheduler.stop(grace)
+        if self.tiers is not None:
+            self.tiers.close()
+        gen = self.generator
+        if gen is not None:  # running generations finish within the grace period
+            end = time.monotonic() + grace
+            while self._generating and time.monotonic() < end:
+                time.sleep(0.02)
+            gen.stop()
 
     def restore(self) -> None:
         """Reload every configured tenant that has a committed weights file (full tenants
@@ -156,6 +193,8 @@ class Daemon:
         base = self._base_of(tenant)
         if base is None:
             return self.engine.load_weights(path), None
+        if base not in self.engine.store and self.tiers is not None and base in self.status:
+            self.tiers.promote(base)  # on disk or host: a LoRA tenant is added on its slots
         if base not in self.engine.store:
             raise NoWeights(f"tenant {tenant!r} is a LoRA tenant of {base!r}, which has no "
                             "weights yet: upload the base first")
@@ -163,6 +202,13 @@ class Daemon:
 
     def _load_stored(self, tenant: str) -> None:
         st = self.status.setdefault(tenant, TenantStatus())
+        if self.tiers is not None:  # registered, loaded on demand
+            self.tiers.forget(tenant)
+            with self.tiers.io():
+                if tenant in self.engine.store:
+                    self.engine.remove_tenant(tenant)
+            daemon_tiers.register(self, tenant)
+            return
         st.state = State.LOADING
         try:
             sha = self.blobs.verify(tenant)
@@ -247,17 +293,21 @@ class Daemon:
             # a tenant's own upload is not credited with what other tenants hold (see
             # WeightStore.check_budget); the operator's is
             owner = None if who is None or who.admin else tenant
-            digests = self.engine.store.check_budget(weights, owner=owner)
-            self.engine.probe(weights, base, digests)  # keys reused, left for the real add
-            with self._tenant_lock(tenant):
-                if tenant not in self.status:
-                    raise TenantNotFound(
-                        f"tenant {tenant!r} was removed from the configuration during its upload; "
-                        "nothing was stored")
-                upload.publish()
-                self.engine.add_tenant(tenant, weights, base=base)
-                st = self.status[tenant]
-                st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
+            with daemon_tiers.room_for(self, tenant, weights) as digests:  # tiers: evicts
+                if digests is None:
+                    digests = self.engine.store.check_budget(weights, owner=owner)
+                self.engine.probe(weights, base, digests)  # keys reused, left for the real add
+                with self._tenant_lock(tenant):
+                    if tenant not in self.status:
+                        raise TenantNotFound(
+                            f"tenant {tenant!r} was removed from the configuration during its "
+                            "upload; nothing was stored")
+                    upload.publish()
+                    self.engine.add_tenant(tenant, weights, base=base)
+                    if self.tiers is not None:
+                        self.tiers.installed(tenant, weights, base)
+                    st = self.status[tenant]
+                    st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
         finally:
             upload.abort()  # a no-op once published
         self._rederive(tenant)
@@ -279,6 +329,8 @@ class Daemon:
         with self._tenant_lock(tenant):
             self._visible(who, tenant)  # removed from the config while waiting for the lock
             freed = 0
+            if self.tiers is not None:
+                self.tiers.forget(tenant)  # parked, host copy dropped; removed from the store:
             if tenant in self.engine.store:
                 freed = self.engine.tenant_info(tenant).exclusive_bytes
                 self.engine.remove_tenant(tenant)
@@ -307,9 +359,15 @@ class Daemon:
     def submit(self, who: Identity, tenant: str, requests: list[Request],
                deadline: float | None = None, priority: int = 0) -> list[Ticket]:
         """Validate (nothing bad reaches the engine) and queue; all-or-nothing."""
+        if self.generator is not None:
+            raise Unimplemented(f"backbone {self.engine.spec.name!r} is a decoder: call "
+                                "Generate (itif generate); Infer serves encoder backbones")
         conf = self._ready_tenant(who, tenant)
         requests = [replace(r, tenant=tenant) for r in requests]
-        self.engine.check(requests)
+        if self.tiers is None:
+            self.engine.check(requests)
+        else:  # a tenant not resident is checked without its weights
+            daemon_tiers.check(self, tenant, requests)
         tokens = [self.engine.request_tokens(r) for r in requests]
         if conf.max_seq_len is not None:
             for i, n in enumerate(tokens):
@@ -317,11 +375,67 @@ class Daemon:
                     raise InvalidRequest(
                         f"request {i}: length {n} exceeds tenant {tenant!r}'s max_seq_len "
                         f"{conf.max_seq_len}")
-        tickets = self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
-                                             priority=priority)
+        def queue() -> list[Ticket]:
+            return self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
+                                              priority=priority)
+
+        tickets = queue() if self.tiers is None else daemon_tiers.queue(
+            self, tenant, len(requests), queue)
         if self.metrics is not None:
             self.metrics.watch(tenant, tickets)
         return tickets
+
+    # ---- generation (a decoder backbone) -------------------------------------------------
+    def submit_generate(self, who: Identity, tenant: str, request: GenerateRequest,
+                        on_event, text: str | None = None) -> object:
+        """Validate one Generate request of ``tenant`` and hand it to the GenEngine's loop;
+        returns its ticket (:meth:`cancel_generate` frees it). ``on_event(GenEvent)`` is
+        called from the loop thread ("tokens", then "done" or "error") and must not block.
+        Refusals, in order: an encoder daemon (Unimplemented), a tenant the caller may not see
+        (NotFound), no weights (NoWeights), bad parameters (InvalidRequest naming the field,
+        against the live ``server.max_new_tokens``). ``text``: the input, tokenized with the
+        tenant's tokenizer (its ids replace ``request.input_ids``)."""
+        gen = self.generator
+        if gen is None:
+            raise Unimplemented(
+                f"backbone {self.engine.spec.name!r} is an encoder: Generate needs a decoder "
+                "backbone (GPT-2, BART, Marian); call Infer")
+        conf = self._ready_tenant(who, tenant)
+        request = replace(request, tenant=tenant)
+        if text is not None:
+            tok = gen.tokenizer(tenant)
+            if tok is None:
+                raise InvalidRequest(f"text: tenant {tenant!r} ships no tokenizer; send input_ids")
+            request = replace(request, input_ids=list(tok.encode(text).ids))
+        check_request(request, self.config.server.max_new_tokens, gen.spec.vocab_size)
+        if conf.max_seq_len is not None and len(request.input_ids) > conf.max_seq_len:
+            raise InvalidRequest(f"input_ids: length {len(request.input_ids)} exceeds tenant "
+                                 f"{tenant!r}'s max_seq_len {conf.max_seq_len}")
+        box: list = [None, False]  # the ticket, finished; under _gen_lock (never held while
+        # the engine runs: its loop thread calls event())
+
+        def event(ev) -> None:
+            if ev.kind in ("done", "error"):
+                with self._gen_lock:
+                    box[1] = True
+                    self._generating.discard(box[0])
+            on_event(ev)
+
+        ticket = gen.submit(request, event)
+        with self._gen_lock:
+            box[0] = ticket
+            if not box[1]:
+                self._generating.add(ticket)
+        return ticket
+
+    def cancel_generate(self, ticket) -> None:
+        """Free a Generate call's sequences and cache blocks (its client went away, or its
+        deadline passed); nothing when it already finished."""
+        with self._gen_lock:
+            self._generating.discard(ticket)
+        gen = self.generator
+        if gen is not None:
+            gen.cancel(ticket)
 
     def infer(self, who: Identity, tenant: str, requests: list[Request],
               timeout: float | None = None, priority: int = 0) -> list[Result]:
@@ -343,7 +457,10 @@ class Daemon:
             if who is not None and not who.admin:
                 exclusive = total
         depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0
-        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error)
+        tv = self.tiers.view(tenant) if self.tiers is not None else None
+        tier = tv.tier.value if tv is not None else ("device" if total else "none")
+        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error,
+                          tier, tv.host_bytes if tv is not None else 0)
 
     def get_tenant(self, who: Identity, tenant: str) -> TenantView:
         self._visible(who, tenant)
@@ -363,6 +480,8 @@ class Daemon:
                 self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
             for t in diff.changed:
                 self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
+                if self.tiers is not None:
+                    self.tiers.set_pinned(t.id, t.pinned)
             if diff.scheduler_changed:
                 sch = new.scheduler
                 self.scheduler.configure(max_batch_tokens=sch.max_batch_tokens,
@@ -372,6 +491,8 @@ class Daemon:
                                          latency_sizing=sch.latency_sizing)
                 self.engine.strategy = DEFAULT_STRATEGY if sch.strategy == "auto" else sch.strategy
             self.blobs.max_upload_bytes = new.server.max_upload_bytes  # checked per upload
+            if self.generator is not None:  # submit_generate checks the live value first
+                self.generator.max_new_tokens_limit = new.server.max_new_tokens
             self.config = new  # grace_s and admin_token_sha256 are read from here when used
             for tid in diff.removed:
                 self.scheduler.remove_tenant(tid)

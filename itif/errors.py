@@ -91,6 +91,13 @@ class Unavailable(ItifError):
     code = "UNAVAILABLE"
 
 
+class Unimplemented(ItifError):
+    """The call exists but this daemon does not serve it (Generate on an encoder backbone,
+    Infer on a decoder backbone)."""
+
+    code = "UNIMPLEMENTED"
+
+
 class DeadlineExceeded(ItifError):
     code = "DEADLINE_EXCEEDED"
 

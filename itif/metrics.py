@@ -80,6 +80,9 @@ METRIC_NAMES = (
     "itif_gpu_memory_used_bytes",
     "itif_gpu_memory_total_bytes",
     "itif_kernel_fallback",
+    "itif_generation_time_to_first_token_seconds",
+    "itif_generation_inter_token_seconds",
+    "itif_generated_tokens_total",
 )
 
 # ---- the tenant of the current call -----------------------------------------------------------
@@ -193,6 +196,19 @@ class Metrics:
         self.batch_padding = Histogram(
             "itif_batch_padding_ratio", "Padded rows / computed rows of a fused batch",
             buckets=_RATIO_BUCKETS, registry=r)
+        # Generate (a decoder daemon), fed by ``itif.server.generate``; tokens/s per tenant is
+        # rate(itif_generated_tokens_total)
+        self.first_token_seconds = Histogram(
+            "itif_generation_time_to_first_token_seconds", "Time from a Generate call's submit "
+            "to its first tokens sent (beam search: to its result)", ("tenant",),
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_seconds = Histogram(
+            "itif_generation_inter_token_seconds", "Time between consecutive token messages of "
+            "a streaming Generate call (greedy search, sampling)", ("tenant",),
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.generated_tokens = Counter(
+            "itif_generated_tokens", "Tokens generated and sent, by tenant", ("tenant",),
+            registry=r)
         self._lock = threading.Lock()
         self._stats: dict[str, TenantCallStats] = {}
         self._nvml = _load_nvml() if nvml == "auto" else nvml
@@ -230,6 +246,21 @@ class Metrics:
                      seconds: float) -> None:
         self.http_requests.labels(tenant, api, method, str(status)).inc()
         self.http_seconds.labels(api, method).observe(seconds)
+
+    def observe_tokens(self, tenant: str, seconds: float, count: int, first: bool) -> None:
+        """A Generate call sent ``count`` new tokens, ``seconds`` after its submit (``first``)
+        or after its previous tokens."""
+        (self.first_token_seconds if first else self.inter_token_seconds).labels(
+            tenant).observe(seconds)
+        self.generated_tokens.labels(tenant).inc(count)
+
+    def observe_generation(self, tenant: str, unstreamed: int, first_s: float | None) -> None:
+        """A Generate call ended with its result: ``unstreamed`` tokens arrive only with it
+        (beam search), ``first_s`` seconds after submit when no token message came first."""
+        if first_s is not None:
+            self.first_token_seconds.labels(tenant).observe(first_s)
+        if unstreamed > 0:
+            self.generated_tokens.labels(tenant).inc(unstreamed)
 
     def watch(self, tenant: str, tickets: Sequence[Ticket]) -> None:
         """Account for one accepted call: its rows as they finish, the call when all have."""

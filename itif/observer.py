@@ -25,3 +25,11 @@ class DaemonObserver(Protocol):
 
     def run_batch(self, engine) -> Callable[[list[Request]], list[Result]]:
         """The scheduler's ``run_batch`` for ``engine``: ``engine.infer`` plus observations."""
+
+    def observe_tokens(self, tenant: str, seconds: float, count: int, first: bool) -> None:
+        """A Generate call of ``tenant`` sent ``count`` tokens, ``seconds`` after its submit
+        (``first``) or after its previous tokens."""
+
+    def observe_generation(self, tenant: str, unstreamed: int, first_s: float | None) -> None:
+        """A Generate call ended: ``unstreamed`` tokens came only with its result;
+        ``first_s``: seconds from submit to that result when nothing was streamed before."""

@@ -67,6 +67,9 @@ LIVE = {
     "tenant.max_inflight": (3, lambda d: _admitted(d, "a") == 3),
     "server.max_inflight_calls": (5, lambda d: _admitted(d, "") == 5),
     "server.max_pending_reply_bytes": (4096, lambda d: not _reply_fits(d, 3000, 2000)),
+    # what Daemon.submit_generate checks each request against (tests/test_generate_daemon.py
+    # shows a reload refusing and admitting requests on a decoder daemon)
+    "server.max_new_tokens": (7, lambda d: d.config.server.max_new_tokens == 7),
 }
 # section.field -> a changed value: the reload is refused and names the key
 RESTART = {
@@ -83,6 +86,7 @@ RESTART = {
     "backbone.dtype": "bfloat16",
     "backbone.max_seq_len": 16,
     "backbone.max_weight_bytes": 1 << 30,
+    "backbone.kv_cache_bytes": 1 << 24,
 }
 # identity: what names the tenant, not one of its settings
 NOT_SETTINGS = {"tenant.id"}

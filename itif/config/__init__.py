@@ -5,9 +5,10 @@ The operator's file has four top-level sections::
     server:     listen, data_dir, admin_token_sha256, metrics_listen, http_listen,
                 max_message_bytes, max_upload_bytes, grace_s, upload_idle_s,
                 max_inflight_calls, max_pending_calls, max_pending_reply_bytes,
-                tls {cert, key, client_ca}
-    backbone:   config (checkpoint dir / config.json / preset name), device, dtype, max_seq_len,
-                max_weight_bytes
+                max_new_tokens, tls {cert, key, client_ca}
+    backbone:   config (checkpoint dir / config.json / preset name; a decoder such as
+                gpt2-tiny serves Generate), device, dtype, max_seq_len, max_weight_bytes,
+                kv_cache_bytes
     scheduler:  max_batch_tokens, max_batch_size, max_wait_ms, strategy, isolate_tenants,
                 latency_sizing
     tenants:    - {id, token_sha256, max_queue, weight, max_seq_len, latency_target_ms,

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import functools
 import ipaddress
+import json
 import math
 import os
 import re
@@ -67,6 +68,8 @@ _SIZE_UNITS = {
 }
 
 MAX_SEQ_LEN_LIMIT = 1 << 20
+#: Upper bound of ``server.max_new_tokens``.
+MAX_NEW_TOKENS_LIMIT = 1 << 16
 # gRPC message limits are int32.
 GRPC_MAX_MESSAGE = (1 << 31) - 1
 
@@ -81,7 +84,38 @@ def backbone_presets() -> frozenset[str]:
         pass
     else:
         names.update(PRESETS)
-    return frozenset(names)
+    return frozenset(names | generation_presets())
+
+
+#: The decoder presets of ``itif.generation.spec.PRESETS`` (named here: that module loads
+#: torch, the config does not; tests/test_generate_daemon.py checks the two agree).
+GENERATION_PRESETS: tuple[str, ...] = ("gpt2-tiny", "bart-tiny", "marian-tiny", "marian-decoding")
+#: Hugging Face ``model_type`` values of the decoders itif generates with.
+DECODER_MODEL_TYPES: tuple[str, ...] = ("gpt2", "bart", "marian")
+
+
+def generation_presets() -> frozenset[str]:
+    """Decoder preset names (:data:`GENERATION_PRESETS`)."""
+    return frozenset(GENERATION_PRESETS)
+
+
+def is_decoder_backbone(source: str) -> bool:
+    """Whether ``backbone.config`` (a preset name or a resolved path) names a decoder: a
+    generation preset, or a Hugging Face config (a ``config.json`` or a directory holding one)
+    whose ``model_type`` is one of :data:`DECODER_MODEL_TYPES`. Unreadable: not a decoder (the
+    encoder engine then reports what is wrong with it)."""
+    if source in generation_presets():
+        return True
+    if source in backbone_presets():
+        return False
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("model_type") in DECODER_MODEL_TYPES
 
 
 # --------------------------------------------------------------------------------------------

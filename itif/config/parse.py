@@ -254,6 +254,9 @@ def _cross_checks(errs: _Errors, cfg: Config) -> None:
                 f"equals server.admin_token_sha256 (tenant {t.id!r}); "
                 "tenant and admin tokens must differ",
             )
+        if t.base is not None and cfg.backbone.is_decoder:
+            errs.add(f"tenants[{i}].base", "LoRA tenants are served on encoder backbones only; "
+                                           f"backbone.config {cfg.backbone.config!r} is a decoder")
         if t.max_seq_len is not None:
             if bb_len is not None and t.max_seq_len > bb_len:
                 errs.add(

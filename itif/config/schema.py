@@ -18,6 +18,7 @@ from itif.config.fields import (
     DEVICES,
     DTYPES,
     GRPC_MAX_MESSAGE,
+    MAX_NEW_TOKENS_LIMIT,
     MAX_SEQ_LEN_LIMIT,
     GiB,
     KiB,
@@ -82,13 +83,19 @@ class ServerConfig:
     #: not yet read by the client; a call that would need more answers RESOURCE_EXHAUSTED
     #: before it runs (one call is always admitted when nothing is held).
     max_pending_reply_bytes: int = setting(F.size, 64 * MiB, lo=KiB, hi=TiB)
+    #: Generate (a decoder backbone): the most new tokens one request may ask for; a request
+    #: over it answers INVALID_ARGUMENT naming max_new_tokens. Live: a reload applies it to the
+    #: next request.
+    max_new_tokens: int = setting(F.integer, 512, lo=1, hi=MAX_NEW_TOKENS_LIMIT)
     #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
     tls: TLSConfig | None = None
 
 
 @dataclass(frozen=True)
 class BackboneConfig:
-    """``config`` is a preset name (see :data:`BACKBONE_PRESETS`) or an absolute path."""
+    """``config`` is a preset name (see :data:`BACKBONE_PRESETS`) or an absolute path. A
+    decoder (a generation preset such as ``gpt2-tiny``, or a Hugging Face config whose
+    ``model_type`` is gpt2, bart or marian) makes the daemon serve Generate instead of Infer."""
 
     config: str = setting(F.backbone_source, base_dir=True)
     device: Device = setting(F.choice, "auto", choices=DEVICES)
@@ -97,10 +104,26 @@ class BackboneConfig:
     #: Budget of the weight store in bytes (all tenants, shared tensors once); an upload that
     #: would exceed it is refused with RESOURCE_EXHAUSTED. None: no budget.
     max_weight_bytes: int | None = setting(F.size, None, lo=1, hi=64 * TiB)
+    #: Weight tiers (``itif.weights.tiers``): the device tier's budget in bytes (the store the
+    #: forward reads, shared tensors once). Set, every uploaded tenant stays servable beyond it:
+    #: a request for a tenant not resident promotes it and evicts the least recently used idle
+    #: unpinned one; with ``max_weight_bytes`` also set, the smaller applies. None: no tiers.
+    device_weight_bytes: int | None = setting(F.size, None, lo=1, hi=64 * TiB)
+    #: Weight tiers: bytes of evicted tenants' weights kept in host memory (pinned on CUDA)
+    #: for a fast promotion; beyond it they are read back from disk. 0: no host tier.
+    host_weight_bytes: int = setting(F.size, 0, lo=0, hi=64 * TiB)
+    #: A decoder backbone: bytes of the KV cache pool, preallocated on the device at start (a
+    #: request that does not fit waits for others to finish). None: the engine's default.
+    kv_cache_bytes: int | None = setting(F.size, None, lo=MiB, hi=64 * TiB)
 
     @property
     def is_preset(self) -> bool:
         return self.config in backbone_presets()
+
+    @property
+    def is_decoder(self) -> bool:
+        """Whether ``config`` names a decoder (GPT-2, BART, Marian): the daemon generates."""
+        return F.is_decoder_backbone(self.config)
 
 
 @dataclass(frozen=True)
@@ -136,6 +159,8 @@ class Tenant:
     #: sent); one more answers RESOURCE_EXHAUSTED before its request is parsed. None: twice
     #: ``max_queue``.
     max_inflight: int | None = setting(F.integer, None, lo=1, hi=1_000_000)
+    #: Weight tiers: keep the tenant's weights resident on the device (never evicted).
+    pinned: bool = setting(F.flag, False)
 
 
 @dataclass(frozen=True)

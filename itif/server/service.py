@@ -28,6 +28,7 @@ from itif.server.admission import (
     reserve_reply,
 )
 from itif.server.errors import rpc, status_of
+from itif.server.generate import generate_call, rpc_stream
 from itif.server.handlers import wrap_handler
 
 log = logging.getLogger("itif.server")
@@ -238,6 +239,13 @@ class ItifService(itif_pb2_grpc.ItifServicer):
     async def ListTenants(self, request, context):
         views = self.daemon.list_tenants(self._who(context))
         return itif_pb2.ListTenantsResponse(tenants=[_tenant_info(v) for v in views])
+
+    @rpc_stream
+    async def Generate(self, request, context):
+        """Server-streaming: ``itif.server.generate``."""
+        who = self._who(context)
+        async for reply in generate_call(self.daemon, who, request, context):
+            yield reply
 
     @rpc
     async def DeleteWeights(self, request, context):

@@ -1,0 +1,118 @@
+"""A decoder daemon's engine: ``itif.generation.engine.GenEngine`` behind the part of the
+encoder ``Engine``'s interface the :class:`itif.daemon.Daemon` uses for weights and tenants.
+
+The daemon's upload path (verify, validate, budget check, durable commit, swap), its restore on
+start, DeleteWeights and live reloads are written against ``Daemon.engine``. With a decoder
+backbone (``backbone.config`` a generation preset or a GPT-2 / BART / Marian config) that engine
+is a :class:`DecoderBackend`: the same calls reach the GenEngine's weight store, so decoder
+tenants upload, restore and delete exactly as encoder tenants do. What only an encoder does
+(Infer, KServe inference) raises :class:`~itif.errors.Unimplemented` naming Generate instead;
+generation itself goes to ``gen`` (``Daemon.submit_generate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from itif.errors import InvalidWeights, Unimplemented
+
+__all__ = ["DecoderBackend", "DecoderTenantInfo", "build_generator"]
+
+
+@dataclass(frozen=True)
+class DecoderTenantInfo:
+    """What ``Engine.tenant_info`` reports, for a decoder tenant (no classification head)."""
+
+    tenant: str
+    num_labels: int
+    has_pooler: bool
+    bytes: int
+    exclusive_bytes: int
+
+
+def build_generator(source: str, device: str, dtype: str, kv_cache_bytes: int | None,
+                    max_new_tokens: int) -> Any:
+    """The GenEngine for ``backbone.config`` (``"auto"`` device and dtype resolved as the
+    encoder engine resolves them: CUDA when there is one; float32)."""
+    from itif.generation.engine import GenEngine  # noqa: PLC0415 - decoder daemons only
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "float32"
+    kw = {} if kv_cache_bytes is None else {"kv_cache_bytes": kv_cache_bytes}
+    return GenEngine(source, device=device, dtype=dtype, max_new_tokens_limit=max_new_tokens, **kw)
+
+
+class DecoderBackend:
+    """``gen`` (a GenEngine) seen as the daemon's engine. ``tokenizer`` is None here: decoder
+    tenants each have their own (``gen.tokenizer(tenant)``)."""
+
+    tokenizer = None
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+        self.strategy = None  # a reload sets it (scheduler.strategy); nothing reads it here
+
+    # ---- what the daemon reads ------------------------------------------------------------
+    @property
+    def spec(self) -> Any:
+        return self.gen.spec
+
+    @property
+    def store(self) -> Any:
+        return self.gen.store
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(getattr(self.gen, "device", "cpu"))
+
+    @property
+    def dtype(self) -> Any:
+        return getattr(self.gen, "dtype", torch.float32)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.gen.store.weight_bytes
+
+    def tenants(self) -> list[str]:
+        return list(self.gen.tenants())
+
+    def tenant_info(self, tenant: str) -> DecoderTenantInfo:
+        if tenant not in self.gen.store:
+            from itif.errors import TenantNotFound, shown  # noqa: PLC0415
+
+            raise TenantNotFound(f"tenant {shown(tenant)} not found")
+        total, exclusive = self.gen.store.tenant_bytes(tenant)
+        return DecoderTenantInfo(tenant, 0, False, total, exclusive)
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, source: Any) -> Any:
+        return self.gen.load_weights(source)
+
+    def load_lora(self, source: Any, base: str) -> Any:
+        raise InvalidWeights("LoRA adapters are served on encoder backbones only; upload the "
+                             "decoder tenant's full fine-tuned weights")
+
+    def probe(self, weights: Any, base: str | None = None, digests: Any = None) -> None:
+        """The GenEngine validates what it loads (names, shapes, finite values); a forward
+        probe of every upload is the encoder engine's (its outputs are checked once more)."""
+
+    def add_tenant(self, tenant: str, weights: Any, base: str | None = None) -> None:
+        if base is not None:
+            self.load_lora(weights, base)
+        self.gen.add_tenant(tenant, weights)
+
+    def remove_tenant(self, tenant: str) -> None:
+        self.gen.remove_tenant(tenant)
+
+    # ---- what only an encoder serves --------------------------------------------------------
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise Unimplemented(
+            f"backbone {self.gen.spec.name!r} is a decoder: call Generate (itif generate); "
+            "Infer serves encoder backbones")
+
+    infer = check = request_tokens = _refuse

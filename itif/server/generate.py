@@ -1,0 +1,209 @@
+"""The ``Generate`` RPC: one request of one tenant's decoder, its tokens streamed as decided.
+
+A call is authenticated and admitted like Infer (``itif.server.service.AuthInterceptor`` and
+``itif.server.admission``: counted in per tenant and server-wide before its request is parsed,
+its reply bytes reserved before any work starts). Then :meth:`itif.daemon.Daemon.submit_generate`
+validates it (an encoder daemon: UNIMPLEMENTED; an unknown tenant: NOT_FOUND; bad parameters:
+INVALID_ARGUMENT naming the field) and hands it to the GenEngine's iteration loop, whose thread
+reports each step's new tokens through a callback; the callback only posts them to this call's
+queue on the event loop, and this handler turns them into ``tokens`` messages (greedy search
+and sampling), then one ``result`` message at the end.
+
+Leaving early frees the work: a client that cancels or goes away cancels the handler's task,
+a deadline that passes ends it with DEADLINE_EXCEEDED, and either way the request's ticket is
+cancelled in the GenEngine, which frees its sequences and KV cache blocks at its next step.
+
+Metrics (``itif.metrics``): time to first token (the first ``tokens`` message, or for beam
+search the result), the gap between consecutive token messages of a call, and the tokens
+generated per tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import grpc
+
+from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
+from itif.generation.api import GenerateRequest
+from itif.server._proto.itif.v1 import itif_pb2
+from itif.server.admission import finish_reply, reserve_reply
+from itif.server.errors import status_of
+
+log = logging.getLogger("itif.server")
+
+__all__ = ["generate_call", "to_request", "rpc_stream"]
+
+_EARLY = {itif_pb2.EARLY_STOPPING_UNSPECIFIED: False, itif_pb2.EARLY_STOPPING_FALSE: False,
+          itif_pb2.EARLY_STOPPING_TRUE: True, itif_pb2.EARLY_STOPPING_NEVER: "never"}
+#: Optional scalar fields copied as they are when set (unset: GenerateRequest's default).
+_OPTIONAL = ("max_new_tokens", "num_beams", "length_penalty", "no_repeat_ngram_size",
+             "num_return_sequences", "temperature", "top_k", "top_p", "seed", "eos_token_id")
+#: Reply bytes reserved per possible new token of each returned sequence (its id in a token
+#: message and in the result, and its text in both) and per call.
+_BYTES_PER_TOKEN, _CALL_BYTES = 64, 512
+
+
+def rpc_stream(method):
+    """``itif.server.errors.rpc`` for a server-streaming method (an async generator): an
+    ``ItifError`` aborts with its code and message, anything else is INTERNAL and logged."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+            return
+        except ItifError as e:
+            code, msg = status_of(e)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
+            code, msg = status_of(e)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method.__name__)
+        await context.abort(code, msg)
+
+    return wrapper
+
+
+def to_request(msg: itif_pb2.GenerateRequest) -> tuple[GenerateRequest, str | None]:
+    """(the domain request, the text to tokenize or None) of a Generate message. Values are
+    taken as sent, so ``check_request`` names whatever is out of range."""
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("input: set input_ids or text")
+    kw: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    if msg.early_stopping not in _EARLY:
+        raise InvalidRequest(f"early_stopping: unknown value {msg.early_stopping}")
+    req = GenerateRequest(msg.tenant, list(msg.input_ids.ids) if kind == "input_ids" else [],
+                          early_stopping=_EARLY[msg.early_stopping], do_sample=msg.do_sample, **kw)
+    return req, (msg.text if kind == "text" else None)
+
+
+def _reply_bytes(req: GenerateRequest) -> int:
+    rows = max(1, req.num_return_sequences)
+    return _CALL_BYTES + rows * max(1, req.max_new_tokens) * _BYTES_PER_TOKEN
+
+
+def _token_lists(ev: Any) -> list[tuple[int, list[int]]]:
+    """(sequence, new ids) of a "tokens" event: ``ev.tokens`` is the ids of one sequence
+    (``ev.sequence``, default 0) or a list of per-sequence id lists."""
+    tokens = ev.tokens
+    if tokens is None or len(tokens) == 0:
+        return []
+    first = tokens[0]
+    if isinstance(first, (list, tuple)) or hasattr(first, "tolist") and getattr(first, "ndim", 0):
+        return [(i, [int(t) for t in ids]) for i, ids in enumerate(tokens) if len(ids)]
+    return [(int(getattr(ev, "sequence", 0) or 0), [int(t) for t in tokens])]
+
+
+class _Text:
+    """Incremental detokenization of the sequences of one call: each token message carries
+    what its ids add to the sequence's text; a character still incomplete (a byte-level BPE
+    token ends mid-character, decoded as U+FFFD) waits for the ids that complete it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.ids: dict[int, list[int]] = {}
+        self.sent: dict[int, str] = {}
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tok is None else self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, seq: int, ids: list[int]) -> str:
+        if self.tok is None:
+            return ""
+        all_ids = self.ids.setdefault(seq, [])
+        all_ids.extend(ids)
+        text = self.decode(all_ids).rstrip("\ufffd")
+        sent = self.sent.get(seq, "")
+        if not text.startswith(sent):  # a merge changed earlier text: send nothing more
+            return ""
+        self.sent[seq] = text
+        return text[len(sent):]
+
+
+async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, context: Any
+                        ) -> AsyncIterator[itif_pb2.GenerateResponse]:
+    """The Generate stream of one authenticated caller (``who``)."""
+    req, text = to_request(msg)
+    tenant = msg.tenant
+    gen = daemon.generator
+    if gen is not None:  # an encoder daemon: submit_generate says so
+        daemon._visible(who, tenant)
+        reserve_reply(daemon, _reply_bytes(req))  # in an admitted call, before any work
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def on_event(ev: Any) -> None:  # the GenEngine's loop thread: never blocks
+        loop.call_soon_threadsafe(events.put_nowait, ev)
+
+    remaining = context.time_remaining()
+    deadline = None if remaining is None else time.monotonic() + remaining
+    start = time.perf_counter()
+    ticket = daemon.submit_generate(who, tenant, req, on_event, text=text)
+    st = daemon.status.get(tenant)
+    sha = st.sha256 if st is not None else ""
+    words = _Text(gen.tokenizer(tenant))
+    metrics = daemon.metrics
+    finished = False
+    first = last = None
+    streamed = 0
+    try:
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ev = await asyncio.wait_for(events.get(), timeout)
+            except TimeoutError:
+                raise DeadlineExceeded("the deadline passed before the generation ended; its "
+                                       "sequences were freed") from None
+            now = time.perf_counter()
+            if ev.kind == "tokens":
+                parts = _token_lists(ev)
+                if not parts:
+                    continue
+                count = sum(len(ids) for _, ids in parts)
+                streamed += count
+                if metrics is not None:
+                    metrics.observe_tokens(tenant, now - (last if last is not None else start),
+                                           count, first=first is None)
+                first = first if first is not None else now
+                last = now
+                for seq, ids in parts:
+                    yield itif_pb2.GenerateResponse(tokens=itif_pb2.GenerateTokens(
+                        sequence=seq, ids=ids, text=words.add(seq, ids)))
+            elif ev.kind == "done":
+                finished = True
+                g = ev.generation
+                if metrics is not None:
+                    metrics.observe_generation(tenant, sum(len(s) for s in g.sequences) - streamed,
+                                               None if first is not None else now - start)
+                yield await finish_reply(daemon, _result(g, words, sha))
+                return
+            elif ev.kind == "error":
+                finished = True
+                err = getattr(ev, "error", None)
+                raise err if isinstance(err, BaseException) else Unavailable(str(err))
+    finally:
+        if not finished:  # cancelled, disconnected, expired or failed: free its rows now
+            daemon.cancel_generate(ticket)
+
+
+def _result(g: Any, words: _Text, sha: str) -> itif_pb2.GenerateResponse:
+    scores = g.scores
+    reasons = list(getattr(g, "finish_reasons", None) or [])
+    seqs = []
+    for i, ids in enumerate(g.sequences):
+        ids = [int(t) for t in ids]
+        seq = itif_pb2.GeneratedSequence(ids=ids, text=words.decode(ids),
+                                         finish_reason=reasons[i] if i < len(reasons) else "")
+        if scores is not None:
+            seq.score = float(scores[i])
+        seqs.append(seq)
+    return itif_pb2.GenerateResponse(result=itif_pb2.GenerateResult(sequences=seqs,
+                                                                     weights_sha256=sha))
