@@ -1,0 +1,321 @@
+"""The multi-tenant decoder forward: rows of every tenant in one pass.
+
+Three calls, each over rows grouped by tenant (each tenant's rows contiguous; the engine orders
+them so):
+
+* ``encode`` (BART, Marian): the encoder over the tokens of new source sequences, then every
+  decoder layer's cross-attention keys and values written once per source into the KV pool;
+* ``prefill`` (GPT-2): the prompts of new requests, one row per prompt token (never per beam),
+  causal attention within each prompt, K/V written to the prompt's cache locations; returns the
+  logits of each prompt's last token;
+* ``decode``: one row per running sequence (beam), one input token each at its own position; its
+  K/V go to the row's location for that position, attention reads the row's history through its
+  location table (``itif.generation.cache``); cross-attention groups a request's beams as the
+  queries of one attention over the request's single copy of the source K/V.
+
+Matrix products are ``itif.runtime.gemm`` plans over the tenant runs (one launch per parameter
+kind when slots allow; tenants sharing a tensor form one segment); bias, activation, residual and
+LayerNorm run once over all rows through ``itif.ops.dispatch``, each row reading its tenant's
+slot. Attention is by lengths and offsets: sequences are gathered into ``[n, L]`` blocks with a
+per-sequence length mask (never one mask across sequences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from itif.generation.spec import DecoderSpec
+from itif.ops import dispatch as ops
+from itif.ops.reference import RotParam
+from itif.runtime.gemm import plan_gemm, run_gemm, segments_for, tenant_runs
+from itif.weights.store import StoreView
+
+
+class SlotMatrix:
+    """Slots of every canonical parameter of every stored tenant: ``slots [tenants, names]``,
+    built once per store view (tenant registration), read by fancy indexing per call."""
+
+    def __init__(self, spec: DecoderSpec, view: StoreView) -> None:
+        self.version = view.version
+        self.names = [n for n, _ in spec.params()]
+        self.col = {n: j for j, n in enumerate(self.names)}
+        self.tenant_index = {t: i for i, t in enumerate(view.tenants)}
+        kinds: dict[str, tuple] = {}
+        rows = []
+        for t, entry in view.tenants.items():  # registration-time: once per tenant per view
+            rows.append([entry.slots[n][1] for n in self.names])
+            for n in self.names:
+                kinds.setdefault(n, entry.slots[n][0])
+        self.slots = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(self.names))
+        self.kinds = kinds
+        self.view = view
+
+
+class TenantParams:
+    """One call's binding of canonical names to buffers, GEMM plans and per-row slots.
+
+    ``tenant_ids``: the batch's tenants (indices into ``SlotMatrix``); ``row_tenant [T]``: each
+    row's batch tenant, in runs. Plans are cached per distinct slot column."""
+
+    def __init__(self, sm: SlotMatrix, tenant_ids: np.ndarray, row_tenant: np.ndarray,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.sm = sm
+        self.tenant_ids = tenant_ids
+        self.S = sm.slots[tenant_ids]  # [batch tenants, names]
+        self.row_tenant = row_tenant
+        self.T = int(row_tenant.size)
+        self.runs = tenant_runs(row_tenant)
+        self.device, self.dtype = device, dtype
+        self._rt = torch.as_tensor(row_tenant, dtype=torch.int64, device=device)
+        self._bound: dict[bytes, tuple] = {}
+        self._by_name: dict[str, tuple] = {}
+
+    def bind(self, name: str):
+        """(buffer, plan, offs, slot_rows) of ``name`` for these rows."""
+        got = self._by_name.get(name)
+        if got is not None:
+            return got
+        col = self.S[:, self.sm.col[name]]
+        key = col.tobytes()
+        b = self._bound.get(key)
+        if b is None:
+            plan = plan_gemm(segments_for(self.runs, col), self.T, self.device, self.dtype)
+            offs = (torch.tensor(plan.offs, dtype=torch.int32, device=self.device)
+                    if plan.backend == "grouped_mm" else None)
+            slot_rows = torch.as_tensor(col, device=self.device).index_select(0, self._rt)
+            b = self._bound[key] = (plan, offs, slot_rows)
+        buf = self.sm.view.buffers[self.sm.kinds[name]]
+        got = self._by_name[name] = (buf, *b)
+        return got
+
+    def rot(self, name: str) -> RotParam:
+        buf, plan, _, slot_rows = self.bind(name)
+        return RotParam(buf, slot_rows, plan)
+
+    def gemm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        buf, plan, offs, _ = self.bind(name)
+        return run_gemm(x, buf, plan, offs)
+
+    def linear(self, x: torch.Tensor, name: str, act: str = "none") -> torch.Tensor:
+        return ops.bias_act(self.gemm(x, name + ".weight"), self.rot(name + ".bias"), act)
+
+    def ln(self, x: torch.Tensor, name: str, eps: float, residual: torch.Tensor | None = None,
+           bias: str | None = None) -> torch.Tensor:
+        return ops.bias_residual_layernorm(x, self.rot(bias) if bias else None, residual,
+                                           self.rot(name + ".weight"), self.rot(name + ".bias"), eps)
+
+
+@dataclass(frozen=True)
+class SeqGroup:
+    """Packed sequences as a padded ``[n, L]`` gather: ``rows`` (padding -> row 0), ``lens [n]``,
+    ``valid`` (flat positions of real tokens) and ``dest`` (their rows)."""
+
+    n: int
+    L: int
+    rows: torch.Tensor
+    lens: torch.Tensor
+    valid: torch.Tensor
+    dest: torch.Tensor
+
+    @staticmethod
+    def build(starts: np.ndarray, lens: np.ndarray, device) -> "SeqGroup":
+        """Sequence ``i`` holds rows ``starts[i] : starts[i] + lens[i]`` (host arrays)."""
+        n, L = int(lens.size), int(lens.max())
+        cols = np.arange(L)[None, :]
+        ok = cols < lens[:, None]
+        rows = np.where(ok, starts[:, None] + cols, 0)
+        valid = np.flatnonzero(ok.reshape(-1))
+        t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
+        return SeqGroup(n, L, t(rows), t(lens), t(valid), t(rows.reshape(-1)[valid]))
+
+
+def _heads(x: torch.Tensor, n: int, L: int, heads: int) -> torch.Tensor:
+    return x.reshape(n, L, heads, -1).transpose(1, 2)
+
+
+def _seq_attention(qkv: torch.Tensor, g: SeqGroup, heads: int, causal: bool) -> torch.Tensor:
+    """Self-attention within each packed sequence of ``g``. qkv [T, 3H] -> [T, H]."""
+    T, H3 = qkv.shape
+    H = H3 // 3
+    blk = qkv.index_select(0, g.rows.reshape(-1)).view(g.n, g.L, 3, H)
+    q, k, v = (_heads(blk[:, :, i], g.n, g.L, heads) for i in range(3))
+    cols = torch.arange(g.L, device=qkv.device)
+    mask = (cols[None, :] < g.lens[:, None])[:, None, None, :]
+    if causal:
+        mask = mask & (cols[None, :] <= cols[:, None])[None, None]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    o = o.transpose(1, 2).reshape(g.n * g.L, H)
+    out = torch.empty(T, H, dtype=qkv.dtype, device=qkv.device)
+    out.index_copy_(0, g.dest, o.index_select(0, g.valid))
+    return out
+
+
+@dataclass(frozen=True)
+class CrossGroup:
+    """The cross-attention of decode rows: request ``i``'s rows (``rows.rows[i]``) attend to its
+    source, ``src_loc [n, S]`` pool locations with ``rows.lens``-style source lengths."""
+
+    rows: SeqGroup
+    src_loc: torch.Tensor
+    src_len: torch.Tensor
+
+
+def _cross_attention(q: torch.Tensor, kv: torch.Tensor, c: CrossGroup, heads: int) -> torch.Tensor:
+    """q [R, H]; kv [capacity, 2H] one layer's pool -> [R, H]. Each request's beams are the
+    queries of one attention over its one copy of the source keys/values."""
+    R, H = q.shape
+    g = c.rows
+    S = c.src_loc.shape[1]
+    qq = _heads(q.index_select(0, g.rows.reshape(-1)), g.n, g.L, heads)
+    src = kv.index_select(0, c.src_loc.reshape(-1)).view(g.n, S, 2 * H)
+    k, v = _heads(src[:, :, :H], g.n, S, heads), _heads(src[:, :, H:], g.n, S, heads)
+    mask = (torch.arange(S, device=q.device)[None, :] < c.src_len[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask).transpose(1, 2).reshape(g.n * g.L, H)
+    out = torch.empty(R, H, dtype=q.dtype, device=q.device)
+    out.index_copy_(0, g.dest, o.index_select(0, g.valid))
+    return out
+
+
+def _cache_attention(qkv: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor, pos: torch.Tensor,
+                     heads: int) -> torch.Tensor:
+    """One query per row over the row's history: write the row's K/V at ``loc[r, pos[r]]``, then
+    attend to ``loc[r, :pos[r] + 1]``. qkv [R, 3H]; kv one layer's pool [capacity, 2H]."""
+    R, H3 = qkv.shape
+    H = H3 // 3
+    L = loc.shape[1]
+    kv.index_copy_(0, loc.gather(1, pos[:, None]).squeeze(1), qkv[:, H:])
+    hist = kv.index_select(0, loc.reshape(-1)).view(R, L, 2 * H)
+    q = _heads(qkv[:, :H], R, 1, heads)
+    k, v = _heads(hist[:, :, :H], R, L, heads), _heads(hist[:, :, H:], R, L, heads)
+    mask = (torch.arange(L, device=qkv.device)[None, :] <= pos[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(R, H)
+
+
+def _embed(spec: DecoderSpec, P: TenantParams, ids: torch.Tensor, pos: torch.Tensor,
+           side: str) -> torch.Tensor:
+    word = P.rot("emb.word")
+    x = word.buf[word.slot, ids]
+    if spec.scale_embedding:
+        x = x * spec.embed_scale
+    if spec.family == "gpt2":
+        p = P.rot("emb.pos")
+        return x + p.buf[p.slot, pos]
+    if spec.family == "marian":
+        return x + _sinusoids(spec, x.device, x.dtype).index_select(0, pos)
+    p = P.rot(f"{side}.emb.pos")
+    x = x + p.buf[p.slot, pos + spec.pos_offset]
+    return P.ln(x, f"{side}.emb.ln", spec.eps)
+
+
+_SIN: dict = {}
+
+
+def _sinusoids(spec: DecoderSpec, device, dtype) -> torch.Tensor:
+    key = (spec.max_position, spec.hidden, str(device), dtype)
+    t = _SIN.get(key)
+    if t is None:
+        t = _SIN[key] = spec.sinusoidal(dtype).to(device)
+    return t
+
+
+def _logits(spec: DecoderSpec, P: TenantParams, x: torch.Tensor) -> torch.Tensor:
+    y = P.gemm(x, "emb.word" if spec.tied_lm_head else "lm_head.weight")
+    if spec.encoder_decoder:
+        ops.bias_act(y, P.rot("final_logits_bias"))
+    return y
+
+
+def _post_ln_tail(spec: DecoderSpec, P: TenantParams, p: str, x: torch.Tensor) -> torch.Tensor:
+    f = P.linear(x, p + "ffn_in", spec.act)
+    return P.ln(P.gemm(f, p + "ffn_out.weight"), p + "ln2", spec.eps, x, p + "ffn_out.bias")
+
+
+def encode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tensor,
+           pos: torch.Tensor, seqs: SeqGroup, src_loc: torch.Tensor) -> None:
+    """The encoder over packed source tokens; each decoder layer's cross K/V of every token are
+    written to ``kv[layer, src_loc[token]]`` (once per source, whatever its beam count)."""
+    with torch.inference_mode():
+        x = _embed(spec, P, ids, pos, "enc")
+        for i in range(spec.enc_layers):
+            p = f"enc.{i}."
+            ctx = _seq_attention(P.linear(x, p + "qkv"), seqs, spec.heads, causal=False)
+            x = P.ln(P.gemm(ctx, p + "attn_out.weight"), p + "ln1", spec.eps, x, p + "attn_out.bias")
+            x = _post_ln_tail(spec, P, p, x)
+        for i in range(spec.dec_layers):
+            kv[i].index_copy_(0, src_loc, P.linear(x, f"dec.{i}.cross_kv"))
+
+
+def prefill(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tensor,
+            pos: torch.Tensor, seqs: SeqGroup, wloc: torch.Tensor, last: np.ndarray) -> torch.Tensor:
+    """Decoder-only prompts (packed rows): K/V to ``kv[layer, wloc[row]]``; returns the logits
+    [n, V] of rows ``last`` (host array: each prompt's last token)."""
+    with torch.inference_mode():
+        x = _embed(spec, P, ids, pos, "dec")
+        for i in range(spec.dec_layers):
+            p = f"dec.{i}."
+            qkv = P.linear(P.ln(x, p + "ln1", spec.eps), p + "qkv")
+            H = spec.hidden
+            kv[i].index_copy_(0, wloc, qkv[:, H:])
+            ctx = _seq_attention(qkv, seqs, spec.heads, causal=True)
+            x = ops.bias_residual(P.gemm(ctx, p + "attn_out.weight"), P.rot(p + "attn_out.bias"), x)
+            f = P.linear(P.ln(x, p + "ln2", spec.eps), p + "ffn_in", spec.act)
+            x = ops.bias_residual(P.gemm(f, p + "ffn_out.weight"), P.rot(p + "ffn_out.bias"), x)
+        x = P.ln(x, "final_ln", spec.eps)
+        # The head over the last rows only: a row subset has its own tenant runs.
+        return _head_rows(spec, P, x, last)
+
+
+def _head_rows(spec: DecoderSpec, P: TenantParams, x: torch.Tensor, last: np.ndarray) -> torch.Tensor:
+    sub = TenantParams(P.sm, P.tenant_ids, P.row_tenant[last], P.device, P.dtype)
+    rows = torch.as_tensor(last, dtype=torch.int64, device=x.device)
+    return _logits(spec, sub, x.index_select(0, rows))
+
+
+def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tensor,
+           pos: torch.Tensor, loc: torch.Tensor, cross: CrossGroup | None) -> torch.Tensor:
+    """One token per row at position ``pos[r]``; ``loc [R, L]`` the rows' cache locations
+    (L > max pos). Returns the logits [R, V]."""
+    with torch.inference_mode():
+        x = _embed(spec, P, ids, pos, "dec")
+        for i in range(spec.dec_layers):
+            p = f"dec.{i}."
+            if spec.pre_ln:
+                qkv = P.linear(P.ln(x, p + "ln1", spec.eps), p + "qkv")
+                ctx = _cache_attention(qkv, kv[i], loc, pos, spec.heads)
+                x = ops.bias_residual(P.gemm(ctx, p + "attn_out.weight"), P.rot(p + "attn_out.bias"), x)
+                f = P.linear(P.ln(x, p + "ln2", spec.eps), p + "ffn_in", spec.act)
+                x = ops.bias_residual(P.gemm(f, p + "ffn_out.weight"), P.rot(p + "ffn_out.bias"), x)
+                continue
+            ctx = _cache_attention(P.linear(x, p + "qkv"), kv[i], loc, pos, spec.heads)
+            x = P.ln(P.gemm(ctx, p + "attn_out.weight"), p + "ln1", spec.eps, x, p + "attn_out.bias")
+            c = _cross_attention(P.linear(x, p + "cross_q"), kv[i], cross, spec.heads)
+            x = P.ln(P.gemm(c, p + "cross_out.weight"), p + "ln_cross", spec.eps, x, p + "cross_out.bias")
+            x = _post_ln_tail(spec, P, p, x)
+        if spec.pre_ln:
+            x = P.ln(x, "final_ln", spec.eps)
+        return _logits(spec, P, x)
+
+
+def group_rows(tenant_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Order rows so each tenant's are contiguous (stable: a request's rows stay together and in
+    order). Returns (perm: forward row -> original row, batch tenant ids, row_tenant in batch ids)."""
+    perm = np.argsort(tenant_of_row, kind="stable")
+    ordered = tenant_of_row[perm]
+    tenant_ids, row_tenant = np.unique(ordered, return_inverse=True)
+    return perm, tenant_ids, row_tenant.astype(np.int64)
+
+
+def rows_of_requests(counts: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start row and count of each of consecutive requests with ``counts`` rows."""
+    counts = np.asarray(counts, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return starts, counts
+
+
+__all__ = ["CrossGroup", "SeqGroup", "SlotMatrix", "TenantParams", "decode", "encode",
+           "group_rows", "prefill", "rows_of_requests"]

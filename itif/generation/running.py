@@ -1,0 +1,225 @@
+"""The running batch: the decoder rows of every admitted request, their cache, and one step.
+
+``RunningBatch`` owns the KV pool and the row table (``itif.generation.cache``) and turns the
+requests it holds into the three forward calls of ``itif.generation.model``. Rows are kept in
+the search's order (a request's rows contiguous, new requests appended at the end; the same
+order ``SearchBatch`` uses); each forward call runs them in *forward order*, a stable sort by
+tenant, so every tenant's rows are contiguous for the grouped GEMMs, and its logits are
+scattered back. Everything derived from the membership (forward order, GEMM plans, the
+cross-attention groups) is rebuilt only when requests join or leave; a plain decode step reads
+three device tables and launches the forward.
+
+Per request the host keeps a few numbers in parallel numpy arrays (tenant, rows, positions
+filled, source length) and its cache blocks; per-request device data (its source's pool
+locations) sits in a ``[requests, S]`` table compacted like the row table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from itif.generation.cache import KVPool, RowTable
+from itif.generation.model import (CrossGroup, SeqGroup, SlotMatrix, TenantParams, decode, encode,
+                                   group_rows, prefill, rows_of_requests)
+from itif.generation.spec import DecoderSpec
+from itif.weights.store import WeightStore
+
+
+@dataclass
+class Admission:
+    """One request joining: ``source`` (encoder-decoder: the encoder input, else None),
+    ``prompt`` (decoder-only: the prompt; encoder-decoder: ``[decoder_start_token_id]``),
+    ``rows`` (beams or samples) and the most tokens it may still generate."""
+
+    key: Hashable
+    tenant: str
+    prompt: Sequence[int]
+    rows: int
+    max_new_tokens: int
+    source: Sequence[int] | None = None
+
+
+class RunningBatch:
+    def __init__(self, spec: DecoderSpec, store: WeightStore, kv_cache_bytes: int,
+                 block: int = 16) -> None:
+        self.spec, self.store = spec, store
+        self.device, self.dtype = store.device, store.dtype
+        self.pool = KVPool(spec.dec_layers, spec.hidden, kv_cache_bytes, self.device, self.dtype, block)
+        self.table = RowTable(spec.max_position, self.device)
+        self.last = torch.zeros(0, dtype=torch.int64, device=self.device)  # each row's next input
+        n0 = np.zeros(0, np.int64)
+        self.rid, self.tenant, self.nrows, self.length, self.src_len = n0, n0, n0, n0, n0
+        self.src_loc = torch.zeros(0, spec.max_position, dtype=torch.int64, device=self.device)
+        self.blocks: dict[int, list[int]] = {}  # request id -> its blocks
+        self.ids: dict[Hashable, int] = {}  # key -> request id
+        self._next = 0
+        self._sm: SlotMatrix | None = None
+        self._fwd = None  # cached forward structure of the current membership
+
+    # ---- accounting ------------------------------------------------------------------------
+    @property
+    def rows(self) -> int:
+        return self.table.rows
+
+    @property
+    def requests(self) -> int:
+        return int(self.rid.size)
+
+    def blocks_needed(self, a: Admission) -> int:
+        p = self.pool
+        src = p.blocks_for(len(a.source)) if a.source is not None else 0
+        return p.blocks_for(len(a.prompt)) + a.rows * p.blocks_for(a.max_new_tokens) + src
+
+    def fits(self, a: Admission) -> bool:
+        return self.blocks_needed(a) <= self.pool.free_blocks
+
+    def cross_positions(self, key: Hashable) -> int:
+        """Pool positions holding ``key``'s cross-attention K/V (its source length, once)."""
+        i = int(np.flatnonzero(self.rid == self.ids[key])[0])
+        return int(self.src_len[i])
+
+    def _slots(self) -> SlotMatrix:
+        view = self.store.view
+        if self._sm is None or self._sm.version != view.version:
+            self._sm = SlotMatrix(self.spec, view)
+            self._fwd = None
+        return self._sm
+
+    # ---- membership ------------------------------------------------------------------------
+    def admit(self, items: Sequence[Admission]) -> torch.Tensor:
+        """Reserve the cache of ``items`` (all must fit), run their encoder / prompt, append
+        their rows. Returns the logits of the new rows [sum rows, V] (each request's first-step
+        logits, repeated over its rows)."""
+        spec, pool, dev = self.spec, self.pool, self.device
+        sm = self._slots()
+        n = len(items)
+        tenant = np.array([sm.tenant_index[a.tenant] for a in items], np.int64)
+        rows = np.array([a.rows for a in items], np.int64)
+        plen = np.array([len(a.prompt) for a in items], np.int64)
+        rids = np.arange(self._next, self._next + n, dtype=np.int64)
+        self._next += n
+        prompt_locs, own, src_locs = [], [], []
+        for a, rid in zip(items, rids.tolist()):  # admission: once per joining request
+            src = pool.blocks_for(len(a.source)) if a.source is not None else 0
+            pb, gb = pool.blocks_for(len(a.prompt)), pool.blocks_for(a.max_new_tokens)
+            blocks = pool.alloc(pb + a.rows * gb + src)
+            self.blocks[rid] = blocks
+            self.ids[a.key] = rid
+            prompt_locs.append(pool.locations(blocks[:pb], len(a.prompt)))
+            own.append(pool.locations(blocks[pb:pb + a.rows * gb], a.rows * gb * pool.block)
+                       .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
+            src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)) if src else None)
+        order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
+        P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
+        if spec.encoder_decoder:
+            slen = np.array([len(a.source) for a in items], np.int64)
+            sstart, _ = rows_of_requests(slen[order])
+            tok_tenant = np.repeat(row_tenant, slen[order])
+            Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
+            ids = torch.tensor(np.concatenate([np.asarray(items[i].source, np.int64) for i in order]),
+                               device=dev)
+            pos = torch.as_tensor(np.concatenate([np.arange(s) for s in slen[order]]), device=dev)
+            sloc = torch.cat([src_locs[i] for i in order])
+            encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
+            src_table = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
+            for j, i in enumerate(order.tolist()):
+                src_table[j, : slen[i]] = src_locs[i]
+            cross = CrossGroup(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), src_table,
+                               torch.as_tensor(slen[order], device=dev))
+            start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
+            loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
+            logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
+                              loc, cross)
+        else:
+            slen = np.zeros(n, np.int64)
+            pstart, _ = rows_of_requests(plen[order])
+            tok_tenant = np.repeat(row_tenant, plen[order])
+            Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
+            ids = torch.tensor(np.concatenate([np.asarray(items[i].prompt, np.int64) for i in order]),
+                               device=dev)
+            pos = torch.as_tensor(np.concatenate([np.arange(s) for s in plen[order]]), device=dev)
+            wloc = torch.cat([prompt_locs[i] for i in order])
+            logits_f = prefill(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
+                               wloc, pstart + plen[order] - 1)
+        logits = torch.empty_like(logits_f)
+        logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
+        for a, pl, ow in zip(items, prompt_locs, own):
+            self.table.add(pl, ow)
+        self.last = torch.cat([self.last, torch.zeros(int(rows.sum()), dtype=torch.int64, device=dev)])
+        self.rid = np.concatenate([self.rid, rids])
+        self.tenant = np.concatenate([self.tenant, tenant])
+        self.nrows = np.concatenate([self.nrows, rows])
+        self.length = np.concatenate([self.length, plen])
+        self.src_len = np.concatenate([self.src_len, slen])
+        if spec.encoder_decoder:
+            new_src = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
+            for i in range(n):
+                new_src[i, : slen[i]] = src_locs[i]
+            self.src_loc = torch.cat([self.src_loc, new_src])
+        self._fwd = None
+        return logits.repeat_interleave(torch.as_tensor(rows, device=dev), dim=0)
+
+    def remove(self, keys: Sequence[Hashable]) -> torch.Tensor:
+        """Drop ``keys``' rows and free their blocks. Returns ``keep``: the surviving rows'
+        indices in the old order (as ``SearchBatch.remove`` does)."""
+        gone = np.array([self.ids.pop(k) for k in keys], np.int64)
+        drop = np.isin(self.rid, gone)
+        for rid in gone.tolist():
+            self.pool.release(self.blocks.pop(rid))
+        keep_req = np.flatnonzero(~drop)
+        keep = torch.as_tensor(np.flatnonzero(np.repeat(~drop, self.nrows)), dtype=torch.int64,
+                               device=self.device)
+        self.table.compact(keep)
+        self.last = self.last.index_select(0, keep)
+        kr = torch.as_tensor(keep_req, dtype=torch.int64, device=self.device)
+        if self.spec.encoder_decoder:
+            self.src_loc = self.src_loc.index_select(0, kr)
+        self.rid, self.tenant, self.nrows = self.rid[keep_req], self.tenant[keep_req], self.nrows[keep_req]
+        self.length, self.src_len = self.length[keep_req], self.src_len[keep_req]
+        self._fwd = None
+        return keep
+
+    # ---- one step ----------------------------------------------------------------------------
+    def _structure(self):
+        if self._fwd is None:
+            sm = self._slots()
+            row_tenant_all = np.repeat(self.tenant, self.nrows)
+            perm, tenant_ids, row_tenant = group_rows(row_tenant_all)
+            P = TenantParams(sm, tenant_ids, row_tenant, self.device, self.dtype)
+            cross = None
+            if self.spec.encoder_decoder:
+                rorder = np.argsort(self.tenant, kind="stable")  # requests in forward order
+                starts, counts = rows_of_requests(self.nrows[rorder])
+                S = max(int(self.src_len.max()), 1)
+                ro = torch.as_tensor(rorder, device=self.device)
+                cross = CrossGroup(SeqGroup.build(starts, counts, self.device),
+                                   self.src_loc.index_select(0, ro)[:, :S],
+                                   torch.as_tensor(self.src_len[rorder], device=self.device))
+            self._fwd = (torch.as_tensor(perm, device=self.device), P, cross)
+        return self._fwd
+
+    def decode(self) -> torch.Tensor:
+        """Run every row's input token (``last``) at its next position. Returns logits [rows, V]
+        in row order, and advances the rows."""
+        perm, P, cross = self._structure()
+        L = int(self.length.max()) + 1
+        pos = self.table.length.index_select(0, perm)
+        loc = self.table.loc.index_select(0, perm)[:, :L]
+        logits_f = decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross)
+        logits = torch.empty_like(logits_f)
+        logits[perm] = logits_f
+        self.table.advance()
+        self.length += 1
+        return logits
+
+    def apply(self, tokens: torch.Tensor, parent: torch.Tensor) -> None:
+        """The search's decision: row r continues row ``parent[r]`` and next feeds ``tokens[r]``."""
+        self.table.reorder(parent)
+        self.last = tokens.to(torch.int64)
+
+
+__all__ = ["Admission", "RunningBatch"]

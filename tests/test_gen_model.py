@@ -1,0 +1,168 @@
+"""The multi-tenant decoder forward against Hugging Face (CPU, float32, tiny random models).
+
+For GPT-2, BART and Marian: three tenants each (two of them sharing tensors with the first),
+requests of every tenant admitted together, several decode steps with beam-like reorders (rows
+continue other rows of their request) and requests leaving; every row's logits equal the Hugging
+Face model of its tenant recomputing the row's whole token history.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from itif.errors import InvalidWeights
+from itif.generation.hf_import import to_canonical
+from itif.generation.running import Admission, RunningBatch
+from itif.generation.spec import PRESETS, spec_from_hf_config
+from itif.weights.store import WeightStore
+
+transformers = pytest.importorskip("transformers")
+
+SPECS = ("gpt2-tiny", "bart-tiny", "marian-tiny")
+
+
+def hf_model(spec, seed: int):
+    from transformers import (BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel,
+                              MarianConfig, MarianMTModel)
+    torch.manual_seed(seed)
+    cfg = spec.hf_config()
+    if spec.family == "gpt2":
+        m = GPT2LMHeadModel(GPT2Config(**cfg, bos_token_id=0, eos_token_id=0))
+    elif spec.family == "bart":
+        m = BartForConditionalGeneration(BartConfig(**cfg, bos_token_id=0, eos_token_id=2,
+                                                    decoder_start_token_id=2, forced_eos_token_id=2))
+    else:
+        m = MarianMTModel(MarianConfig(**cfg, eos_token_id=0, decoder_start_token_id=spec.pad_token_id,
+                                       forced_eos_token_id=0))
+    with torch.no_grad():  # random init leaves biases and final_logits_bias at zero: make them count
+        for name, p in m.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name or "ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        if hasattr(m, "final_logits_bias"):
+            m.final_logits_bias.normal_(0, 0.5)
+    return m.eval()
+
+
+def tenants_for(spec):
+    """Three tenants: a, b (a's weights with its last decoder layer's FFN retrained), c (own)."""
+    a, c = hf_model(spec, 1), hf_model(spec, 2)
+    b = hf_model(spec, 1)
+    with torch.no_grad():
+        ffn = (b.transformer.h[-1].mlp.c_fc.weight if spec.family == "gpt2"
+               else b.model.decoder.layers[-1].fc1.weight)
+        ffn.add_(torch.randn_like(ffn) * 0.05)
+    return {"a": a, "b": b, "c": c}
+
+
+def make_batch(spec, models, kv_bytes=1 << 22):
+    store = WeightStore("cpu", torch.float32)
+    for name, m in models.items():
+        store.add(name, to_canonical(spec, m.state_dict()))
+    return RunningBatch(spec, store, kv_bytes, block=4)
+
+
+def hf_logits(spec, m, source, history):
+    with torch.no_grad():
+        if spec.encoder_decoder:
+            out = m(input_ids=torch.tensor([source]), decoder_input_ids=torch.tensor([history]))
+        else:
+            out = m(input_ids=torch.tensor([history]))
+    return out.logits[0, -1]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_mixed_tenants_prefill_decode_reorder_equal_hf(name):
+    spec = PRESETS[name]
+    models = tenants_for(spec)
+    batch = make_batch(spec, models)
+    rng = np.random.default_rng(0)
+    start = {"bart": 2, "marian": spec.pad_token_id}.get(spec.family)
+    items, hist, src = [], [], []  # per row: token history; per row: its request's source
+    plan = [("a", 3, 5), ("c", 1, 9), ("b", 2, 4), ("a", 1, 12), ("b", 1, 1), ("c", 2, 7)]
+    for k, (tenant, rows, n) in enumerate(plan):
+        toks = rng.integers(3, spec.vocab_size - 1, n).tolist()
+        if spec.encoder_decoder:
+            items.append(Admission(k, tenant, [start], rows, 8, source=toks))
+            hist += [[start] for _ in range(rows)]
+        else:
+            items.append(Admission(k, tenant, toks, rows, 8))
+            hist += [list(toks) for _ in range(rows)]
+        src += [toks] * rows
+    row_tenant = [t for t, r, _ in plan for _ in range(r)]
+    row_req = [k for k, (_, r, _) in enumerate(plan) for _ in range(r)]
+    n4 = sum(r for _, r, _ in plan[:4])
+    later = hist[n4:], src[n4:], row_tenant[n4:], row_req[n4:]
+    hist, src, row_tenant, row_req = hist[:n4], src[:n4], row_tenant[:n4], row_req[:n4]
+    logits = batch.admit(items[:4])  # two admissions: the second joins a running batch
+    for step in range(5):
+        if step == 1:
+            logits = torch.cat([logits, batch.admit(items[4:])])
+            hist, src = hist + later[0], src + later[1]
+            row_tenant, row_req = row_tenant + later[2], row_req + later[3]
+        R = batch.rows
+        assert logits.shape == (R, spec.vocab_size)
+        for r in range(R):
+            want = hf_logits(spec, models[row_tenant[r]], src[r], hist[r])
+            torch.testing.assert_close(logits[r], want, atol=1e-4, rtol=1e-4)
+        # beam-like reorder: each row continues a random row of its own request
+        parent = []
+        for r in range(R):
+            same = [j for j in range(R) if row_req[j] == row_req[r]]
+            parent.append(int(rng.choice(same)))
+        tokens = rng.integers(3, spec.vocab_size, R).tolist()
+        hist = [hist[p] + [t] for p, t in zip(parent, tokens)]
+        batch.apply(torch.tensor(tokens), torch.tensor(parent))
+        if step == 2:  # request 1 (tenant c) leaves; the others continue unchanged
+            keep = batch.remove([1]).tolist()
+            hist, src = [hist[i] for i in keep], [src[i] for i in keep]
+            row_tenant = [row_tenant[i] for i in keep]
+            row_req = [row_req[i] for i in keep]
+        logits = batch.decode()
+    assert batch.rows == sum(r for _, r, _ in plan) - 1
+
+
+@pytest.mark.parametrize("name", ("bart-tiny",))
+def test_cross_cache_one_copy_per_source(name):
+    spec = PRESETS[name]
+    models = tenants_for(spec)
+    batch = make_batch(spec, models)
+    free0 = batch.pool.free_blocks
+    batch.admit([Admission("k", "a", [2], 4, 8, source=list(range(3, 23)))])
+    assert batch.rows == 4
+    assert batch.cross_positions("k") == 20  # once, not 4 x 20
+    B = batch.pool.block
+    used = free0 - batch.pool.free_blocks
+    assert used == 1 + 4 * (8 // B) + -(-20 // B)
+    batch.remove(["k"])
+    assert batch.pool.free_blocks == free0
+
+
+def test_tied_embeddings_stored_once_and_shared_across_tenants():
+    spec = PRESETS["gpt2-tiny"]
+    models = tenants_for(spec)
+    w = to_canonical(spec, models["a"].state_dict())
+    assert "lm_head.weight" not in w.tensors
+    store = WeightStore("cpu", torch.float32)
+    store.add("a", w)
+    one = store.weight_bytes
+    store.add("b", to_canonical(spec, models["b"].state_dict()))
+    ffn = spec.ffn * spec.hidden * 4
+    assert store.weight_bytes == one + ffn  # b adds only its retrained FFN weight
+
+
+def test_untied_lm_head_that_differs_is_refused():
+    spec = PRESETS["bart-tiny"]
+    sd = dict(hf_model(spec, 1).state_dict())
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 1
+    with pytest.raises(InvalidWeights, match="lm_head.weight"):
+        to_canonical(spec, sd)
+
+
+def test_spec_from_config_and_marian_sinusoids():
+    spec = PRESETS["marian-tiny"]
+    m = hf_model(spec, 1)
+    s = spec_from_hf_config(m.config.to_dict())
+    assert (s.family, s.hidden, s.enc_layers, s.scale_embedding, s.act) == ("marian", 32, 2, True, "silu")
+    torch.testing.assert_close(spec.sinusoidal(), m.model.decoder.embed_positions.weight, atol=0, rtol=0)
