@@ -532,6 +532,82 @@ def test_repository_load_unload_and_body_limit(small, tmp_path):
         assert r.status_code == 400 and "not ready" in r.json()["error"]
 
 
+# ---- admission -----------------------------------------------------------------------------------
+class _Held:
+    """An HTTP call held in flight: headers sent (the server has started the call and counted it
+    in), the body not yet; :meth:`finish` sends the body and returns (status, JSON body)."""
+
+    def __init__(self, addr: str, path: str, token: str, body: dict) -> None:
+        import socket
+
+        host, port = addr.rsplit(":", 1)
+        self.body = json.dumps(body).encode()
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.sock.sendall((f"POST {path} HTTP/1.1\r\nHost: {addr}\r\n"
+                           f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+                           f"Content-Length: {len(self.body)}\r\nConnection: close\r\n\r\n"
+                           ).encode() + self.body[:1])
+
+    def finish(self) -> tuple[int, dict]:
+        self.sock.sendall(self.body[1:])
+        data = b""
+        while chunk := self.sock.recv(65536):
+            data += chunk
+        self.sock.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(body)
+
+
+def test_http_calls_go_through_admission(tmp_path):
+    """HTTP calls count against the same limits as gRPC calls, in the same counters: tenant u1
+    may have one call in flight (tenants[].max_inflight 1), the server two
+    (server.max_inflight_calls); one over answers 429 with the API's error body, at once."""
+    tokens = {"u1": "u1-tok", "u2": "u2-tok", "u3": "u3-tok"}
+    d = Daemon(tmp_path / "d", tokens, tenant_extra={"u1": {"max_inflight": 1}},
+               server_extra={"http_listen": f"127.0.0.1:{free_port()}",
+                             "max_inflight_calls": 2}).start()
+    http = d.server_extra["http_listen"]
+    infer = {"inputs": [_ids([5, 6, 7])]}
+    try:
+        with httpx.Client(base_url=f"http://{http}", timeout=30) as c:
+            def call(tenant: str):
+                return c.post(f"/v2/models/{tenant}/infer", json=infer, headers=H(tokens[tenant]))
+
+            assert call("u1").status_code == 400  # admitted: no weights yet
+            held = _Held(http, "/v2/models/u1/infer", tokens["u1"], infer)
+            deadline = time.monotonic() + 20
+            while (r := call("u1")).status_code != 429:  # until the server has counted it in
+                assert r.status_code == 400 and time.monotonic() < deadline, r.text
+                time.sleep(0.05)
+            assert "max_inflight" in r.json()["error"] and "u1" in r.json()["error"]
+            r = c.post("/v1/embeddings", json={"model": "u1", "input": [[5, 6]]},
+                       headers=H(tokens["u1"]))
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert "max_inflight" in r.json()["error"]["message"]
+            with tg.InferenceServerClient(d.addr) as g:  # one count for both protocols
+                t = tg.InferInput("input_ids", [1, 3], "INT64")
+                t.set_data_from_numpy(np.array([[5, 6, 7]], np.int64))
+                status, msg = _grpc_error(lambda: g.infer("u1", [t], headers=H(tokens["u1"])))
+                assert status == "StatusCode.RESOURCE_EXHAUSTED" and "max_inflight" in msg
+            assert call("u2").status_code == 400  # another tenant is not held back
+            assert c.get("/v2/health/ready").status_code == 200  # probes are never counted
+            assert c.post("/v2/models/u1/infer", json=infer).status_code == 401  # nor no token
+
+            held2 = _Held(http, "/v2/models/u2/infer", tokens["u2"], infer)  # the server's 2nd
+            while (r := call("u3")).status_code != 429:
+                assert r.status_code == 400 and time.monotonic() < deadline, r.text
+                time.sleep(0.05)
+            assert "server.max_inflight_calls" in r.json()["error"]
+
+            for h, tenant in ((held, "u1"), (held2, "u2")):  # answered, then released
+                status, body = h.finish()
+                assert status == 400 and "weights" in body["error"], body
+            assert call("u1").status_code == 400 and call("u3").status_code == 400
+    finally:
+        d.stop()
+
+
 # ---- metrics ------------------------------------------------------------------------------------
 def test_http_requests_are_counted(daemon):
     from prometheus_client.parser import text_string_to_metric_families

@@ -84,7 +84,7 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     await server.start()
     if cfg.server.metrics_listen:
         metrics.serve(cfg.server.metrics_listen)
-    http = await _start_http(daemon, cfg, health)
+    http = await _start_http(daemon, cfg, health, admission)  # one admission for both
     log.info("listening on %s%s", listen, " (TLS)" if creds else "")
 
     loop = asyncio.get_running_loop()
@@ -115,13 +115,15 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     return 0
 
 
-async def _start_http(daemon: Daemon, cfg: Config, health: HealthService):
-    """The HTTP APIs on ``server.http_listen`` (``itif.server.http``), or None when unset."""
+async def _start_http(daemon: Daemon, cfg: Config, health: HealthService,
+                      admission: Admission):
+    """The HTTP APIs on ``server.http_listen`` (``itif.server.http``), or None when unset; their
+    calls count against the same limits as gRPC's (``admission``)."""
     if not cfg.server.http_listen:
         return None
     from itif.server.http import HttpServer  # noqa: PLC0415 - the optional http extra
 
-    http = HttpServer(daemon, cfg, health)
+    http = HttpServer(daemon, cfg, health, admission)
     await http.start()
     return http
 

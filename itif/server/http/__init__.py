@@ -3,7 +3,8 @@ embeddings (``openai``), one Starlette app served by uvicorn on the daemon's own
 
 ``itif.server.app`` starts it beside the gRPC server (the port opens before the backbone loads;
 until then the routes answer 503, as gRPC answers UNAVAILABLE) and stops it after the daemon has
-drained. The daemon's loop keeps SIGTERM/SIGINT: uvicorn installs no signal handler here. With
+drained. Its calls are counted by the gRPC server's admission (``itif.server.http.common``: over
+a limit, 429). The daemon's loop keeps SIGTERM/SIGINT: uvicorn installs no signal handler here. With
 ``server.tls`` the port speaks HTTPS with the same certificate (and, with ``client_ca``, asks
 clients for theirs).
 
@@ -29,6 +30,7 @@ except ImportError as e:  # the daemon says what to install rather than a bare t
                       f"{e}") from e
 
 from itif.config import Config
+from itif.server.admission import Admission
 from itif.server.http.kserve_rest import KServeRest
 from itif.server.http.openai import OpenAIApi
 
@@ -41,9 +43,14 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
                         status_code=exc.status_code, headers=exc.headers)
 
 
-def build_app(daemon, health=None, *, max_body: int) -> Starlette:
-    routes = (KServeRest(daemon, health, max_body=max_body).routes()
-              + OpenAIApi(daemon, max_body=max_body).routes())
+def build_app(daemon, health=None, *, max_body: int, admission=None) -> Starlette:
+    """The Starlette app of both APIs on ``daemon``. ``admission``: the
+    :class:`~itif.server.admission.Admission` that counts the calls (the gRPC server's, so both
+    protocols share the limits); None: a new one of this app's own."""
+    if admission is None:
+        admission = Admission(daemon)
+    routes = (KServeRest(daemon, health, max_body=max_body, admission=admission).routes()
+              + OpenAIApi(daemon, max_body=max_body, admission=admission).routes())
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
@@ -68,7 +75,7 @@ def _bind(listen: str) -> socket.socket:
 class HttpServer:
     """uvicorn serving :func:`build_app` on a socket bound at construction."""
 
-    def __init__(self, daemon, cfg: Config, health=None) -> None:
+    def __init__(self, daemon, cfg: Config, health=None, admission=None) -> None:
         s = cfg.server
         self.listen = s.http_listen
         self.sock = _bind(self.listen)
@@ -77,7 +84,7 @@ class HttpServer:
             tls = dict(ssl_certfile=str(s.tls.cert), ssl_keyfile=str(s.tls.key))
             if s.tls.client_ca is not None:
                 tls.update(ssl_ca_certs=str(s.tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        app = build_app(daemon, health, max_body=s.max_message_bytes)
+        app = build_app(daemon, health, max_body=s.max_message_bytes, admission=admission)
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                                 http="h11", ws="none", server_header=False,
                                 timeout_graceful_shutdown=s.grace_s, **tls)

@@ -4,6 +4,17 @@ wrapper (:func:`endpoint`) that turns exceptions into an error answer and counts
 Errors map like the gRPC APIs' (``itif.server.errors``: an ``ItifError`` keeps its code and
 message; anything else is logged and answers "internal error"); the HTTP status comes from
 ``itif.server.errors.HTTP_STATUS``, and a body over ``server.max_message_bytes`` is 413.
+
+Admission (``itif.server.admission``) counts HTTP calls exactly as it counts gRPC calls, in the
+same counters when the daemon serves both (``itif.server.app`` hands both servers one
+:class:`~itif.server.admission.Admission`): every route but the two health probes identifies its
+caller from the token and counts the call in against the tenant's ``max_inflight`` and
+``server.max_inflight_calls`` before its body is read. One over is refused at once with **429**
+(gRPC's RESOURCE_EXHAUSTED, as ``HTTP_STATUS`` maps it; 503 stays the answer of a daemon that is
+starting or draining, gRPC's UNAVAILABLE) and the API's error body. The call holds its place until
+its answer has been handed to the connection, so a client that does not read its answers holds at
+most ``max_inflight`` of them. A request without a valid token is not counted: the route answers
+it 401 as before.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from itif.errors import InvalidRequest, Overloaded
+from itif.errors import InvalidRequest, ItifError, Overloaded
 from itif.metrics import call_tenant
 from itif.server.errors import http_status_of
 
@@ -120,17 +131,52 @@ _JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a b
                list: "an array", dict: "an object", type(None): "null"}
 
 
-def endpoint(api: str, method: str, render: Render):
+def _admit(api_object: Any, request: Request):
+    """Count the call in (``itif.server.admission``), or raise Overloaded. None when nothing is
+    counted: no admission, or no valid token (the route answers that itself)."""
+    admission = getattr(api_object, "admission", None)
+    if admission is None:
+        return None
+    try:
+        who = api_object.daemon.identify(authorization(request))
+    except ItifError:
+        return None
+    client = request.client
+    peer = f"http:{client.host}:{client.port}" if client is not None else "http:"
+    return admission.enter(who.tenant or "", peer)
+
+
+class _Held:
+    """An answer that releases its admission slot once it has been sent (or its sending
+    failed): the ASGI callable Starlette awaits, in front of the response itself."""
+
+    def __init__(self, response: Response, slot: Any) -> None:
+        self.response, self.slot = response, slot
+        self.status_code = response.status_code
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.slot.release()
+
+
+def endpoint(api: str, method: str, render: Render, *, admit: bool = True):
     """Wrap a route's handler: every exception becomes ``render``'s error answer (never a
     traceback to the client), and the request is counted in ``itif_http_requests_total`` by
-    tenant (the one the daemon authorised it for, as on gRPC), ``api``, ``method`` and status."""
+    tenant (the one the daemon authorised it for, as on gRPC), ``api``, ``method`` and status.
+    With ``admit`` (all routes but the health probes) the call is first counted in by the
+    API object's ``admission`` (None: not counted); over a limit it answers 429."""
 
     def wrap(handler: Callable[..., Awaitable[Response]]):
         @functools.wraps(handler)
         async def wrapper(self, request: Request) -> Response:
             start = time.perf_counter()
+            slot = None
             with call_tenant() as holder:
                 try:
+                    if admit:
+                        slot = _admit(self, request)
                     response = await handler(self, request)
                 except Exception as e:  # noqa: BLE001 - the boundary: everything is an answer
                     status, code, msg = http_status_of(e)
@@ -138,11 +184,15 @@ def endpoint(api: str, method: str, render: Render):
                     if code == "INTERNAL":
                         log.error("%s %s failed", api, method, exc_info=e)
                     response = render(status, code, msg)
+                except BaseException:  # cancelled (the client went away): nothing to send
+                    if slot is not None:
+                        slot.release()
+                    raise
             metrics = getattr(self.daemon, "metrics", None)
             if metrics is not None and hasattr(metrics, "observe_http"):
                 metrics.observe_http(holder[0], api, method, response.status_code,
                                      time.perf_counter() - start)
-            return response
+            return response if slot is None else _Held(response, slot)
 
         return wrapper
 

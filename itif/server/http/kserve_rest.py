@@ -143,10 +143,11 @@ def _answer(answer: dict, out: list, binary: dict[str, bool]) -> Response:
 class KServeRest:
     """The routes of the KServe v2 REST API; the handlers share one ``KServeCore``."""
 
-    def __init__(self, daemon, health=None, *, max_body: int) -> None:
+    def __init__(self, daemon, health=None, *, max_body: int, admission=None) -> None:
         self.daemon = daemon
         self.core = KServeCore(daemon, health)
         self.max_body = max_body
+        self.admission = admission  # itif.server.admission.Admission; None: calls not counted
 
     def _who(self, request: Request):
         return self.core.who(authorization(request))
@@ -155,11 +156,11 @@ class KServeRest:
         return await json_object(await read_body(request, self.max_body), empty_ok=empty_ok)
 
     # -- health and server ---------------------------------------------------------------------
-    @endpoint("kserve", "ServerLive", error)
+    @endpoint("kserve", "ServerLive", error, admit=False)
     async def live(self, request: Request) -> Response:
         return _ok()
 
-    @endpoint("kserve", "ServerReady", error)
+    @endpoint("kserve", "ServerReady", error, admit=False)
     async def ready(self, request: Request) -> Response:
         if not self.core.server_ready():
             raise Unavailable("the daemon is starting or shutting down")

@@ -70,9 +70,10 @@ def _token_list(ids: list, where: str) -> np.ndarray:
 
 
 class OpenAIApi:
-    def __init__(self, daemon, *, max_body: int) -> None:
+    def __init__(self, daemon, *, max_body: int, admission=None) -> None:
         self.daemon = daemon
         self.max_body = max_body
+        self.admission = admission  # itif.server.admission.Admission; None: calls not counted
 
     def _who(self, request: Request):
         if not self.daemon.ready:
