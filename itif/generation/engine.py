@@ -1,0 +1,377 @@
+"""GenEngine: many tenants' fine-tuned decoders in one running batch (iteration-level batching).
+
+One GenEngine serves one backbone (a DecoderSpec): tenants' weights in a ``WeightStore``
+(identical tensors once), one ``RunningBatch`` (the KV pool and the rows of every running
+request, ``itif.generation.running``) and one ``SearchBatch`` (the decoding search of every
+row, ``itif.generation.search``). The iteration loop, each step:
+
+1. cancelled requests leave (rows and cache blocks freed);
+2. waiting requests join, first come first served, while the KV pool has room for their whole
+   reservation (prompt, source and ``max_new_tokens`` positions per row); one that does not fit
+   waits for blocks to free, never failing the batch;
+3. one decode forward over all rows already running (every tenant together), and the prefill
+   (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests;
+4. ``SearchBatch.step`` over all rows' logits decides each row's token and the row it continues;
+   the row table is reordered with those parents (indices, never cache contents);
+5. finished requests leave: their results are delivered and their blocks freed.
+
+``generate`` runs the loop inline until its requests are done (when the background loop is not
+started); ``start`` runs it on a thread for ``submit``/``cancel`` (the daemon).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from itif.backbones.hf import CanonicalWeights
+from itif.errors import InvalidRequest, ItifError, Overloaded, TenantNotFound, shown
+from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
+from itif.generation.hf_import import load_decoder_weights
+from itif.generation.running import Admission, RunningBatch
+from itif.generation.spec import DecoderSpec, defaults_from_dir, load_decoder_spec
+from itif.weights.store import WeightStore
+
+log = logging.getLogger("itif.generation")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class GenEvent:
+    """What the loop tells a submitter. ``kind``: "tokens" (``tokens``: new ids of sequence
+    ``sequence``, greedy and sampling), "done" (``generation``) or "error" (``error``)."""
+
+    kind: str
+    tokens: list[int] | None = None
+    sequence: int = 0
+    generation: Generation | None = None
+    error: ItifError | None = None
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One submitted request (hashable by identity)."""
+
+    id: int
+    request: GenerateRequest
+    on_event: Callable[[GenEvent], None] = field(repr=False)
+    params: Any = field(default=None, repr=False)
+    admission: Admission | None = field(default=None, repr=False)
+    history: list[int] = field(default_factory=list, repr=False)
+    stream: bool = False
+    sent: int = 0  # tokens streamed so far
+    cancelled: bool = False
+    done: bool = False
+
+
+def _search():
+    from itif.generation import search  # SEARCH's module (imported lazily: built in parallel)
+
+    return search
+
+
+class GenEngine:
+    def __init__(self, backbone: str | os.PathLike | DecoderSpec, device="cpu", dtype="float32",
+                 kv_cache_bytes: int | None = None, max_new_tokens_limit: int = 512) -> None:
+        self.spec = load_decoder_spec(backbone)
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self.store = WeightStore(self.device, self.dtype)
+        if kv_cache_bytes is None:  # room for 64 sequences of the backbone's full length
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            kv_cache_bytes = 64 * self.spec.max_position * self.spec.dec_layers * 2 * self.spec.hidden * elem
+        self.kv_cache_bytes = kv_cache_bytes
+        self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes)
+        self._sb = None
+        self._defaults: dict[str, GenerationDefaults] = {}
+        self._tokenizers: dict[str, Any] = {}
+        base = self.spec.source_dir
+        self._base_defaults = (defaults_from_dir(base) if base is not None else None) or GenerationDefaults(
+            pad_token_id=self.spec.pad_token_id,
+            decoder_start_token_id=self.spec.pad_token_id if self.spec.family == "marian" else None)
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._running: dict[int, Ticket] = {}
+        self._streaming: dict[int, Ticket] = {}  # running requests whose tokens are streamed
+        self._cancel: list[Ticket] = []
+        self._step_lock = threading.Lock()  # one iteration at a time
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # ---- tenants ---------------------------------------------------------------------------
+    def load_weights(self, source) -> CanonicalWeights:
+        """Canonical weights of an HF checkpoint dir, safetensors file or state dict."""
+        return load_decoder_weights(self.spec, source)
+
+    def add_tenant(self, tenant: str, source, defaults: GenerationDefaults | None = None) -> None:
+        """Add (or replace) ``tenant``. Its generation settings: ``defaults``, else the
+        checkpoint directory's generation_config.json / config.json, else the backbone's; its
+        tokenizer: the directory's tokenizer.json when there is one."""
+        weights = self.load_weights(source)
+        d = defaults
+        tok = None
+        if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+            if d is None:
+                d = defaults_from_dir(source)
+            tj = Path(source) / "tokenizer.json"
+            if tj.is_file():
+                from tokenizers import Tokenizer
+
+                tok = Tokenizer.from_file(str(tj))
+        self.store.add(tenant, weights)
+        self._defaults[tenant] = d or self._base_defaults
+        self._tokenizers[tenant] = tok
+
+    def remove_tenant(self, tenant: str) -> None:
+        self.store.remove(tenant)
+        self._defaults.pop(tenant, None)
+        self._tokenizers.pop(tenant, None)
+
+    def tenants(self) -> list[str]:
+        return self.store.tenants()
+
+    def defaults(self, tenant: str) -> GenerationDefaults:
+        if tenant not in self.store:
+            raise TenantNotFound(f"tenant {shown(tenant)} not found")
+        return self._defaults.get(tenant, self._base_defaults)
+
+    def tokenizer(self, tenant: str):
+        return self._tokenizers.get(tenant)
+
+    # ---- validation --------------------------------------------------------------------------
+    def _prepare(self, r: GenerateRequest) -> Ticket:
+        """Validate ``r`` fully (InvalidRequest naming the field) and resolve its search."""
+        spec = self.spec
+        if r.tenant not in self.store:
+            raise TenantNotFound(f"tenant {shown(r.tenant)} not found")
+        check_request(r, self.max_new_tokens_limit, spec.vocab_size)
+        d = self.defaults(r.tenant)
+        n = len(r.input_ids)
+        if spec.encoder_decoder:
+            start = d.decoder_start_token_id if d.decoder_start_token_id is not None else d.bos_token_id
+            if start is None:
+                raise InvalidRequest(f"tenant: {shown(r.tenant)}'s checkpoint sets no "
+                                     "decoder_start_token_id (nor bos_token_id)")
+            if n > spec.max_position:
+                raise InvalidRequest(f"input_ids: {n} tokens, over the backbone's "
+                                     f"{spec.max_position} positions")
+            prompt, source, total = [int(start)], [int(t) for t in r.input_ids], 1 + r.max_new_tokens
+        else:
+            prompt, source, total = [int(t) for t in r.input_ids], None, n + r.max_new_tokens
+        if total > spec.max_position:
+            raise InvalidRequest(f"max_new_tokens: {r.max_new_tokens} new tokens after "
+                                 f"{len(prompt)} decoder tokens exceed the backbone's "
+                                 f"{spec.max_position} positions")
+        params = _search().search_params(r, d, spec.encoder_decoder)
+        t = Ticket(next(self._ids), r, lambda ev: None, params)
+        t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens, source)
+        t.history = prompt
+        t.stream = params.mode != "beam"
+        if self._batch.blocks_needed(t.admission) > self._batch.pool.blocks:
+            raise Overloaded(f"max_new_tokens: the request needs "
+                             f"{self._batch.blocks_needed(t.admission)} KV cache blocks, the whole "
+                             f"cache has {self._batch.pool.blocks} (kv_cache_bytes {self.kv_cache_bytes})")
+        return t
+
+    # ---- serving -----------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Generation]:
+        """Generate for every request (all validated before any runs); results in order."""
+        tickets = [self._prepare(r) for r in requests]
+        out: list[Any] = [None] * len(tickets)
+        left = threading.Semaphore(0)
+
+        def sink(i: int) -> Callable[[GenEvent], None]:
+            def on(ev: GenEvent) -> None:
+                if ev.kind in ("done", "error"):
+                    out[i] = ev
+                    left.release()
+            return on
+
+        for i, t in enumerate(tickets):
+            t.on_event = sink(i)
+            t.stream = False
+        with self._cv:
+            self._waiting.extend(tickets)
+            self._cv.notify_all()
+        if self._thread is None:
+            while any(o is None for o in out):
+                self._iterate()
+        for _ in tickets:
+            left.acquire()
+        for ev in out:
+            if ev.kind == "error":
+                raise ev.error
+        return [ev.generation for ev in out]
+
+    def submit(self, request: GenerateRequest, on_event: Callable[[GenEvent], None]) -> Ticket:
+        """Queue ``request`` (validated now: InvalidRequest raises here); events come from the
+        loop thread and ``on_event`` must not block."""
+        t = self._prepare(request)
+        t.on_event = on_event
+        with self._cv:
+            self._waiting.append(t)
+            self._cv.notify_all()
+        return t
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Free the request's rows and cache blocks (at the loop's next step); no more events."""
+        with self._cv:
+            if ticket.done or ticket.cancelled:
+                return
+            ticket.cancelled = True
+            try:
+                self._waiting.remove(ticket)
+                ticket.done = True
+            except ValueError:
+                self._cancel.append(ticket)
+            self._cv.notify_all()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="itif-generate", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        th = self._thread
+        if th is None:
+            return
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        th.join()
+        self._thread = None
+
+    def cache_stats(self) -> dict:
+        pool = self._batch.pool
+        with self._cv:
+            waiting = len(self._waiting)
+        return {"blocks_total": pool.blocks, "blocks_free": pool.free_blocks,
+                "blocks_used": pool.blocks - pool.free_blocks, "block_positions": pool.block,
+                "bytes_total": pool.blocks * pool.block_bytes,
+                "bytes_used": (pool.blocks - pool.free_blocks) * pool.block_bytes,
+                "rows": self._batch.rows, "running": len(self._running), "waiting": waiting}
+
+    def cross_positions(self, ticket: Ticket) -> int:
+        """Pool positions holding a running request's cross-attention K/V (one copy per source)."""
+        return self._batch.cross_positions(ticket.id)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._running and not self._cancel:
+                    self._cv.wait()
+                if self._stop:
+                    return
+            self._iterate()
+
+    def _iterate(self) -> None:
+        with self._step_lock:
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 - every running request learns of it
+                log.exception("generation step failed")
+                err = e if isinstance(e, ItifError) else ItifError(f"generation step failed: {e!r}")
+                self._fail_all(err)
+
+    def _step(self) -> None:
+        batch = self._batch
+        if self._sb is None:
+            self._sb = _search().SearchBatch(self.spec.vocab_size, self.device)
+        sb = self._sb
+        with self._cv:
+            cancel, self._cancel = self._cancel, []
+            joins: list[Ticket] = []
+            free = batch.pool.free_blocks
+            while self._waiting:
+                need = batch.blocks_needed(self._waiting[0].admission)
+                if need > free:
+                    break
+                free -= need
+                joins.append(self._waiting.popleft())
+        for t in joins:  # running from here: a failing step below reports to them too
+            self._running[t.id] = t
+        gone = [t for t in cancel if t.id in self._running]
+        if gone:
+            keys = [t.id for t in gone]
+            sb.remove(keys)
+            batch.remove(keys)
+            for t in gone:
+                del self._running[t.id]
+                self._streaming.pop(t.id, None)
+                t.done = True
+        if not batch.rows and not joins:
+            return
+        parts = []
+        if batch.rows:
+            parts.append(batch.decode())
+        if joins:
+            parts.append(batch.admit([t.admission for t in joins]))
+            for t in joins:
+                sb.add(t.id, t.params, t.history)
+                if t.stream:
+                    self._streaming[t.id] = t
+        res = sb.step(torch.cat(parts) if len(parts) > 1 else parts[0])
+        batch.apply(res.tokens, res.parent)
+        self._stream()
+        if res.finished:
+            keys = list(res.finished)
+            results, keep = sb.remove(keys)
+            mine = batch.remove(keys)
+            if not torch.equal(keep.to(mine.device), mine):
+                raise ItifError("search and cache disagree on the surviving rows")
+            for k in keys:
+                t = self._running.pop(k)
+                self._streaming.pop(k, None)
+                t.done = True
+                if not t.cancelled:
+                    t.on_event(GenEvent("done", generation=self._generation(t, results[k])))
+
+    def _stream(self) -> None:
+        """New tokens of streaming (greedy, sampling) requests, one event per request."""
+        for t in self._streaming.values():
+            if t.cancelled:
+                continue
+            toks = self._sb.tokens_of(t.id)
+            if toks is None or len(toks) <= t.sent:
+                continue
+            new = toks[t.sent:]
+            t.sent = len(toks)
+            if new and isinstance(new[0], (list, tuple)):
+                t.on_event(GenEvent("tokens", tokens=[list(x) for x in new]))
+            else:
+                t.on_event(GenEvent("tokens", tokens=list(new)))
+
+    @staticmethod
+    def _generation(t: Ticket, g: Any) -> Generation:
+        if isinstance(g, Generation):
+            return replace(g, tenant=t.request.tenant)
+        return Generation(t.request.tenant, [list(s) for s in g.sequences],
+                          None if g.scores is None else list(g.scores), list(g.finish_reasons))
+
+    def _fail_all(self, err: ItifError) -> None:
+        running = list(self._running.values())
+        self._running.clear()
+        self._streaming.clear()
+        self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes)
+        self._sb = None
+        for t in running:
+            t.done = True
+            if not t.cancelled:
+                t.on_event(GenEvent("error", error=err))
+
+
+__all__ = ["GenEngine", "GenEvent", "Ticket"]
