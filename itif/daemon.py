@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Iterable
 
-from itif import faults
+from itif import daemon_tiers, faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
 from itif.config import Config, ConfigDiff, Tenant, diff_configs, hash_token
@@ -88,6 +88,8 @@ class TenantView:
     num_labels: int
     queue_depth: int
     error: str
+    tier: str = ""  # weight tiers (``itif.weights.tiers``): device, host, disk or none
+    host_bytes: int = 0  # bytes of its host-tier copy
 
 
 class Daemon:
@@ -99,6 +101,7 @@ class Daemon:
                                max_upload_bytes=config.server.max_upload_bytes)
         self.status: dict[str, TenantStatus] = {t.id: TenantStatus() for t in config.tenants}
         self.scheduler: Scheduler | None = None
+        self.tiers = None  # itif.weights.tiers.TierManager with backbone.device_weight_bytes
         self._lock = threading.Lock()
         self._tenant_locks: dict[str, threading.Lock] = {}
         self.reloads_ok = 0
@@ -124,7 +127,7 @@ class Daemon:
             strategy = cfg.scheduler.strategy
             self.engine = Engine(cfg.backbone.config, device=cfg.backbone.device,
                                  dtype=cfg.backbone.dtype, max_seq_len=cfg.backbone.max_seq_len,
-                                 max_weight_bytes=cfg.backbone.max_weight_bytes,
+                                 max_weight_bytes=daemon_tiers.device_budget(cfg.backbone),
                                  strategy=DEFAULT_STRATEGY if strategy == "auto" else strategy)
         faults.install(self.engine)  # test-only hooks (ITIF_FAULT_INJECT); nothing when it is unset
         if self.engine.device.type == "cuda":
@@ -136,7 +139,8 @@ class Daemon:
         run = (self.engine.infer if gen is not None or self.metrics is None
                else self.metrics.run_batch(self.engine))
         self.scheduler = Scheduler.from_config(run, sch, cfg.tenants)
-        self.restore()
+        self.tiers = daemon_tiers.build(self)
+        (self.restore if self.tiers is None else lambda: daemon_tiers.restore(self))()
         self.scheduler.start()
         if gen is not None:
             gen.start()
@@ -163,6 +167,8 @@ class Daemon:
         grace = self.config.server.grace_s if grace_s is None else grace_s
         if self.scheduler is not None:
             self.scheduler.stop(grace)
+        if self.tiers is not None:
+            self.tiers.close()
         gen = self.generator
         if gen is not None:  # running generations finish within the grace period
             end = time.monotonic() + grace
@@ -187,6 +193,8 @@ class Daemon:
         base = self._base_of(tenant)
         if base is None:
             return self.engine.load_weights(path), None
+        if base not in self.engine.store and self.tiers is not None and base in self.status:
+            self.tiers.promote(base)  # on disk or host: a LoRA tenant is added on its slots
         if base not in self.engine.store:
             raise NoWeights(f"tenant {tenant!r} is a LoRA tenant of {base!r}, which has no "
                             "weights yet: upload the base first")
@@ -194,6 +202,10 @@ class Daemon:
 
     def _load_stored(self, tenant: str) -> None:
         st = self.status.setdefault(tenant, TenantStatus())
+        if self.tiers is not None:  # registered, loaded on demand
+            self.tiers.forget(tenant)  # out of the store too
+            daemon_tiers.register(self, tenant)
+            return
         st.state = State.LOADING
         try:
             sha = self.blobs.verify(tenant)
@@ -212,10 +224,16 @@ class Daemon:
             if t.base != base or t.id not in self.status:
                 continue
             with self._tenant_lock(t.id):
-                if base in self.engine.store and self.blobs.exists(t.id):
+                served = base in self.engine.store or (  # tiers: or on disk, loaded on demand
+                    self.tiers is not None and self.blobs.exists(base))
+                if served and self.blobs.exists(t.id):
                     self._load_stored(t.id)
-                elif t.id in self.engine.store:
-                    self.engine.remove_tenant(t.id)
+                elif t.id in self.engine.store or (self.tiers is not None
+                                                   and self.blobs.exists(t.id)):
+                    if self.tiers is not None:
+                        self.tiers.forget(t.id)
+                    else:
+                        self.engine.remove_tenant(t.id)
                     st = self.status[t.id]
                     st.state, st.error = State.FAILED, f"its base {base!r} has no weights"
 
@@ -278,17 +296,21 @@ class Daemon:
             # a tenant's own upload is not credited with what other tenants hold (see
             # WeightStore.check_budget); the operator's is
             owner = None if who is None or who.admin else tenant
-            digests = self.engine.store.check_budget(weights, owner=owner)
-            self.engine.probe(weights, base, digests)  # keys reused, left for the real add
-            with self._tenant_lock(tenant):
-                if tenant not in self.status:
-                    raise TenantNotFound(
-                        f"tenant {tenant!r} was removed from the configuration during its upload; "
-                        "nothing was stored")
-                upload.publish()
-                self.engine.add_tenant(tenant, weights, base=base)
-                st = self.status[tenant]
-                st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
+            with daemon_tiers.room_for(self, tenant, weights) as digests:  # tiers: evicts
+                if digests is None:
+                    digests = self.engine.store.check_budget(weights, owner=owner)
+                self.engine.probe(weights, base, digests)  # keys reused, left for the real add
+                with self._tenant_lock(tenant):
+                    if tenant not in self.status:
+                        raise TenantNotFound(
+                            f"tenant {tenant!r} was removed from the configuration during its "
+                            "upload; nothing was stored")
+                    upload.publish()
+                    self.engine.add_tenant(tenant, weights, base=base)
+                    if self.tiers is not None:
+                        self.tiers.installed(tenant, weights, base)
+                    st = self.status[tenant]
+                    st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
         finally:
             upload.abort()  # a no-op once published
         self._rederive(tenant)
@@ -310,6 +332,8 @@ class Daemon:
         with self._tenant_lock(tenant):
             self._visible(who, tenant)  # removed from the config while waiting for the lock
             freed = 0
+            if self.tiers is not None:  # parked, out of every tier, the store included
+                freed = self.tiers.forget(tenant)
             if tenant in self.engine.store:
                 freed = self.engine.tenant_info(tenant).exclusive_bytes
                 self.engine.remove_tenant(tenant)
@@ -343,7 +367,10 @@ class Daemon:
                                 "Generate (itif generate); Infer serves encoder backbones")
         conf = self._ready_tenant(who, tenant)
         requests = [replace(r, tenant=tenant) for r in requests]
-        self.engine.check(requests)
+        if self.tiers is None:
+            self.engine.check(requests)
+        else:  # a tenant not resident is checked without its weights
+            daemon_tiers.check(self, tenant, requests)
         tokens = [self.engine.request_tokens(r) for r in requests]
         if conf.max_seq_len is not None:
             for i, n in enumerate(tokens):
@@ -351,8 +378,12 @@ class Daemon:
                     raise InvalidRequest(
                         f"request {i}: length {n} exceeds tenant {tenant!r}'s max_seq_len "
                         f"{conf.max_seq_len}")
-        tickets = self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
-                                             priority=priority)
+        def queue() -> list[Ticket]:
+            return self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
+                                              priority=priority)
+
+        tickets = queue() if self.tiers is None else daemon_tiers.queue(
+            self, tenant, len(requests), queue)
         if self.metrics is not None:
             self.metrics.watch(tenant, tickets)
         return tickets
@@ -375,7 +406,7 @@ class Daemon:
         conf = self._ready_tenant(who, tenant)
         request = replace(request, tenant=tenant)
         if text is not None:
-            tok = gen.tokenizer(tenant)
+            tok = self.engine.tokenizer_of(tenant)
             if tok is None:
                 raise InvalidRequest(f"text: tenant {tenant!r} ships no tokenizer; send input_ids")
             request = replace(request, input_ids=list(tok.encode(text).ids))
@@ -429,7 +460,10 @@ class Daemon:
             if who is not None and not who.admin:
                 exclusive = total
         depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0
-        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error)
+        tv = self.tiers.view(tenant) if self.tiers is not None else None
+        tier = tv.tier.value if tv is not None else ("device" if total else "none")
+        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error,
+                          tier, tv.host_bytes if tv is not None else 0)
 
     def get_tenant(self, who: Identity, tenant: str) -> TenantView:
         self._visible(who, tenant)
@@ -449,6 +483,8 @@ class Daemon:
                 self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
             for t in diff.changed:
                 self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
+                if self.tiers is not None:
+                    self.tiers.set_pinned(t.id, t.pinned)
             if diff.scheduler_changed:
                 sch = new.scheduler
                 self.scheduler.configure(max_batch_tokens=sch.max_batch_tokens,
@@ -472,6 +508,8 @@ class Daemon:
                 with self._tenant_lock(t.id):
                     if self.blobs.exists(t.id):
                         self._load_stored(t.id)
+                    elif self.tiers is not None:
+                        daemon_tiers.register(self, t.id)
             self.reloads_ok += 1
             log.info("config applied: +%s -%s ~%s", [t.id for t in diff.added],
                      list(diff.removed), [t.id for t in diff.changed])
@@ -490,6 +528,8 @@ class Daemon:
         while self._outstanding(tenant) and time.monotonic() < end:
             time.sleep(0.05)
         with self._tenant_lock(tenant):
+            if tenant not in self.status and self.tiers is not None:
+                self.tiers.unregister(tenant)
             if tenant not in self.status and tenant in self.engine.store:
                 self.engine.remove_tenant(tenant)  # in-flight forwards hold their own snapshot
 

@@ -65,6 +65,8 @@ LIVE = {
     "tenant.latency_target_ms": (40.0, lambda d: _quota(d).latency_target_ms == 40.0),
     "tenant.max_seq_len": (4, lambda d: _too_long_refused(d, 5)),
     "tenant.max_inflight": (3, lambda d: _admitted(d, "a") == 3),
+    # read by the weight tiers (off in this daemon: tests/test_tiers.py shows the effect live)
+    "tenant.pinned": (True, lambda d: d.config.tenant("a").pinned is True),
     "server.max_inflight_calls": (5, lambda d: _admitted(d, "") == 5),
     "server.max_pending_reply_bytes": (4096, lambda d: not _reply_fits(d, 3000, 2000)),
     # what Daemon.submit_generate checks each request against (tests/test_generate_daemon.py
@@ -87,6 +89,8 @@ RESTART = {
     "backbone.max_seq_len": 16,
     "backbone.max_weight_bytes": 1 << 30,
     "backbone.kv_cache_bytes": 1 << 24,
+    "backbone.device_weight_bytes": 1 << 30,
+    "backbone.host_weight_bytes": 1 << 30,
 }
 # identity: what names the tenant, not one of its settings
 NOT_SETTINGS = {"tenant.id"}

@@ -104,6 +104,14 @@ class BackboneConfig:
     #: Budget of the weight store in bytes (all tenants, shared tensors once); an upload that
     #: would exceed it is refused with RESOURCE_EXHAUSTED. None: no budget.
     max_weight_bytes: int | None = setting(F.size, None, lo=1, hi=64 * TiB)
+    #: Weight tiers (``itif.weights.tiers``): the device tier's budget in bytes (the store the
+    #: forward reads, shared tensors once). Set, every uploaded tenant stays servable beyond it:
+    #: a request for a tenant not resident promotes it and evicts the least recently used idle
+    #: unpinned one; with ``max_weight_bytes`` also set, the smaller applies. None: no tiers.
+    device_weight_bytes: int | None = setting(F.size, None, lo=1, hi=64 * TiB)
+    #: Weight tiers: bytes of evicted tenants' weights kept in host memory (pinned on CUDA)
+    #: for a fast promotion; beyond it they are read back from disk. 0: no host tier.
+    host_weight_bytes: int = setting(F.size, 0, lo=0, hi=64 * TiB)
     #: A decoder backbone: bytes of the KV cache pool, preallocated on the device at start (a
     #: request that does not fit waits for others to finish). None: the engine's default.
     kv_cache_bytes: int | None = setting(F.size, None, lo=MiB, hi=64 * TiB)
@@ -151,6 +159,8 @@ class Tenant:
     #: sent); one more answers RESOURCE_EXHAUSTED before its request is parsed. None: twice
     #: ``max_queue``.
     max_inflight: int | None = setting(F.integer, None, lo=1, hi=1_000_000)
+    #: Weight tiers: keep the tenant's weights resident on the device (never evicted).
+    pinned: bool = setting(F.flag, False)
 
 
 @dataclass(frozen=True)

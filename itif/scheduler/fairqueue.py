@@ -28,7 +28,8 @@ class TenantQueue:
     Entries that left out of order (cancelled, expired, taken by priority) are dropped lazily and
     both containers are compacted when they hold more than twice the live entries."""
 
-    __slots__ = ("name", "quota", "order", "heap", "fifo", "depth", "tag", "removed")
+    __slots__ = ("name", "quota", "order", "heap", "fifo", "depth", "tokens", "tag", "removed",
+                 "parked")
 
     def __init__(self, name: str, quota: TenantQuota, order: int, tag: float) -> None:
         self.name = name
@@ -37,13 +38,18 @@ class TenantQueue:
         self.heap: list[tuple[int, int, Ticket]] = []
         self.fifo: deque[Ticket] = deque()
         self.depth = 0
+        self.tokens = 0
         self.tag = tag
         self.removed = False
+        #: Its weights are not resident (``itif.weights.tiers``): requests wait here, out of
+        #: batch formation, until the tenant is unparked.
+        self.parked = False
 
     def push(self, t: Ticket) -> None:
         heapq.heappush(self.heap, (-t.priority, t.seq, t))
         self.fifo.append(t)
         self.depth += 1
+        self.tokens += t.tokens
 
     def head(self) -> Ticket | None:
         heap = self.heap
@@ -60,6 +66,7 @@ class TenantQueue:
     def left(self, t: Ticket) -> None:
         """``t`` (queued until now) left the queue; the caller already changed its state."""
         self.depth -= 1
+        self.tokens -= t.tokens
         if len(self.heap) > 2 * self.depth + 32:
             self.heap = [e for e in self.heap if e[2]._state == QUEUED]
             heapq.heapify(self.heap)
@@ -78,6 +85,11 @@ class FairQueue:
         #: The tenants with queued requests: what batch formation and the triggers look at, so
         #: their cost follows the busy tenants, not every registered one.
         self.active: dict[str, TenantQueue] = {}
+        #: Parked tenants (``TenantQueue.parked``) with queued requests, and their counts: the
+        #: triggers and batch formation see ``queued - parked_n`` runnable requests only.
+        self.parked: dict[str, TenantQueue] = {}
+        self.parked_n = 0
+        self.parked_tokens = 0
         self.stats: dict[str, TenantStats] = {}
         self.vtime = 0.0
         self.queued = 0
@@ -112,7 +124,11 @@ class FairQueue:
     # ---- in and out ------------------------------------------------------------------------
     def push(self, t: Ticket) -> None:
         tq = t._tq
-        if tq.depth == 0:  # (re)activated: no credit for the idle time
+        if tq.parked:
+            self.parked[tq.name] = tq
+            self.parked_n += 1
+            self.parked_tokens += t.tokens
+        elif tq.depth == 0:  # (re)activated: no credit for the idle time
             tq.tag = max(tq.tag, self.vtime)
             self.active[tq.name] = tq
         tq.push(t)
@@ -132,18 +148,50 @@ class FairQueue:
             heapq.heapify(self.deadlines)
 
     def _left(self, tq: TenantQueue, t: Ticket) -> None:
-        """``t`` left ``tq`` (taken or dropped): an emptied queue leaves ``active``, and a
-        removed tenant's emptied queue goes."""
+        """``t`` left ``tq`` (taken or dropped): an emptied queue leaves ``active`` (or
+        ``parked``), and a removed tenant's emptied queue goes."""
         tq.left(t)
+        if tq.parked:
+            self.parked_n -= 1
+            self.parked_tokens -= t.tokens
         if tq.depth == 0:
             if self.active.get(tq.name) is tq:
                 del self.active[tq.name]
+            if self.parked.get(tq.name) is tq:
+                del self.parked[tq.name]
             if tq.removed and self.tenants.get(tq.name) is tq:
                 del self.tenants[tq.name]
 
+    def park(self, tenant: str, parked: bool) -> TenantQueue | None:
+        """Park (``parked``) or unpark a tenant's queue: O(1), whatever it holds. An unparked
+        queue with requests rejoins batch formation at the system virtual time."""
+        tq = self.tenants.get(tenant)
+        if tq is None or tq.parked == parked:
+            return tq
+        tq.parked = parked
+        if tq.depth == 0:
+            return tq
+        if parked:
+            self.active.pop(tenant, None)
+            self.parked[tenant] = tq
+            self.parked_n += tq.depth
+            self.parked_tokens += tq.tokens
+        else:
+            self.parked.pop(tenant, None)
+            self.parked_n -= tq.depth
+            self.parked_tokens -= tq.tokens
+            tq.tag = max(tq.tag, self.vtime)
+            self.active[tenant] = tq
+        return tq
+
+    @property
+    def runnable(self) -> int:
+        """Queued requests that batch formation may take (not parked)."""
+        return self.queued - self.parked_n
+
     def take_all(self) -> list[Ticket]:
         out = []
-        for tq in list(self.active.values()):
+        for tq in [*self.active.values(), *self.parked.values()]:
             for t in tq.queued():
                 self.dequeue(t)
                 out.append(t)

@@ -143,6 +143,30 @@ class Scheduler:
         with self._lock:
             self._q.remove_tenant(tenant)
 
+    def park(self, tenant: str, parked: bool = True) -> None:
+        """Hold (``parked``) or release a tenant's queued and future requests: a parked
+        tenant's requests are accepted and queued as usual (limits, deadlines, cancel) but no
+        batch takes them until it is unparked (``itif.weights.tiers``: its weights are being
+        loaded). O(1); batches of other tenants are not held up."""
+        with self._lock:
+            self._q.park(tenant, parked)
+            if not parked:
+                self._cv.notify_all()
+
+    def fail_parked(self, tenant: str, error: BaseException) -> int:
+        """Fail every queued request of a parked tenant with (a copy of) ``error``; returns
+        how many (its weights could not be loaded)."""
+        with self._lock:
+            tq = self._q.tenants.get(tenant)
+            if tq is None or not tq.parked:
+                return 0
+            left = tq.queued()
+            for t in left:
+                self._q.dequeue(t)
+        for t in left:
+            self._complete(t, None, clone(error))
+        return len(left)
+
     def tenants(self) -> list[str]:
         with self._lock:
             return [n for n, tq in self._q.tenants.items() if not tq.removed]
@@ -355,6 +379,9 @@ class Scheduler:
                     self._inflight = batch
                     return batch, dropped, False
                 timeout = None if wake is None else min(1.0, max(0.0, wake - now))
+                if self._stopping:  # parked requests may be all that is left: the grace ends it
+                    timeout = min(1.0 if timeout is None else timeout,
+                                  max(0.0, self._grace_end - now))
                 self._cv.wait(timeout)
 
     def _loop(self) -> None:

@@ -17,14 +17,15 @@ def decide(q: FairQueue, now: float, *, stopping: bool, max_batch_tokens: int,
     """(run a batch now?, else when to look again). ``last_end``: when the engine last became
     idle; ``estimate(n, tokens)``: a batch's predicted run time in ms."""
     next_deadline = q.deadlines[0][0] if q.deadlines else None
-    if q.queued == 0:
+    queued, queued_tokens = q.runnable, q.queued_tokens - q.parked_tokens  # parked ones wait
+    if queued == 0:
         return False, next_deadline
     if stopping:
         return True, None
-    if q.queued_tokens >= max_batch_tokens or q.queued >= max_batch_size:
+    if queued_tokens >= max_batch_tokens or queued >= max_batch_size:
         return True, None  # full
-    est_s = estimate(min(q.queued, max_batch_size),
-                     min(q.queued_tokens, max_batch_tokens)) / 1000.0
+    est_s = estimate(min(queued, max_batch_size),
+                     min(queued_tokens, max_batch_tokens)) / 1000.0
     wake = math.inf
     oldest_all = math.inf
     for tq in q.active.values():  # the tenants with queued requests only

@@ -1,0 +1,145 @@
+"""The daemon's side of the weight tiers (``itif.weights.tiers``): building the manager from
+the config, restoring registrations on start, queueing requests of tenants that are not
+resident, and uploads and deletes that make room. ``itif.daemon`` calls these functions only
+when ``backbone.device_weight_bytes`` is set (``daemon.tiers`` is not None).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from itif.errors import InvalidRequest, InvalidWeights, ItifError
+from itif.requests import OUTPUTS
+from itif.weights.tiers import TierManager
+
+if TYPE_CHECKING:  # pragma: no cover
+    from itif.daemon import Daemon
+
+log = logging.getLogger("itif.daemon")
+
+__all__ = ["build", "device_budget", "queue", "register", "restore", "room_for"]
+
+
+def device_budget(backbone) -> int | None:
+    """The weight store's budget: ``device_weight_bytes`` and ``max_weight_bytes``, the smaller
+    of those set."""
+    given = [b for b in (backbone.device_weight_bytes, backbone.max_weight_bytes) if b]
+    return min(given) if given else None
+
+
+def build(d: Daemon) -> TierManager | None:
+    if d.config.backbone.device_weight_bytes is None:
+        return None
+
+    def load(tenant: str):
+        base = d._base_of(tenant)
+        if base is not None and base not in d.engine.store:
+            d.tiers.promote(base)  # a LoRA tenant is added on its base's slots
+        d.blobs.verify(tenant)
+        return d._load_weights(tenant, d.blobs.path_for(tenant))[0]
+
+    def failed(tenant: str, exc: BaseException) -> None:
+        st = d.status.get(tenant)
+        if st is not None and isinstance(exc, InvalidWeights):  # the stored file is bad
+            st.state, st.error = type(st.state).FAILED, f"stored weights refused: {exc}"
+
+    tiers = TierManager(d.engine, d.scheduler, host_bytes=d.config.backbone.host_weight_bytes,
+                        load=load, on_failed=failed)
+    tiers.observer = d.metrics
+    return tiers
+
+
+def register(d: Daemon, tenant: str) -> None:
+    """A configured tenant joins the tiers: on disk when it has a stored file (READY: servable,
+    loaded on its first request; the file is verified then), else without weights."""
+    conf = d.config.tenant(tenant)
+    stored = d.blobs.exists(tenant)
+    d.tiers.register(tenant, stored=stored, pinned=bool(conf and conf.pinned),
+                     base=conf.base if conf else None)
+    st = d.status[tenant]
+    ready = type(st.state).READY  # itif.daemon.State, not imported: no cycle
+    if stored and st.state is not ready:
+        st.state, st.sha256, st.error = ready, d.blobs.stored_sha256(tenant) or "", ""
+    if stored and d.scheduler.queue_depth(tenant):  # requests parked meanwhile
+        d.tiers.ensure(tenant)
+
+
+def restore(d: Daemon) -> None:
+    """Start-up: register every configured tenant (no file is read), then load the pinned
+    ones (bases first) so they are resident before the daemon reports ready."""
+    for t in sorted(d.config.tenants, key=lambda t: t.base is not None):
+        register(d, t.id)
+    for t in sorted(d.config.tenants, key=lambda t: t.base is not None):
+        if t.pinned and d.blobs.exists(t.id):
+            try:
+                d.tiers.promote(t.id)
+            except ItifError as e:  # the loader already failed only this tenant
+                log.error("pinned tenant %s not loaded: %s", t.id, e)
+
+
+def check(d: Daemon, tenant: str, requests) -> None:
+    """Validate requests of a tenant: as ``Engine.check`` when it is resident; else what can be
+    checked without its weights (ids, lengths, types, output names): whether it has a head
+    for ``logits`` is checked when its batch runs (a per-request error, isolated there)."""
+    eng = d.engine
+    if tenant in eng.store:
+        eng.check(requests)
+        return
+    n = len(requests)
+    for i, r in enumerate(requests):
+        for o in r.outputs or ():
+            if o not in OUTPUTS:
+                raise InvalidRequest(f"request {i}: unknown output {o!r}; choose from {OUTPUTS}")
+    idx, wants = np.zeros(n, np.int32), [()] * n
+    if eng.spec.is_text:
+        eng._validate_text(requests, idx, wants)
+    else:
+        eng._validate_pixels(requests, idx, wants)
+
+
+def queue(d: Daemon, tenant: str, n: int, submit: Callable[[], list]) -> list:
+    """Queue ``n`` requests of ``tenant`` through ``submit()`` (the scheduler's submit_many):
+    the tenant is marked busy first (never evicted while it has requests), each ticket frees
+    its share when done, and a tenant not resident starts loading (its requests wait parked)."""
+    tiers = d.tiers
+    tiers.acquire(tenant, n)
+    try:
+        tickets = submit()
+    except BaseException:
+        tiers.release(tenant, n)
+        raise
+    for t in tickets:
+        t.add_done_callback(lambda _t: tiers.release(tenant))
+    tiers.ensure(tenant)
+    return tickets
+
+
+def room_for(d: Daemon, tenant: str, weights):
+    """Upload path: admission by bytes, then (a context manager) the store held for this
+    upload with room made for ``weights`` by evicting idle tenants. Without tiers: the plain
+    budget check. Yields the store's digests of the weights."""
+    if d.tiers is None:
+        return nullcontext(None)
+    d.tiers.admit(tenant, weights)
+    return _Room(d.tiers, tenant, weights)
+
+
+class _Room:
+    def __init__(self, tiers: TierManager, tenant: str, weights) -> None:
+        self.tiers, self.tenant, self.weights = tiers, tenant, weights
+        self._io = tiers.io()
+
+    def __enter__(self):
+        self._io.__enter__()
+        try:
+            return self.tiers.make_room(self.weights, keep=(self.tenant,))
+        except BaseException:
+            self._io.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self._io.__exit__(*exc)

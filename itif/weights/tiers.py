@@ -1,0 +1,516 @@
+"""Weight tiers: device, host and disk, with promotion on demand and LRU eviction.
+
+Every registered tenant is servable; only some are *resident* (in the engine's WeightStore, the
+tier the forward reads). The tiers, fastest first:
+
+``device``
+    the WeightStore, bounded by ``backbone.device_weight_bytes`` (its ``max_bytes``; tensors
+    shared between tenants counted once, by the store).
+``host``
+    validated weights kept in host memory (pinned on CUDA, so the copy up can run
+    asynchronously; plain on the CPU), bounded by ``backbone.host_weight_bytes``. Tensors
+    identical across host-tier tenants are held, and counted, once.
+``disk``
+    the durable blob store (``itif.weights.blobstore``): every uploaded tenant is there.
+
+A request for a tenant that is not resident *promotes* it (host -> device, or disk -> host ->
+device) on one loader thread. Its requests wait in the scheduler, parked (``Scheduler.park``),
+while other tenants' batches keep running; when the weights are in, the tenant is unparked and
+its requests join the next batch. A promotion that needs room evicts the least recently used
+resident tenant that is neither pinned nor busy (has requests queued or running): its weights
+move to the host tier when its budget allows (evicting the host tier's least recently used) and
+are dropped otherwise (they stay on disk). A promotion that fails (a corrupt blob, an error
+while copying) fails that tenant's waiting requests with UNAVAILABLE and the reason; nothing
+else is affected.
+
+Invariant (kept under ``_lock``): a tenant's scheduler queue is parked exactly when it is not
+resident. Eviction parks a tenant and checks it is idle in one step under ``_lock``, and
+``acquire`` (every accepted request) marks it busy under the same lock, so no batch ever holds
+a tenant whose weights are leaving. Costs: ``acquire``/``release`` are O(1) per request;
+choosing a victim walks the LRU order from its cold end past pinned and busy tenants only.
+
+On the CPU the device and host tiers are both host memory: the mechanism (budgets, parking,
+eviction, the loader thread) is the same, the copy speeds are not (see ``docs/operator.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from itif.backbones.hf import CanonicalWeights
+from itif.errors import ItifError, Overloaded, TenantNotFound, Unavailable, shown
+from itif.weights.store import tensor_key
+
+log = logging.getLogger("itif.tiers")
+
+__all__ = ["Tier", "TierManager", "TierObserver", "TierView"]
+
+
+class Tier(Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    NONE = "none"  # registered without weights
+
+
+class TierObserver(Protocol):
+    def tier_promoted(self, tenant: str, source: str, seconds: float, ok: bool) -> None:
+        """A promotion from ``source`` (host or disk) finished (``ok``) or failed."""
+
+    def tier_evicted(self, tenant: str, to: str) -> None:
+        """A resident tenant was evicted to ``to`` (host or disk)."""
+
+
+class Scheduling(Protocol):  # what the manager needs of ``itif.scheduler.Scheduler``
+    def park(self, tenant: str, parked: bool = True) -> None: ...
+
+    def fail_parked(self, tenant: str, error: BaseException) -> int: ...
+
+
+@dataclass(frozen=True)
+class TierView:
+    """A tenant's place in the tiers (``itif tenants``, health, metrics)."""
+
+    tier: Tier
+    pinned: bool
+    loading: bool
+    busy: int
+    host_bytes: int  # bytes its host-tier copy holds (shared tensors included)
+    promotions: int
+    evictions: int
+    failures: int
+    last_promotion_ms: float
+    error: str
+
+
+class _State:
+    __slots__ = ("tier", "pinned", "busy", "loading", "base", "own", "num_labels", "has_pooler",
+                 "host", "host_bytes", "promotions", "evictions", "failures", "last_ms", "error")
+
+    def __init__(self, tier: Tier, pinned: bool, base: str | None) -> None:
+        self.tier, self.pinned, self.base = tier, pinned, base
+        self.busy = 0
+        self.loading = False
+        self.own: tuple[str, ...] = ()  # names of its own tensors (not inherited from a base)
+        self.num_labels: int | None = None
+        self.has_pooler = False
+        self.host: dict[str, torch.Tensor] | None = None  # host tier: interned tensors
+        self.host_bytes = 0
+        self.promotions = self.evictions = self.failures = 0
+        self.last_ms = 0.0
+        self.error = ""
+
+
+class _HostPool:
+    """Host-tier tensors, each distinct tensor held once with a reference count (keyed by
+    ``tensor_key``, confirmed bit for bit)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.by_key: dict[tuple, list[list]] = {}  # (name, shape, key) -> [[tensor, refs]]
+        self.bytes = 0
+
+    def intern(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        key = (name, tuple(t.shape), tensor_key(t))
+        for cell in self.by_key.get(key, ()):
+            if cell[0].dtype == t.dtype and torch.equal(cell[0], t.to("cpu")):
+                cell[1] += 1
+                return cell[0]
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+        host.copy_(t)
+        self.by_key.setdefault(key, []).append([host, 1])
+        self.bytes += host.numel() * host.element_size()
+        return host
+
+    def release(self, name: str, t: torch.Tensor) -> None:
+        key = (name, tuple(t.shape), tensor_key(t))
+        cells = self.by_key.get(key, [])
+        for i, cell in enumerate(cells):
+            if cell[0] is t:
+                cell[1] -= 1
+                if not cell[1]:
+                    del cells[i]
+                    self.bytes -= t.numel() * t.element_size()
+                    if not cells:
+                        del self.by_key[key]
+                return
+
+
+class TierManager:
+    """Residency of every registered tenant (module docstring). ``load(tenant)`` reads a
+    tenant's stored weights from disk (verified and validated: the daemon's); ``on_failed``
+    hears of a promotion that failed (the daemon marks a corrupt blob's tenant FAILED)."""
+
+    def __init__(self, engine, scheduler: Scheduling, *, host_bytes: int | None,
+                 load: Callable[[str], CanonicalWeights],
+                 on_failed: Callable[[str, BaseException], None] | None = None,
+                 wait_s: float = 30.0) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self.scheduler = scheduler
+        self.host_budget = host_bytes or 0
+        self.load = load
+        self.on_failed = on_failed
+        self.wait_s = wait_s  # how long a promotion waits for a busy tenant to become evictable
+        self.observer: TierObserver | None = None
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._io = threading.RLock()  # held by whatever adds to or removes from the store
+        self._t: dict[str, _State] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()  # resident tenants, coldest first
+        self._host_lru: OrderedDict[str, None] = OrderedDict()
+        self._children: dict[str, int] = {}  # base -> its resident LoRA tenants
+        self._pool = _HostPool(pin=engine.device.type == "cuda")
+        self._pool_lock = threading.Lock()  # after _lock when both are taken
+        self._queue: deque[str] = deque()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loader, name="itif-tier-loader", daemon=True)
+        self._thread.start()
+
+    @property
+    def device_budget(self) -> int | None:
+        return self.store.max_bytes
+
+    # ---- registration ----------------------------------------------------------------------
+    def register(self, tenant: str, *, stored: bool, pinned: bool = False,
+                 base: str | None = None) -> None:
+        """A configured tenant: on disk (``stored``) or without weights. Not resident: its
+        queue is parked until a request promotes it."""
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is None:
+                st = self._t[tenant] = _State(Tier.DISK if stored else Tier.NONE, pinned, base)
+            else:
+                st.pinned, st.base = pinned, base
+            if st.tier is not Tier.DEVICE:
+                self.scheduler.park(tenant, True)
+
+    def set_pinned(self, tenant: str, pinned: bool) -> None:
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is not None:
+                st.pinned = pinned
+        if pinned:
+            self.ensure(tenant)
+
+    def forget(self, tenant: str) -> int:
+        """Its weights were deleted, replaced on disk, or it left the config: parked, and out
+        of every tier (removed from the store). Returns the store bytes that freed."""
+        with self._io:
+            with self._lock:
+                st = self._t.get(tenant)
+                if st is not None:
+                    self._drop_host(tenant, st)
+                    if self._lru.pop(tenant, 0) is None:
+                        self._unchild(st)
+                    st.tier, st.error = Tier.NONE, ""
+                    self.scheduler.park(tenant, True)
+            if tenant not in self.store:
+                return 0
+            freed = self.engine.tenant_info(tenant).exclusive_bytes
+            self.engine.remove_tenant(tenant)
+            return freed
+
+    def unregister(self, tenant: str) -> None:
+        """It left the config (its queue drained): out of every tier and forgotten."""
+        self.forget(tenant)
+        with self._lock:
+            self._t.pop(tenant, None)
+
+    @contextmanager
+    def io(self) -> Iterator[None]:
+        """Hold while changing the store outside the manager (an upload's swap, a delete)."""
+        with self._io:
+            yield
+
+    # ---- the request path ------------------------------------------------------------------
+    def acquire(self, tenant: str, n: int = 1) -> None:
+        """``n`` requests of ``tenant`` are being accepted: it is busy (never evicted) until as
+        many ``release`` calls; most recently used. Call ``ensure`` once they are queued."""
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is None:
+                raise TenantNotFound(f"tenant {shown(tenant)} not found")
+            st.busy += n
+            if tenant in self._lru:
+                self._lru.move_to_end(tenant)
+
+    def release(self, tenant: str, n: int = 1) -> None:
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is None:
+                return
+            st.busy = max(0, st.busy - n)
+            if not st.busy:
+                self._cv.notify_all()
+
+    def ensure(self, tenant: str) -> bool:
+        """Start promoting ``tenant`` unless it is resident or already loading; True when it
+        is resident now."""
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is None or st.tier is Tier.NONE:
+                return False
+            if st.tier is Tier.DEVICE:
+                return True
+            if not st.loading:
+                st.loading = True
+                self._queue.append(tenant)
+                self._cv.notify_all()
+            return False
+
+    # ---- installing weights that arrive from outside (upload, restore) -------------------
+    def admit(self, tenant: str, weights: CanonicalWeights) -> None:
+        """Admission by bytes: weights that could never be resident beside the pinned tenants
+        are refused (Overloaded), whatever is resident now."""
+        budget = self.device_budget
+        if budget is None:
+            return
+        need = _nbytes(weights, self.store.dtype)
+        with self._lock:
+            pinned = [t for t in self._lru if t != tenant and self._t[t].pinned]
+        held = sum(self.engine.tenant_info(t).exclusive_bytes for t in pinned
+                   if t in self.store)
+        if need + held > budget:
+            raise Overloaded(
+                f"tenant {tenant!r}'s weights need {need} bytes; the device tier holds "
+                f"{budget} bytes ({held} of them pinned by other tenants): they could never be "
+                "resident (raise backbone.device_weight_bytes or unpin tenants)")
+
+    def make_room(self, weights: CanonicalWeights, keep: tuple = ()):
+        """(``io()`` held) Evict until ``weights`` fit the device budget; returns the store's
+        digests of them. Overloaded if they cannot fit within ``wait_s``."""
+        end = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return self.store.check_budget(weights)
+            except Overloaded:
+                if not self._evict_one(keep, end):
+                    raise
+
+    def installed(self, tenant: str, weights: CanonicalWeights, base: str | None) -> None:
+        """(``io()`` held) ``weights`` were just added to the store for ``tenant``."""
+        with self._lock:
+            st = self._t.setdefault(tenant, _State(Tier.DEVICE, False, base))
+            self._drop_host(tenant, st)
+            self._resident(tenant, st, weights)
+
+    # ---- promotion -------------------------------------------------------------------------
+    def promote(self, tenant: str) -> None:
+        """Load ``tenant`` now on this thread (start-up of pinned tenants; the loader)."""
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is None:
+                raise TenantNotFound(f"tenant {shown(tenant)} not found")
+            st.loading = True
+        self._promote(tenant)
+
+    def _promote(self, tenant: str) -> None:
+        start = time.perf_counter()
+        source = "?"
+        try:
+            with self._io:
+                with self._lock:
+                    st = self._t.get(tenant)
+                    if st is None or st.tier in (Tier.DEVICE, Tier.NONE):
+                        if st is not None:
+                            st.loading = False
+                        return
+                    source, base = st.tier.value, st.base
+                    host = st.host
+                if host is not None:
+                    weights = CanonicalWeights(dict(host), st.num_labels, st.has_pooler)
+                else:
+                    weights = self.load(tenant)
+                self.admit(tenant, weights)
+                digests = self.make_room(weights, keep=(tenant, base))
+                del digests  # check_budget remembered them: add_tenant reuses the keys
+                self.engine.add_tenant(tenant, weights, base=base)
+                with self._lock:
+                    self._drop_host(tenant, st)
+                    self._resident(tenant, st, weights)
+                    st.promotions += 1
+                    st.last_ms = (time.perf_counter() - start) * 1e3
+                    st.error = ""
+        except BaseException as e:  # noqa: BLE001 - the loader thread must not die
+            self._failed(tenant, source, e, start)
+            return
+        log.info("tenant %s promoted from %s in %.1f ms", tenant, source, st.last_ms)
+        self._observe("tier_promoted", tenant, source, st.last_ms / 1e3, True)
+
+    def _failed(self, tenant: str, source: str, e: BaseException, start: float) -> None:
+        why = str(e) if isinstance(e, ItifError) else f"{type(e).__name__}: {e}"
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is not None:
+                st.loading = False
+                st.failures += 1
+                st.error = why
+        log.error("tenant %s: promotion from %s failed: %s", tenant, source, why)
+        err = Unavailable(f"tenant {tenant!r}: its weights could not be loaded ({why})")
+        self.scheduler.fail_parked(tenant, err)
+        self._observe("tier_promoted", tenant, source, time.perf_counter() - start, False)
+        if self.on_failed is not None:
+            try:
+                self.on_failed(tenant, e)
+            except Exception:  # noqa: BLE001
+                log.exception("on_failed(%s) raised", tenant)
+
+    def _loader(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                tenant = self._queue.popleft()
+            self._promote(tenant)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(5.0)
+
+    # ---- eviction --------------------------------------------------------------------------
+    def _evict_one(self, keep: tuple, end: float) -> bool:
+        """(``io()`` held) Evict the least recently used idle unpinned resident tenant, waiting
+        up to ``end`` for one to become idle. False: nothing can be evicted."""
+        with self._lock:
+            while True:
+                victim, waiting = self._victim(keep)
+                if victim is not None:
+                    st = self._t[victim]
+                    self.scheduler.park(victim, True)  # idle and parked in one step
+                    self._lru.pop(victim, None)
+                    break
+                left = end - time.monotonic()
+                if not waiting or left <= 0 or self._stop:
+                    return False
+                self._cv.wait(min(left, 0.5))
+        to = self._demote(victim, st)
+        self.engine.remove_tenant(victim)
+        with self._lock:
+            st.tier = to
+            st.evictions += 1
+            self._unchild(st)
+        log.info("tenant %s evicted to %s", victim, to.value)
+        self._observe("tier_evicted", victim, to.value)
+        return True
+
+    def _victim(self, keep: tuple) -> tuple[str | None, bool]:
+        """(``_lock`` held) (coldest evictable resident tenant, whether a busy one may become
+        evictable later)."""
+        waiting = False
+        for t in self._lru:
+            st = self._t.get(t)
+            if st is None or t in keep or st.pinned:
+                continue
+            if st.busy or self._is_base(t):
+                waiting = waiting or bool(st.busy)
+                continue
+            return t, True
+        return None, waiting
+
+    def _is_base(self, tenant: str) -> bool:
+        """A base of a resident LoRA tenant stays: a LoRA tenant is added on its base's slots,
+        so its promotion needs the base resident (bases are never evicted under them)."""
+        return self._children.get(tenant, 0) > 0
+
+    def _demote(self, tenant: str, st: _State) -> Tier:
+        """Copy a leaving tenant's own tensors to the host tier when they fit (evicting the
+        host tier's coldest); else it falls back to disk."""
+        if self.host_budget <= 0:
+            return Tier.DISK
+        with self.store.read() as view:
+            entry = view.tenants.get(tenant)
+            if entry is None:
+                return Tier.DISK
+            own = {n: view.param(tenant, n) for n in st.own}
+            need = sum(buf[slot].numel() * buf.element_size() for buf, slot in own.values())
+            dropped = []
+            with self._lock:  # room first (host-tier tenants out, coldest first)
+                while self._pool.bytes + need > self.host_budget and self._host_lru:
+                    cold = next(iter(self._host_lru))
+                    cst = self._t[cold]
+                    self._drop_host(cold, cst)
+                    cst.tier = Tier.DISK
+                    dropped.append(cold)
+                fits = self._pool.bytes + need <= self.host_budget
+            for cold in dropped:
+                self._observe("tier_evicted", cold, Tier.DISK.value)
+            if not fits:
+                return Tier.DISK
+            with self._pool_lock:  # the copies, without blocking the request path
+                host = {n: self._pool.intern(n, buf[slot]) for n, (buf, slot) in own.items()}
+        with self._lock:
+            st.host, st.host_bytes = host, need
+            self._host_lru[tenant] = None
+        return Tier.HOST
+
+    # ---- bookkeeping (``_lock`` held) ------------------------------------------------------
+    def _unchild(self, st: _State) -> None:
+        if st.base is not None and self._children.get(st.base):
+            self._children[st.base] -= 1
+
+    def _resident(self, tenant: str, st: _State, weights: CanonicalWeights) -> None:
+        if st.base is not None and tenant not in self._lru:
+            self._children[st.base] = self._children.get(st.base, 0) + 1
+        st.tier, st.loading = Tier.DEVICE, False
+        st.own = tuple(weights.tensors)
+        st.num_labels, st.has_pooler = weights.num_labels, weights.has_pooler
+        self._lru[tenant] = None
+        self._lru.move_to_end(tenant)
+        self.scheduler.park(tenant, False)
+
+    def _drop_host(self, tenant: str, st: _State) -> None:
+        if st.host is not None:
+            with self._pool_lock:
+                for n, t in st.host.items():
+                    self._pool.release(n, t)
+        st.host, st.host_bytes = None, 0
+        self._host_lru.pop(tenant, None)
+
+    def _observe(self, what: str, *args) -> None:
+        obs = self.observer
+        if obs is None:
+            return
+        try:
+            getattr(obs, what)(*args)
+        except Exception:  # noqa: BLE001 - metrics never break loading
+            log.exception("tier observer %s failed", what)
+
+    # ---- reads -----------------------------------------------------------------------------
+    def view(self, tenant: str) -> TierView | None:
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is None:
+                return None
+            return TierView(st.tier, st.pinned, st.loading, st.busy, st.host_bytes,
+                            st.promotions, st.evictions, st.failures, st.last_ms, st.error)
+
+    def totals(self) -> dict[str, int]:
+        """Bytes and tenants per tier, and the budgets (metrics, health)."""
+        with self._lock:
+            counts = {tier: 0 for tier in Tier}
+            for st in self._t.values():
+                counts[st.tier] += 1
+            host = self._pool.bytes
+        return {"device_bytes": self.store.weight_bytes, "host_bytes": host,
+                "device_budget": self.device_budget or 0, "host_budget": self.host_budget,
+                **{f"{tier.value}_tenants": n for tier, n in counts.items()}}
+
+
+def _nbytes(weights: CanonicalWeights, dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * size for t in weights.tensors.values())

@@ -1,0 +1,247 @@
+"""Weight tiers (issue 14, items 1 and 5): device and host budgets, promotion on demand, LRU
+eviction of idle unpinned tenants, parked requests, failing promotions, restart, visibility.
+
+The backbone is a tiny BERT (hidden 32, 2 layers, vocab 128) written as a config.json; every
+tenant is a random full fine-tune (no tensor shared) unless a test shares on purpose. Answers
+are compared with Hugging Face's model holding the tenant's own weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from itif.config import hash_token, parse_config
+from itif.daemon import Daemon, Identity, State
+from itif.errors import Overloaded, Unavailable
+from itif.requests import Request, Result
+from itif.scheduler import Scheduler, TenantQuota
+from itif.weights.safetensors_io import save_safetensors
+from itif.weights.tiers import Tier
+from tests.oracle import make_hf_model, reference
+
+ADMIN = Identity(None, admin=True)
+IDS = ([3, 17, 42, 9, 101], [5, 6, 7], list(range(1, 21)))
+CONFIG = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 128,
+          "max_position_embeddings": 64, "type_vocab_size": 2, "hidden_act": "gelu"}
+
+
+# ---- the scheduler's parked queues (no engine) --------------------------------------------------
+def _echo(requests):
+    return [Result(tenant=r.tenant) for r in requests]
+
+
+def test_parked_tenant_waits_while_others_run_then_runs_or_fails():
+    ran: list[str] = []
+
+    def run(requests):
+        ran.extend(r.tenant for r in requests)
+        return _echo(requests)
+
+    s = Scheduler(run, max_wait_ms=0)
+    for t in ("hot", "cold"):
+        s.set_tenant(t, TenantQuota())
+    s.park("cold")
+    s.start()
+    try:
+        cold = s.submit(Request("cold", input_ids=[1]), tokens=1)
+        hot = [s.submit(Request("hot", input_ids=[1]), tokens=1) for _ in range(5)]
+        for t in hot:
+            t.result(5)
+        assert not cold.done() and ran == ["hot"] * 5  # parked: no batch takes it
+        assert s.stats.queued == 1 and s.queue_depth("cold") == 1
+        s.park("cold", False)
+        cold.result(5)
+        assert ran[-1] == "cold"
+        s.park("cold")
+        lost = [s.submit(Request("cold", input_ids=[1]), tokens=1) for _ in range(3)]
+        assert s.fail_parked("cold", Unavailable("weights could not be loaded")) == 3
+        for t in lost:
+            with pytest.raises(Unavailable, match="could not be loaded"):
+                t.result(5)
+        assert s.stats.tenants["cold"].failed == 3
+        left = s.submit(Request("cold", input_ids=[1]), tokens=1)
+    finally:
+        s.stop(grace_s=0.3)
+    with pytest.raises(Unavailable, match="shut down"):  # the grace ends a parked request
+        left.result(1)
+
+
+# ---- a daemon with tiers ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    return root / "config.json"
+
+
+_MODELS: dict[int, torch.nn.Module] = {}
+_FILES: dict[int, bytes] = {}
+
+
+def model_of(backbone, seed: int):
+    if seed not in _MODELS:
+        _MODELS[seed] = make_hf_model(str(backbone), num_labels=3, seed=seed)
+    return _MODELS[seed]
+
+
+def file_of(backbone, seed: int, tmp) -> bytes:
+    if seed not in _FILES:
+        p = tmp / f"w{seed}.safetensors"
+        save_safetensors({k: v.detach().contiguous() for k, v in
+                          model_of(backbone, seed).state_dict().items()}, p)
+        _FILES[seed] = p.read_bytes()
+    return _FILES[seed]
+
+
+def make_daemon(root, backbone, names, *, device_tenants: float | None, host_tenants: float = 0,
+                pinned=(), per_tenant: int | None = None) -> Daemon:
+    per = per_tenant or tenant_bytes(backbone)
+    lines = ["server:", "  listen: 127.0.0.1:0", "  data_dir: ./data",
+             f"  admin_token_sha256: {hash_token('admin')}",
+             "backbone:", f"  config: {backbone}", "  device: cpu", "  dtype: float32"]
+    if device_tenants is not None:
+        lines.append(f"  device_weight_bytes: {int(device_tenants * per)}")
+    lines.append(f"  host_weight_bytes: {int(host_tenants * per)}")
+    lines += ["scheduler:", "  max_wait_ms: 1", "tenants:"]
+    for n in names:
+        lines += [f"  - id: {n}", f"    token_sha256: {hash_token('t-' + n)}",
+                  "    max_queue: 1000"]
+        if n in pinned:
+            lines.append("    pinned: true")
+    d = Daemon(parse_config("\n".join(lines) + "\n", root))
+    d.start()
+    return d
+
+
+@pytest.fixture(scope="module")
+def per_tenant(backbone):
+    return tenant_bytes(backbone)
+
+
+def tenant_bytes(backbone) -> int:
+    """Bytes one full tenant holds in the store (float32)."""
+    from itif import Engine  # noqa: PLC0415
+
+    w = Engine(str(backbone)).load_weights(model_of(backbone, 0).state_dict())
+    return sum(t.numel() * 4 for t in w.tensors.values())
+
+
+def upload(d: Daemon, backbone, tenant: str, seed: int, tmp) -> None:
+    data = file_of(backbone, seed, tmp)
+    d.upload(ADMIN, tenant, hashlib.sha256(data).hexdigest(), len(data), [data])
+
+
+def check_answer(backbone, tenant: str, seed: int, ids, res) -> None:
+    ref = reference(model_of(backbone, seed), Request(tenant, input_ids=ids))
+    np.testing.assert_allclose(res.logits, ref["logits"], rtol=0, atol=1e-4)
+
+
+def ask(d: Daemon, tenant: str, ids, timeout: float = 60.0):
+    (res,) = d.infer(ADMIN, tenant, [Request(tenant, input_ids=ids, outputs=("logits",))],
+                     timeout=timeout)
+    return res
+
+
+def tier(d: Daemon, tenant: str) -> Tier:
+    return d.tiers.view(tenant).tier
+
+
+def test_lru_eviction_pins_and_promotion_from_host_and_disk(tmp_path, backbone, per_tenant):
+    """Device tier of 3 tenants, host tier of 1: the least recently used idle unpinned tenant
+    leaves; the host tier takes it, its own coldest falls to disk; a pinned one never leaves."""
+    names = ["p", "a", "b", "c", "d"]
+    d = make_daemon(tmp_path, backbone, names, device_tenants=3.5, host_tenants=1.5,
+                    pinned=("p",))
+    try:
+        for i, n in enumerate(names):
+            upload(d, backbone, n, i, tmp_path)
+        # uploads are installed resident: a and b make room for c and d (coldest first);
+        # b's copy in the host tier pushed a's out
+        assert [tier(d, n) for n in names] == [Tier.DEVICE, Tier.DISK, Tier.HOST, Tier.DEVICE,
+                                               Tier.DEVICE]
+        assert d.engine.weight_bytes == 3 * per_tenant
+        check_answer(backbone, "d", 4, IDS[0], ask(d, "d", IDS[0]))
+        check_answer(backbone, "c", 3, IDS[1], ask(d, "c", IDS[1]))  # LRU now: d, c
+        check_answer(backbone, "b", 2, IDS[2], ask(d, "b", IDS[2]))  # from host: d leaves
+        assert [tier(d, n) for n in "bcd"] == [Tier.DEVICE, Tier.DEVICE, Tier.HOST]
+        check_answer(backbone, "a", 1, IDS[0], ask(d, "a", IDS[0]))  # from disk: c leaves
+        assert [tier(d, n) for n in "abcd"] == [Tier.DEVICE, Tier.DEVICE, Tier.HOST, Tier.DISK]
+        ask(d, "b", IDS[1])  # b is now more recently used than a: c's promotion evicts a
+        check_answer(backbone, "c", 3, IDS[0], ask(d, "c", IDS[0]))
+        assert [tier(d, n) for n in "abcd"] == [Tier.HOST, Tier.DEVICE, Tier.DEVICE, Tier.DISK]
+        views = {n: d.tiers.view(n) for n in names}
+        assert [views[n].promotions for n in "abcd"] == [1, 1, 1, 0]
+        assert [views[n].evictions for n in "abcd"] == [2, 1, 1, 1]  # device -> host or disk
+        assert views["p"].tier is Tier.DEVICE and views["p"].evictions == 0
+        check_answer(backbone, "p", 0, IDS[1], ask(d, "p", IDS[1]))
+        v = d.tenant_view("a")
+        assert (v.tier, v.weight_bytes, v.host_bytes) == ("host", 0, per_tenant)
+        totals = d.tiers.totals()
+        assert totals["host_bytes"] == per_tenant and totals["device_tenants"] == 3
+        assert totals["device_bytes"] == 3 * per_tenant
+    finally:
+        d.stop(0)
+
+
+def test_admission_by_bytes(tmp_path, backbone):
+    """Weights that could never be resident beside the pinned tenants are refused, naming the
+    setting; anything else is admitted, whatever is resident now."""
+    d = make_daemon(tmp_path, backbone, ["p", "a"], device_tenants=1.5, pinned=("p",))
+    try:
+        upload(d, backbone, "p", 0, tmp_path)
+        with pytest.raises(Overloaded, match="device_weight_bytes"):
+            upload(d, backbone, "a", 1, tmp_path)
+        assert d.status["a"].state is State.NO_WEIGHTS and not d.blobs.exists("a")
+    finally:
+        d.stop(0)
+
+
+def test_failing_promotion_fails_only_that_tenant(tmp_path, backbone, monkeypatch):
+    """A corrupt blob and an error while copying up (an injected out-of-memory) each fail only
+    their tenant's requests, with UNAVAILABLE and the reason; the others are answered, and the
+    transient failure heals on the next request."""
+    names = ["a", "b", "c", "bad", "oom"]
+    d = make_daemon(tmp_path, backbone, names, device_tenants=2.5)
+    try:
+        for i, n in enumerate(names):
+            upload(d, backbone, n, i, tmp_path)
+        assert tier(d, "bad") is Tier.DEVICE and tier(d, "a") is Tier.DISK
+        ask(d, "a", IDS[0])
+        ask(d, "b", IDS[0])  # bad and oom now on disk
+        path = d.blobs.path_for("bad")
+        raw = bytearray(path.read_bytes())
+        raw[-5] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        add = d.engine.add_tenant
+
+        def faulty(tenant, *a, **kw):
+            if tenant == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return add(tenant, *a, **kw)
+
+        monkeypatch.setattr(d.engine, "add_tenant", faulty)
+        bad = d.submit(ADMIN, "bad", [Request("bad", input_ids=IDS[0])] * 3)
+        oom = d.submit(ADMIN, "oom", [Request("oom", input_ids=IDS[1])] * 2)
+        good = d.submit(ADMIN, "c", [Request("c", input_ids=ids) for ids in IDS])
+        for t, ids in zip(good, IDS):
+            check_answer(backbone, "c", 2, ids, t.result(30))
+        for t in bad:
+            with pytest.raises(Unavailable, match="sha256"):
+                t.result(30)
+        for t in oom:
+            with pytest.raises(Unavailable, match="OutOfMemoryError"):
+                t.result(30)
+        assert d.status["bad"].state is State.FAILED and "sha256" in d.status["bad"].error
+        assert d.status["oom"].state is State.READY  # transient: the next request retries
+        assert d.tiers.view("oom").failures == 1
+        monkeypatch.setattr(d.engine, "add_tenant", add)
+        check_answer(backbone, "oom", 4, IDS[2], ask(d, "oom", IDS[2]))
+        check_answer(backbone, "a", 0, IDS[1], ask(d, "a", IDS[1]))
+    finally:
+        d.stop(0)
