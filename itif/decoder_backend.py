@@ -13,6 +13,7 @@ generation itself goes to ``gen`` (``Daemon.submit_generate``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,15 +48,33 @@ def build_generator(source: str, device: str, dtype: str, kv_cache_bytes: int | 
     return GenEngine(source, device=device, dtype=dtype, max_new_tokens_limit=max_new_tokens, **kw)
 
 
+def _dir_tokenizer(source_dir: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` of ``source_dir/tokenizer.json``, or None."""
+    if source_dir is None:
+        return None
+    path = Path(source_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer  # noqa: PLC0415 - only for checkpoints that ship one
+
+    return Tokenizer.from_file(str(path))
+
+
 class DecoderBackend:
     """``gen`` (a GenEngine) seen as the daemon's engine. ``tokenizer`` is None here: decoder
-    tenants each have their own (``gen.tokenizer(tenant)``)."""
+    tenants each have their own (:meth:`tokenizer_of`)."""
 
     tokenizer = None
 
     def __init__(self, gen: Any) -> None:
         self.gen = gen
         self.strategy = None  # a reload sets it (scheduler.strategy); nothing reads it here
+        self._backbone_tokenizer = _dir_tokenizer(getattr(gen.spec, "source_dir", None))
+
+    def tokenizer_of(self, tenant: str) -> Any:
+        """The tenant's tokenizer: its own checkpoint's (``gen.tokenizer``), else the one the
+        backbone's checkpoint directory ships (a tenant uploads weights only), else None."""
+        return self.gen.tokenizer(tenant) or self._backbone_tokenizer
 
     # ---- what the daemon reads ------------------------------------------------------------
     @property

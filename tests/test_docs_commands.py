@@ -66,6 +66,8 @@ def rule(c: Command) -> str | None:
     if c.path == "docs/gpu.md":
         return "allow-listed: needs the GPU machine ($OUT, carried wheels, CUDA)"
     if a[0] == "itif":
+        if a[1] == "generate":
+            return "executed: tests/test_generate_daemon.py (a decoder daemon)"
         if c.path in ("README.md", "docs/operator.md") and a[1] in (
                 "serve", "upload", "infer", "tenants"):
             return "executed: README daemon block"

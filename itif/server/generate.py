@@ -149,7 +149,7 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
     ticket = daemon.submit_generate(who, tenant, req, on_event, text=text)
     st = daemon.status.get(tenant)
     sha = st.sha256 if st is not None else ""
-    words = _Text(gen.tokenizer(tenant))
+    words = _Text(daemon.engine.tokenizer_of(tenant))
     metrics = daemon.metrics
     finished = False
     first = last = None

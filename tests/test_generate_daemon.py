@@ -1,0 +1,462 @@
+"""Generate through the daemon (issue 13 item 5): the itif.v1 ``Generate`` stream, ``itif
+generate``, the generation settings, metrics, and freeing a call's work when it ends early.
+
+The backbone is a tiny GPT-2 checkpoint directory written here (a Hugging Face config.json with
+512 positions, so a long generation lasts long enough to be cut off, and a word-level
+tokenizer.json: text in and out). Tenants upload random-initialised ``GPT2LMHeadModel`` weights;
+the GenEngine's own ``generate`` and Hugging Face ``generate()`` with the tenant's model are the
+oracles. Most tests share one in-process daemon behind the real gRPC servicer, auth and
+admission (``served``); the last one runs a real ``itif serve`` (upload, the documented
+``itif generate`` commands, restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from itif.client import Client
+from itif.config import hash_token, parse_config
+from itif.daemon import Daemon as InProcess
+from itif.daemon import Identity
+from itif.errors import Unimplemented
+from itif.generation.api import GenerateRequest
+from itif.metrics import Metrics
+from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
+from itif.server.admission import Admission
+from itif.server.service import AuthInterceptor, ItifService
+from itif.weights.safetensors_io import save_safetensors
+from tests.daemon_harness import ADMIN, Daemon
+from tests.reliability_util import error_of, wait_until
+
+transformers = pytest.importorskip("transformers")
+
+C = grpc.StatusCode
+VOCAB, EOS, BOS = 96, 2, 1
+TOKENS = {"acme": "acme-gen-token", "beta": "beta-gen-token", "empty": "empty-gen-token"}
+
+
+# ---- the backbone, the tenants' models ---------------------------------------------------------
+def hf_config() -> dict:
+    from itif.generation.spec import PRESETS
+
+    cfg = PRESETS["gpt2-tiny"].hf_config()
+    cfg.update(n_positions=512, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS)
+    return cfg
+
+
+def write_backbone(root: Path) -> Path:
+    """A GPT-2 checkpoint directory without weights: config.json and a word-level tokenizer
+    (``t0`` .. ``t95``; text "t5 t17" is ids [5, 17])."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(hf_config()))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def hf_model(seed: int):
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config())).eval()
+    with torch.no_grad():  # larger logits than the default init: varied, decisive choices
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def weights_bytes(model, tmp: Path) -> bytes:
+    path = tmp / "w.safetensors"
+    save_safetensors({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},
+                     path)
+    return path.read_bytes()
+
+
+def hf_generate(model, ids: list[int], **kw) -> tuple[list[list[int]], list[float] | None]:
+    """Hugging Face generate(): the new tokens of each returned sequence, cut after its first
+    end token (what follows is padding), and the beam scores."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             pad_token_id=EOS, return_dict_in_generate=True, output_scores=True,
+                             **kw)
+    seqs = []
+    for row in out.sequences[:, len(ids):].tolist():
+        seqs.append(row[:row.index(EOS) + 1] if EOS in row else row)
+    scores = getattr(out, "sequences_scores", None)
+    return seqs, None if scores is None else scores.tolist()
+
+
+# ---- an in-process daemon behind the real servicer --------------------------------------------
+@dataclasses.dataclass
+class Served:
+    daemon: InProcess
+    port: int
+    models: dict
+    root: Path
+
+    def client(self, tenant: str = "acme") -> Client:
+        return Client(f"127.0.0.1:{self.port}", TOKENS[tenant])
+
+    @property
+    def gen(self):
+        return self.daemon.generator
+
+
+def config_text(backbone: Path, data: str = "./data", listen: str = "127.0.0.1:0",
+                max_new_tokens: int = 480) -> str:
+    tenants = "".join(f"  - id: {t}\n    token_sha256: {hash_token(tok)}\n"
+                      for t, tok in TOKENS.items())
+    return (f"server:\n  listen: {listen}\n  data_dir: {data}\n"
+            f"  admin_token_sha256: {hash_token(ADMIN)}\n  max_new_tokens: {max_new_tokens}\n"
+            f"backbone:\n  config: {backbone}\n  device: cpu\n  dtype: float32\n"
+            f"  kv_cache_bytes: 8MiB\ntenants:\n{tenants}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen-daemon")
+    backbone = write_backbone(root / "backbone")
+    d = InProcess(parse_config(config_text(backbone), root))
+    d.metrics = Metrics(d, nvml=None)
+    d.start()
+    models = {"acme": hf_model(1), "beta": hf_model(2)}
+    admin = Identity(None, admin=True)
+    for tenant, model in models.items():
+        data = weights_bytes(model, root)
+        d.upload(admin, tenant, hashlib.sha256(data).hexdigest(), len(data), [data])
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        srv = grpc.aio.server(interceptors=[AuthInterceptor(d, Admission(d))])
+        itif_pb2_grpc.add_ItifServicer_to_server(ItifService(d), srv)
+        port = srv.add_insecure_port("127.0.0.1:0")
+        await srv.start()
+        return srv, port
+
+    srv, port = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    try:
+        yield Served(d, port, models, root)
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.stop(None), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        d.stop(0)
+
+
+def idle(s: Served) -> bool:
+    st = s.gen.cache_stats()
+    return st["blocks_used"] == 0 and st["running"] == 0 and st["waiting"] == 0 \
+        and not s.daemon._generating
+
+
+# ---- streaming and equality --------------------------------------------------------------------
+CASES = [  # (tenant, ids, parameters)
+    ("acme", [5, 17, 42], dict(max_new_tokens=12)),
+    ("beta", [7, 8, 9, 10, 11, 12, 13], dict(max_new_tokens=20)),
+    ("acme", [30], dict(max_new_tokens=10, no_repeat_ngram_size=3)),
+    ("beta", [4, 40, 60], dict(max_new_tokens=9, num_beams=3, num_return_sequences=2)),
+    ("acme", [11, 12], dict(max_new_tokens=8, num_beams=4, early_stopping="never",
+                            length_penalty=0.5)),
+    ("acme", [11, 12], dict(max_new_tokens=8, num_beams=2, early_stopping=True)),
+    ("beta", [3, 9], dict(max_new_tokens=10, do_sample=True, seed=7, top_k=20, temperature=0.8)),
+]
+
+
+def _request(tenant: str, ids: list[int], params: dict) -> GenerateRequest:
+    return GenerateRequest(tenant, ids, **params)
+
+
+def test_stream_equals_engine_generate_and_hugging_face(served):
+    """Every case through one Generate stream each, all at once: token messages (greedy and
+    sampling only) come first, in order, and add up to the final sequence; the result comes
+    last, once; sequences and scores equal GenEngine.generate for the same requests, and greedy
+    and beam search equal Hugging Face generate() with the tenant's model."""
+    got: dict[int, list] = {}
+
+    def call(i: int, tenant: str, ids: list[int], params: dict) -> None:
+        with served.client(tenant) as c:
+            got[i] = list(c.generate_stream(tenant, ids, timeout=120, **params))
+
+    threads = [threading.Thread(target=call, args=(i, *case)) for i, case in enumerate(CASES)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    want = served.gen.generate([_request(*case) for case in CASES])
+    for i, (tenant, ids, params) in enumerate(CASES):
+        msgs = got[i]
+        kinds = [m.WhichOneof("event") for m in msgs]
+        assert kinds.count("result") == 1 and kinds[-1] == "result", kinds
+        result = msgs[-1].result
+        seqs = [list(s.ids) for s in result.sequences]
+        assert seqs == want[i].sequences, (i, seqs, want[i].sequences)
+        if want[i].scores is None:
+            assert not any(s.HasField("score") for s in result.sequences)
+        else:
+            assert [s.score for s in result.sequences] == pytest.approx(want[i].scores, abs=1e-6)
+        assert [s.finish_reason for s in result.sequences] == want[i].finish_reasons
+        assert result.weights_sha256 == served.daemon.status[tenant].sha256
+        streamed = [m.tokens for m in msgs[:-1]]
+        if params.get("num_beams", 1) > 1:
+            assert streamed == [], i  # beams are only final at the end
+            continue
+        assert len(streamed) >= 2, i  # token by token, not all at once
+        assert [t for m in streamed for t in m.ids] == seqs[0], i
+        # the word-level tokenizer's text, piece by piece, is the final text
+        assert "".join(m.text for m in streamed).strip() == result.sequences[0].text
+        assert result.sequences[0].text == " ".join(f"t{t}" for t in seqs[0])
+        if not params.get("do_sample"):
+            hf = {k: v for k, v in params.items() if k != "seed"}
+            assert seqs == hf_generate(served.models[tenant], ids, **hf)[0], i
+    for i, (tenant, ids, params) in enumerate(CASES):
+        if params.get("num_beams", 1) > 1:
+            hseqs, hscores = hf_generate(served.models[tenant], ids, **params)
+            assert [list(s.ids) for s in got[i][-1].result.sequences] == hseqs, i
+            assert [s.score for s in got[i][-1].result.sequences] == pytest.approx(hscores, abs=1e-4)
+    wait_until(lambda: idle(served), what="every sequence to leave the batch")
+
+
+def test_text_in_and_out(served):
+    """--text goes through the backbone's tokenizer; the sequences come back decoded."""
+    with served.client() as c:
+        by_text = c.generate("acme", text="t5 t17 t42", max_new_tokens=6, timeout=60)
+        by_ids = c.generate("acme", [5, 17, 42], max_new_tokens=6, timeout=60)
+    assert list(by_text.sequences[0].ids) == list(by_ids.sequences[0].ids)
+    assert by_text.sequences[0].text == " ".join(f"t{t}" for t in by_ids.sequences[0].ids)
+
+
+def test_sampling_is_reproducible_for_a_seed(served):
+    with served.client("beta") as c:
+        a = c.generate("beta", [3, 9], max_new_tokens=12, do_sample=True, seed=11, timeout=60)
+        b = c.generate("beta", [3, 9], max_new_tokens=12, do_sample=True, seed=11, timeout=60)
+        others = [c.generate("beta", [3, 9], max_new_tokens=12, do_sample=True, seed=s,
+                             timeout=60) for s in (12, 13, 14)]
+    assert list(a.sequences[0].ids) == list(b.sequences[0].ids)
+    assert any(list(o.sequences[0].ids) != list(a.sequences[0].ids) for o in others)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+BAD = [  # (what the request says, the field the refusal names)
+    (dict(num_beams=0), "num_beams"),
+    (dict(num_beams=17), "num_beams"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=481), "max_new_tokens"),  # over server.max_new_tokens (480)
+    (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(temperature=0.5), "temperature"),  # without do_sample
+    (dict(top_k=5), "top_k"),
+    (dict(top_p=0.9), "top_p"),
+    (dict(seed=3), "seed"),
+    (dict(do_sample=True, temperature=0.0), "temperature"),
+    (dict(do_sample=True, top_p=1.5), "top_p"),
+    (dict(do_sample=True, top_k=-1), "top_k"),
+    (dict(do_sample=True, num_beams=2), "num_beams"),  # beam sampling is not served
+    (dict(num_return_sequences=2), "num_return_sequences"),  # greedy returns one
+    (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"),
+    (dict(num_return_sequences=0), "num_return_sequences"),
+    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
+    (dict(length_penalty=math.inf), "length_penalty"),
+    (dict(eos_token_id=VOCAB), "eos_token_id"),
+    (dict(ids=[]), "input_ids"),
+    (dict(ids=[5, VOCAB]), "input_ids"),
+    (dict(ids=[-1]), "input_ids"),
+    (dict(ids=list(range(1, 60)) * 8, max_new_tokens=50), "max_new_tokens"),  # past 512 positions
+]
+
+
+def test_bad_parameters_are_invalid_argument_naming_the_field(served):
+    with served.client() as c:
+        for params, field in BAD:
+            params = dict(params)
+            ids = params.pop("ids", [5, 6])
+            code, msg = error_of(lambda: c.generate("acme", ids, timeout=30, **params))
+            assert code == C.INVALID_ARGUMENT, (params, code, msg)
+            assert msg.startswith(f"{field}:"), (params, msg)
+        bad_enum = itif_pb2.GenerateRequest(tenant="acme", early_stopping=7)
+        bad_enum.input_ids.ids.extend([5, 6])
+        code, msg = error_of(lambda: c.stub.Generate(bad_enum, metadata=c.metadata,
+                                                     timeout=30).next())
+        assert code == C.INVALID_ARGUMENT and msg.startswith("early_stopping:"), (code, msg)
+        code, msg = error_of(lambda: c.stub.Generate(itif_pb2.GenerateRequest(tenant="acme"),
+                                                     metadata=c.metadata, timeout=30).next())
+        assert code == C.INVALID_ARGUMENT and msg.startswith("input:"), (code, msg)
+    assert idle(served)
+
+
+def test_tenants_auth_and_the_wrong_call(served):
+    with served.client() as c:
+        for tenant in ("nobody", "beta"):  # unknown, and another tenant's: the same answer
+            code, msg = error_of(lambda: c.generate(tenant, [5], timeout=30))
+            assert code == C.NOT_FOUND and "not found" in msg, (tenant, code, msg)
+        code, msg = error_of(lambda: c.infer("acme", [5, 6], timeout=30))
+        assert code == C.UNIMPLEMENTED and "Generate" in msg, (code, msg)
+    with served.client("empty") as c:
+        code, _ = error_of(lambda: c.generate("empty", [5], timeout=30))
+        assert code == C.FAILED_PRECONDITION
+    with Client(f"127.0.0.1:{served.port}", "wrong-token") as c:
+        assert error_of(lambda: c.generate("acme", [5], timeout=30))[0] == C.UNAUTHENTICATED
+
+
+def test_generate_on_an_encoder_daemon_is_unimplemented(tmp_path):
+    d = InProcess(parse_config(
+        "server:\n  listen: 127.0.0.1:0\n  data_dir: ./data\n"
+        f"  admin_token_sha256: {hash_token(ADMIN)}\n"
+        "backbone:\n  config: bert-tiny\n  device: cpu\n"
+        f"tenants:\n  - id: acme\n    token_sha256: {hash_token('t')}\n", tmp_path))
+    d.start()
+    try:
+        with pytest.raises(Unimplemented, match="decoder backbone"):
+            d.submit_generate(Identity("acme"), "acme", GenerateRequest("acme", [1, 2]),
+                              lambda ev: None)
+    finally:
+        d.stop(0)
+
+
+# ---- leaving early frees the work --------------------------------------------------------------
+def test_cancel_and_disconnect_free_sequences_and_cache_blocks(served):
+    """A long greedy generation holds KV cache blocks while it streams; cancelling the call
+    (a client that goes away looks the same to the server) frees them, and so does a call
+    whose deadline passes. Nothing else is running meanwhile."""
+    wait_until(lambda: idle(served), what="an idle engine")
+    with served.client() as c:
+        call = c.generate_stream("acme", [5, 6, 7], max_new_tokens=470, eos_token_id=VOCAB - 1,
+                                 timeout=120)
+        first = next(call)
+        assert first.WhichOneof("event") == "tokens"
+        held = served.gen.cache_stats()
+        assert held["blocks_used"] > 0 and held["running"] == 1, held
+        assert len(served.daemon._generating) == 1
+        call.cancel()
+        wait_until(lambda: idle(served), timeout=20, what="the cancelled call's blocks")
+
+        t0 = time.monotonic()
+        code, msg = error_of(lambda: c.generate("acme", [5, 6, 7], max_new_tokens=470,
+                                                eos_token_id=VOCAB - 1, timeout=0.3))
+        assert code == C.DEADLINE_EXCEEDED, (code, msg)
+        assert time.monotonic() - t0 < 10
+        wait_until(lambda: idle(served), timeout=20, what="the expired call's blocks")
+        # and the engine still serves
+        assert len(c.generate("acme", [5, 6, 7], max_new_tokens=3, timeout=60).sequences) == 1
+
+
+# ---- settings and metrics ----------------------------------------------------------------------
+def test_max_new_tokens_is_live(served):
+    d = served.daemon
+    before = d.config
+    with served.client() as c:
+        assert error_of(lambda: c.generate("acme", [5], max_new_tokens=7, timeout=60))[0] == C.OK
+        d.apply_config(dataclasses.replace(before, server=dataclasses.replace(
+            before.server, max_new_tokens=6)))
+        try:
+            code, msg = error_of(lambda: c.generate("acme", [5], max_new_tokens=7, timeout=30))
+            assert code == C.INVALID_ARGUMENT and "over the limit 6" in msg, (code, msg)
+            assert len(c.generate("acme", [5], max_new_tokens=6, timeout=60).sequences) == 1
+        finally:
+            d.apply_config(before)
+        assert error_of(lambda: c.generate("acme", [5], max_new_tokens=7, timeout=60))[0] == C.OK
+
+
+def test_generation_metrics(served):
+    reg = served.daemon.metrics.registry
+
+    def value(name: str, tenant: str) -> float:
+        return reg.get_sample_value(name, {"tenant": tenant}) or 0.0
+
+    tokens0 = value("itif_generated_tokens_total", "beta")
+    first0 = value("itif_generation_time_to_first_token_seconds_count", "beta")
+    gaps0 = value("itif_generation_inter_token_seconds_count", "beta")
+    with served.client("beta") as c:
+        greedy = c.generate("beta", [7, 8], max_new_tokens=9, eos_token_id=VOCAB - 1, timeout=60)
+        beam = c.generate("beta", [7, 8], max_new_tokens=5, num_beams=2, eos_token_id=VOCAB - 1,
+                          timeout=60)
+    made = len(greedy.sequences[0].ids) + len(beam.sequences[0].ids)
+    assert value("itif_generated_tokens_total", "beta") - tokens0 == made
+    assert value("itif_generation_time_to_first_token_seconds_count", "beta") - first0 == 2
+    gaps = value("itif_generation_inter_token_seconds_count", "beta") - gaps0
+    assert 1 <= gaps <= len(greedy.sequences[0].ids) - 1
+
+
+def test_generation_presets_match_the_engine_registry():
+    """itif.config names the decoder presets without loading torch; they are the engine's."""
+    from itif.config.fields import GENERATION_PRESETS
+    from itif.generation.spec import PRESETS
+
+    assert set(GENERATION_PRESETS) == set(PRESETS)
+    cfg = parse_config(config_text(Path("/nonexistent")).replace("/nonexistent", "gpt2-tiny"),
+                       "/tmp")
+    assert cfg.backbone.is_decoder and cfg.backbone.kv_cache_bytes == 8 << 20
+    assert not dataclasses.replace(cfg.backbone, config="bert-tiny").is_decoder
+
+
+# ---- a real itif serve: upload, the documented commands, restart --------------------------------
+def _documented_generate_commands():
+    from tests.doc_blocks import shell_commands
+
+    return [c for c in shell_commands() if c.argv[:2] == ("itif", "generate")]
+
+
+def test_itif_generate_streams_and_a_decoder_tenant_survives_restart(tmp_path):
+    backbone = write_backbone(tmp_path / "backbone")
+    d = Daemon(tmp_path / "d", {"acme": TOKENS["acme"]}, backbone=str(backbone),
+               server_extra={"max_new_tokens": 64}, backbone_extra={"kv_cache_bytes": "8MiB"})
+    d.start()
+    try:
+        model = hf_model(1)
+        path = tmp_path / "model.safetensors"
+        path.write_bytes(weights_bytes(model, tmp_path))
+        with d.client(TOKENS["acme"]) as c:
+            up = c.upload("acme", path, timeout=120)
+            assert up.weight_bytes > 0
+            before = c.generate("acme", [5, 17, 42], max_new_tokens=8, num_beams=4,
+                                num_return_sequences=2, timeout=120)
+        cmds = _documented_generate_commands()
+        assert len(cmds) == 2, cmds
+        env = dict(os.environ, TOKEN=TOKENS["acme"],
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        outs = []
+        for cmd in cmds:
+            r = subprocess.run(["bash", "-c", cmd.text.replace("HOST:50051", d.addr)], env=env,
+                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            assert r.returncode == 0, (cmd.where, r.stderr)
+            outs.append(r.stdout)
+        greedy, _ = hf_generate(model, [5, 17, 42], max_new_tokens=8)
+        words = " ".join(f"t{t}" for t in greedy[0])
+        # streamed text first (the tokens' words as they came), then the final sequence
+        lines = outs[0].splitlines()
+        assert lines[0].strip() == words and lines[-1].startswith(f"[0] {words!r} ("), outs[0]
+        final = json.loads(outs[1].strip().splitlines()[-1])
+        assert [s["ids"] for s in final["sequences"]] == [list(s.ids) for s in before.sequences]
+        assert all("score" in s for s in final["sequences"])
+
+        d.restart()  # the decoder tenant comes back from the data directory
+        with d.client(TOKENS["acme"]) as c:
+            assert c.get_tenant("acme").state == itif_pb2.TenantInfo.READY
+            after = c.generate("acme", [5, 17, 42], max_new_tokens=8, num_beams=4,
+                               num_return_sequences=2, timeout=120)
+        assert [list(s.ids) for s in after.sequences] == [list(s.ids) for s in before.sequences]
+        assert [s.score for s in after.sequences] == [s.score for s in before.sequences]
+    finally:
+        d.stop()
+
+
+def test_decoder_config_refuses_lora_tenants(tmp_path):
+    text = config_text(write_backbone(tmp_path / "bb")) + "    base: acme\n"
+    from itif.errors import InvalidConfig
+
+    with pytest.raises(InvalidConfig, match=r"tenants\[2\]\.base: LoRA tenants"):
+        parse_config(text, tmp_path)
