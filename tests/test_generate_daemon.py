@@ -175,6 +175,8 @@ CASES = [  # (tenant, ids, parameters)
                             length_penalty=0.5)),
     ("acme", [11, 12], dict(max_new_tokens=8, num_beams=2, early_stopping=True)),
     ("beta", [3, 9], dict(max_new_tokens=10, do_sample=True, seed=7, top_k=20, temperature=0.8)),
+    ("acme", [3, 9, 27], dict(max_new_tokens=7, do_sample=True, seed=5, top_p=0.9,
+                              num_return_sequences=3)),
 ]
 
 
@@ -213,8 +215,8 @@ def test_stream_equals_engine_generate_and_hugging_face(served):
         assert [s.finish_reason for s in result.sequences] == want[i].finish_reasons
         assert result.weights_sha256 == served.daemon.status[tenant].sha256
         streamed = [m.tokens for m in msgs[:-1]]
-        if params.get("num_beams", 1) > 1:
-            assert streamed == [], i  # beams are only final at the end
+        if params.get("num_beams", 1) > 1 or params.get("num_return_sequences", 1) > 1:
+            assert streamed == [], i  # beams (and samples) of several sequences come at the end
             continue
         assert len(streamed) >= 2, i  # token by token, not all at once
         assert [t for m in streamed for t in m.ids] == seqs[0], i

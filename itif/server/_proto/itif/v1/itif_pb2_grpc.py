@@ -129,9 +129,9 @@ class ItifServicer:
 
     def Generate(self, request, context):
         """Generates text with a tenant's fine-tuned decoder (a daemon whose backbone is a decoder:
-        GPT-2, BART, Marian). Server-streaming: for greedy search and sampling, `tokens` messages
-        carry each sequence's new token ids as they are decided; beam search sends none (its beams
-        are only final at the end). The last message is always `result`: the sequences, their
+        GPT-2, BART, Marian). Server-streaming: for greedy search and sampling of one sequence,
+        `tokens` messages carry the new token ids as they are decided; beam search (and sampling of
+        several sequences) sends none: its sequences come whole at the end. The last message is always `result`: the sequences, their
         scores and finish reasons. Bad parameters answer INVALID_ARGUMENT naming the field; an
         encoder daemon answers UNIMPLEMENTED. The call's gRPC deadline bounds the whole
         generation; a cancelled call (or a client that goes away) frees its sequences at once.
