@@ -134,9 +134,29 @@ class GenEngine:
         self._tokenizers[tenant] = tok
 
     def remove_tenant(self, tenant: str) -> None:
-        self.store.remove(tenant)
-        self._defaults.pop(tenant, None)
-        self._tokenizers.pop(tenant, None)
+        """Remove ``tenant``; its waiting and running requests end with a TenantNotFound
+        "error" event (between two steps: the others carry on)."""
+        with self._step_lock:
+            with self._cv:
+                dropped = [t for t in self._waiting if t.request.tenant == tenant]
+                for t in dropped:
+                    self._waiting.remove(t)
+            keys = self._batch.keys_of(tenant)
+            if keys:
+                if self._sb is not None:
+                    self._sb.remove(keys)
+                self._batch.remove(keys)
+                for k in keys:
+                    self._streaming.pop(k, None)
+                    dropped.append(self._running.pop(k))
+            self.store.remove(tenant)
+            self._defaults.pop(tenant, None)
+            self._tokenizers.pop(tenant, None)
+        err = TenantNotFound(f"tenant {shown(tenant)} was removed during its generation")
+        for t in dropped:
+            t.done = True
+            if not t.cancelled:
+                t.on_event(GenEvent("error", error=err))
 
     def tenants(self) -> list[str]:
         return self.store.tenants()

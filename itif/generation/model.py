@@ -37,21 +37,26 @@ from itif.weights.store import StoreView
 
 
 class SlotMatrix:
-    """Slots of every canonical parameter of every stored tenant: ``slots [tenants, names]``,
-    built once per store view (tenant registration), read by fancy indexing per call."""
+    """Slots of every canonical parameter of every stored tenant: ``slots [tenant ids, names]``,
+    built once per store view (tenant registration), read by fancy indexing per call.
 
-    def __init__(self, spec: DecoderSpec, view: StoreView) -> None:
+    ``ids``: each tenant's stable id (its row here); ids outlive store versions, so the running
+    requests' tenant ids stay valid when other tenants come and go. Rows of ids whose tenant is
+    not stored are zeros (no running request refers to them)."""
+
+    def __init__(self, spec: DecoderSpec, view: StoreView, ids: dict[str, int]) -> None:
         self.version = view.version
         self.names = [n for n, _ in spec.params()]
         self.col = {n: j for j, n in enumerate(self.names)}
-        self.tenant_index = {t: i for i, t in enumerate(view.tenants)}
+        for t in view.tenants:
+            ids.setdefault(t, len(ids))
+        self.tenant_index = ids
         kinds: dict[str, tuple] = {}
-        rows = []
+        self.slots = np.zeros((len(ids), len(self.names)), dtype=np.int64)
         for t, entry in view.tenants.items():  # registration-time: once per tenant per view
-            rows.append([entry.slots[n][1] for n in self.names])
+            self.slots[ids[t]] = [entry.slots[n][1] for n in self.names]
             for n in self.names:
                 kinds.setdefault(n, entry.slots[n][0])
-        self.slots = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(self.names))
         self.kinds = kinds
         self.view = view
 

@@ -58,6 +58,7 @@ class RunningBatch:
         self.ids: dict[Hashable, int] = {}  # key -> request id
         self._next = 0
         self._sm: SlotMatrix | None = None
+        self._tids: dict[str, int] = {}  # tenant -> stable id (rows of the SlotMatrix)
         self._fwd = None  # cached forward structure of the current membership
 
     # ---- accounting ------------------------------------------------------------------------
@@ -77,6 +78,14 @@ class RunningBatch:
     def fits(self, a: Admission) -> bool:
         return self.blocks_needed(a) <= self.pool.free_blocks
 
+    def keys_of(self, tenant: str) -> list[Hashable]:
+        """Keys of the running requests of ``tenant``."""
+        tid = self._tids.get(tenant)
+        if tid is None:
+            return []
+        mine = set(self.rid[self.tenant == tid].tolist())
+        return [k for k, r in self.ids.items() if r in mine]
+
     def cross_positions(self, key: Hashable) -> int:
         """Pool positions holding ``key``'s cross-attention K/V (its source length, once)."""
         i = int(np.flatnonzero(self.rid == self.ids[key])[0])
@@ -85,7 +94,7 @@ class RunningBatch:
     def _slots(self) -> SlotMatrix:
         view = self.store.view
         if self._sm is None or self._sm.version != view.version:
-            self._sm = SlotMatrix(self.spec, view)
+            self._sm = SlotMatrix(self.spec, view, self._tids)
             self._fwd = None
         return self._sm
 
@@ -208,7 +217,7 @@ class RunningBatch:
         perm, P, cross = self._structure()
         L = int(self.length.max()) + 1
         pos = self.table.length.index_select(0, perm)
-        loc = self.table.loc.index_select(0, perm)[:, :L]
+        loc = self.table.loc[:, :L].index_select(0, perm)
         logits_f = decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross)
         logits = torch.empty_like(logits_f)
         logits[perm] = logits_f
