@@ -1,0 +1,304 @@
+"""A fleet of itif daemons as one Ray Serve application (``pip install 'itif[ray]'``).
+
+Two deployments (:func:`build`, or ``serve run itif.serve_ray:app config=tenants.yaml``):
+
+``ItifRouter`` (the HTTP ingress, ``route_prefix="/"``)
+    receives every HTTP request Serve's proxy accepts, reads its body (bounded by
+    ``server.max_message_bytes``), finds the tenant it is for (the ``{model}`` of
+    ``/v2/models/{model}/...``, ``/v2/repository/models/{model}/...`` and ``/v1/models/{model}``,
+    the ``model`` field of a ``/v1/embeddings`` body) and hands it to ``ItifReplica`` with that
+    tenant as Serve's **multiplexed model id**, so Serve's router sends it to a replica that holds
+    the tenant (the first call of a tenant goes to a replica holding the fewest). A name that is
+    no configured tenant, and a route of no tenant (health, ``/v2``, indexes), go to any replica
+    without a model id: an unknown name cannot make a replica load anything. A call whose
+    replica died under it is sent again (inference is idempotent), up to :data:`RETRIES` times.
+
+``ItifReplica`` (``num_replicas`` of them, one GPU each where there are GPUs)
+    one itif daemon each: its own engine, scheduler and fused batches, serving the very
+    Starlette app of ``itif.server.http`` (KServe v2 REST and OpenAI embeddings, with their
+    auth, validation, admission and error bodies), called in-process on each forwarded request.
+    Tenants are held through ``@serve.multiplexed`` (:meth:`ItifReplica.tenant`): the loader reads
+    the tenant's committed weights from the shared blob store (``server.data_dir`` of the one
+    tenants.yaml every deployment loads, on a file system all replicas see) into this replica's
+    engine; Serve evicts the least recently used past :data:`MAX_TENANTS_PER_REPLICA`, and the
+    evicted tenant's weights leave the engine once its accepted requests have finished. Inside a
+    replica every tenant's requests go through itif's own scheduler, so requests of different
+    tenants share fused batches (``@serve.batch`` is not used: it would split batches by model
+    id). Each answer carries the headers ``itif-replica`` (Serve's replica id, from
+    ``serve.get_replica_context()``) and ``itif-tenant`` (the multiplexed model id Serve routed it
+    with).
+
+tenants.yaml holds fleet-wide: every replica and the router load the same file (tokens, quotas,
+scheduler settings; edits apply live, as in the daemon). Weights are written to the shared store
+by one writer: a single ``itif serve`` daemon on the same ``data_dir``, or an upload through the
+fleet (``/v2/repository/models/{m}/load``, which lands on the tenant's replica); a replica that
+already holds a tenant keeps the weights it loaded until Serve evicts it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from itif.config import Config, ConfigWatcher, load_config
+from itif.daemon import Daemon, State, TenantStatus
+from itif.errors import ItifError
+from itif.server.errors import http_status_of
+from itif.server.http import build_app
+from itif.server.http.common import read_body
+
+log = logging.getLogger("itif.serve_ray")
+
+__all__ = ["FleetDaemon", "ItifReplica", "ItifRouter", "MAX_TENANTS_PER_REPLICA", "RETRIES",
+           "app", "build", "call_asgi", "tenant_of"]
+
+#: Tenants one replica holds at most (Serve's ``max_num_models_per_replica``); the least recently
+#: used is evicted past it. ``ITIF_SERVE_MAX_TENANTS`` in the replicas' environment changes it.
+MAX_TENANTS_PER_REPLICA = int(os.environ.get("ITIF_SERVE_MAX_TENANTS", "64"))
+#: How many times the router sends a call again whose replica died under it.
+RETRIES = 3
+#: Concurrent calls per replica and per router (Serve's ``max_ongoing_requests``; its default, 5,
+#: would keep a replica's scheduler from ever seeing a batch).
+MAX_ONGOING = 256
+#: Response headers naming who answered.
+REPLICA_HEADER, TENANT_HEADER = "itif-replica", "itif-tenant"
+
+_TENANT_PATH = re.compile(r"^/(?:v2/models|v2/repository/models|v1/models)/([^/]+)")
+_DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+# ---- the replica's daemon ----------------------------------------------------------------------
+class FleetDaemon(Daemon):
+    """An itif daemon that restores no tenant at start: tenants arrive and leave as Serve
+    multiplexes them onto this replica (:meth:`hold`, :meth:`release`)."""
+
+    def restore(self) -> None:
+        """Nothing: see :meth:`hold`."""
+
+    def hold(self, tenant: str) -> None:
+        """Load ``tenant``'s committed weights from the shared store, unless held already (a
+        tenant without stored weights stays NO_WEIGHTS: an upload through this replica may give
+        it some)."""
+        if tenant not in self.status:
+            return
+        with self._tenant_lock(tenant):
+            if tenant not in self.status or tenant in self.engine.store:
+                return
+            if self.blobs.exists(tenant):
+                self._load_stored(tenant)
+
+    def release(self, tenant: str, timeout_s: float = 60.0) -> None:
+        """Serve evicted ``tenant`` from this replica: refuse its new calls, let its accepted
+        ones finish (up to ``timeout_s``), then drop its weights from the engine."""
+        st = self.status.get(tenant)
+        if st is not None:
+            st.state, st.error = State.NO_WEIGHTS, "moved off this replica"
+        deadline = time.monotonic() + timeout_s
+        while self._outstanding(tenant) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._tenant_lock(tenant):
+            if tenant in self.engine.store:
+                self.engine.remove_tenant(tenant)
+            if tenant in self.status and self.status[tenant].state is State.NO_WEIGHTS:
+                self.status[tenant] = TenantStatus()
+
+
+class _Held:
+    """What the multiplexed loader returns for a tenant: Serve calls :meth:`__del__` when it
+    evicts the tenant from this replica."""
+
+    def __init__(self, daemon: FleetDaemon, tenant: str) -> None:
+        self.daemon, self.tenant = daemon, tenant
+
+    def __del__(self) -> None:
+        daemon = self.__dict__.get("daemon")
+        if daemon is not None and daemon.engine is not None:
+            daemon.release(self.tenant)
+
+
+# ---- ASGI in-process ---------------------------------------------------------------------------
+async def call_asgi(app: Any, method: str, path: str, query: bytes,
+                    headers: list[tuple[bytes, bytes]], body: bytes,
+                    client: tuple[str, int] | None = None) -> tuple[int, list, bytes]:
+    """Run one HTTP request through the ASGI ``app`` in this process: (status, headers, body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": query, "root_path": "",
+             "headers": headers, "client": client, "server": ("itif-replica", 80)}
+    done = asyncio.Event()
+    sent_body = False
+    status, out_headers, chunks = 500, [], []
+
+    async def receive() -> dict:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status, out_headers
+        if message["type"] == "http.response.start":
+            status, out_headers = message["status"], list(message.get("headers", ()))
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                done.set()
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        done.set()
+    return status, out_headers, b"".join(chunks)
+
+
+def tenant_of(method: str, path: str, body: bytes) -> str | None:
+    """The tenant a request is for, by the routes of ``itif.server.http`` (None: no tenant)."""
+    m = _TENANT_PATH.match(path)
+    if m is not None:
+        name = m.group(1)
+        return None if path.startswith("/v2/models/stats") and name == "stats" else name
+    if method == "POST" and path == "/v1/embeddings":
+        try:
+            model = json.loads(body).get("model")
+        except (ValueError, AttributeError, RecursionError):
+            return None  # the replica answers the malformed body
+        return model if isinstance(model, str) else None
+    return None
+
+
+def _watch(path: str, on_change) -> ConfigWatcher:
+    def failed(exc: Exception) -> None:
+        log.error("tenants.yaml reload refused, keeping the last good config: %s", exc)
+
+    watcher = ConfigWatcher(path, on_change=on_change, on_error=failed)
+    watcher.start()
+    return watcher
+
+
+# ---- the deployments ---------------------------------------------------------------------------
+@serve.deployment(max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+class ItifReplica:
+    """One itif daemon (engine, scheduler) serving the HTTP app of ``itif.server.http``."""
+
+    def __init__(self, config: str, torch_threads: int | None = None) -> None:
+        if torch_threads:
+            import torch  # noqa: PLC0415
+
+            torch.set_num_threads(torch_threads)
+        cfg = load_config(config)
+        self.daemon = FleetDaemon(cfg)
+        self.daemon.start()
+        self.app = build_app(self.daemon, max_body=cfg.server.max_message_bytes)
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id if ctx is not None else "local"
+        self.watcher = _watch(config, self.daemon.apply_config)
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_TENANTS_PER_REPLICA)
+    async def tenant(self, tenant: str) -> _Held:
+        """Serve's loader: hold ``tenant`` on this replica (weights from the shared store)."""
+        await asyncio.to_thread(self.daemon.hold, tenant)
+        return _Held(self.daemon, tenant)
+
+    async def handle(self, method: str, path: str, query: bytes,
+                     headers: list[tuple[bytes, bytes]], body: bytes,
+                     client: tuple[str, int] | None = None) -> tuple[int, list, bytes]:
+        """One forwarded HTTP request, answered by the HTTP app on this replica's daemon."""
+        tenant = serve.get_multiplexed_model_id()
+        if tenant:
+            await self.tenant(tenant)
+        status, out, data = await call_asgi(self.app, method, path, query, headers, body, client)
+        out += [(REPLICA_HEADER.encode(), self.replica_id.encode()),
+                (TENANT_HEADER.encode(), tenant.encode())]
+        return status, out, data
+
+    async def held(self) -> dict:
+        """This replica's id and the tenants whose weights it holds (tests, operators)."""
+        return {"replica": self.replica_id,
+                "tenants": sorted(t for t, s in self.daemon.status.items()
+                                  if s.state is State.READY)}
+
+    def __del__(self) -> None:
+        watcher = self.__dict__.get("watcher")
+        if watcher is not None:
+            watcher.stop()
+        daemon = self.__dict__.get("daemon")
+        if daemon is not None:
+            daemon.stop(0)
+
+
+@serve.deployment(max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+class ItifRouter:
+    """The HTTP ingress: forwards each request to a replica chosen by its tenant."""
+
+    def __init__(self, replicas: DeploymentHandle, config: str) -> None:
+        self.replicas = replicas
+        self.config: Config = load_config(config)
+        self.watcher = _watch(config, self._reload)
+
+    def _reload(self, cfg: Config) -> None:
+        self.config = cfg
+
+    async def __call__(self, request: Request) -> Response:
+        try:
+            body = await read_body(request, self.config.server.max_message_bytes)
+        except ItifError as e:
+            status, _, msg = http_status_of(e)
+            return JSONResponse({"error": msg}, status_code=getattr(e, "http_status", status))
+        method, path = request.method, request.url.path
+        tenant = tenant_of(method, path, body)
+        handle = self.replicas
+        if tenant is not None and self.config.tenant(tenant) is not None:
+            handle = handle.options(multiplexed_model_id=tenant)
+        headers = [(k, v) for k, v in request.scope["headers"]
+                   if k not in (b"content-encoding", b"content-length")]
+        client = tuple(request.client) if request.client is not None else None
+        for attempt in range(RETRIES + 1):
+            try:
+                status, out, data = await handle.handle.remote(
+                    method, path, request.scope.get("query_string", b""), headers, body, client)
+                break
+            except _DIED as e:  # the replica died under the call: Serve routes it elsewhere
+                if attempt == RETRIES:
+                    return JSONResponse({"error": f"no replica answered: {type(e).__name__}"},
+                                        status_code=503)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        response = Response(data, status_code=status)
+        response.raw_headers = [(k, v) for k, v in out if k != b"content-length"]
+        response.raw_headers.append((b"content-length", str(len(data)).encode()))
+        return response
+
+
+def build(config: str | os.PathLike, *, num_replicas: int = 2,
+          torch_threads: int | None = None, replica_options: dict | None = None) -> Any:
+    """The Serve application (for ``serve.run``): ``num_replicas`` replicas and the router, all
+    loading ``config`` (one tenants.yaml, on a path every node sees)."""
+    config = str(Path(config).resolve())
+    replica = ItifReplica.options(num_replicas=num_replicas, **(replica_options or {}))
+    return ItifRouter.bind(replica.bind(config, torch_threads), config)
+
+
+def app(args: dict) -> Any:
+    """The application builder of ``serve run itif.serve_ray:app config=tenants.yaml
+    [num_replicas=2] [num_gpus_per_replica=0] [torch_threads=N]`` and of a Serve config's
+    ``import_path`` (``args``: its ``args``)."""
+    if "config" not in args:
+        raise ValueError("itif.serve_ray:app needs the argument config=<path of tenants.yaml>")
+    threads = args.get("torch_threads")
+    gpus = float(args.get("num_gpus_per_replica", 0))
+    options = {"ray_actor_options": {"num_cpus": 0, "num_gpus": gpus}} if gpus else None
+    return build(args["config"], num_replicas=int(args.get("num_replicas", 2)),
+                 torch_threads=int(threads) if threads else None, replica_options=options)

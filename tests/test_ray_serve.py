@@ -1,0 +1,402 @@
+"""The Ray Serve fleet (``itif.serve_ray``) on a local Ray instance: 2 replicas, 7 tenants.
+
+One module-wide fleet, built from the committed Serve config (docs/scale-out/serve.yaml, its
+``import_path`` and ``args`` with the test's tenants.yaml): a tiny random BERT backbone
+(vocab 128, hidden 32), tenants t0..t5 whose weights a single writer (a plain daemon on the same
+``data_dir``) committed to the shared blob store before the fleet started, and t6 without weights
+(uploaded through the fleet by a test). Every answer is compared with the single-process engine
+(``itif.Engine`` with the same files), and that engine with Hugging Face's model once.
+
+Affinity is asked from Serve: each answer names the replica that produced it (``itif-replica``,
+from ``serve.get_replica_context()``) and the multiplexed model id Serve routed it with
+(``itif-tenant``); the replicas are Serve's live replica actors. Ray starts with 2 CPUs and no
+dashboard; the deployments ask for no CPU (2 replicas, the router, Serve's controller and proxy
+fit on 2 cores) and the replicas run torch on one thread each.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import random
+import re
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+import itif
+from itif.config import hash_token, load_config
+from itif.daemon import Daemon, Identity
+from itif.weights.safetensors_io import save_safetensors, sha256_file
+from tests.daemon_harness import ADMIN, free_port
+from tests.doc_blocks import REPO, blocks
+from tests.oracle import make_hf_model, reference
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+th = pytest.importorskip("tritonclient.http")
+from ray.serve.schema import ServeDeploySchema  # noqa: E402
+
+from itif import serve_ray  # noqa: E402
+
+TENANTS = [f"t{i}" for i in range(6)]  # weights committed before the fleet starts
+LATE = "t6"  # no weights until a test uploads them through the fleet
+ALL = TENANTS + [LATE]
+TOKENS = {t: f"{t}-token" for t in ALL}
+APP = "itif"
+SERVE_YAML = REPO / "docs/scale-out/serve.yaml"
+RAYSERVICE_YAML = REPO / "docs/scale-out/rayservice.yaml"
+DOC = REPO / "docs/scale-out.md"
+DOC_ADDR = "127.0.0.1:8000"
+BACKBONE = dict(model_type="bert", vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12, pad_token_id=0)
+
+
+def H(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+class Fleet:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.backbone = root / "backbone" / "config.json"
+        self.backbone.parent.mkdir()
+        self.backbone.write_text(json.dumps(BACKBONE))
+        self.config = root / "tenants.yaml"
+        lines = ["server:", "  listen: 127.0.0.1:0", f"  data_dir: {root / 'data'}",
+                 f"  admin_token_sha256: {hash_token(ADMIN)}", "backbone:",
+                 f"  config: {self.backbone}", "  device: cpu", "  dtype: float32",
+                 "scheduler:", "  max_wait_ms: 2", "tenants:"]
+        for t in ALL:
+            lines += [f"  - id: {t}", f"    token_sha256: {hash_token(TOKENS[t])}"]
+        self.config.write_text("\n".join(lines) + "\n")
+        self.files: dict[str, Path] = {}
+        self.hf = {}
+        for i, t in enumerate(ALL):
+            self.hf[t] = make_hf_model(str(self.backbone), num_labels=2 + i % 3, seed=1600 + i)
+            self.files[t] = root / f"{t}.safetensors"
+            save_safetensors({k: v.contiguous() for k, v in self.hf[t].state_dict().items()},
+                             self.files[t])
+        self.engine = itif.Engine(str(self.backbone), device="cpu", dtype="float32")
+        for t in ALL:
+            self.engine.add_tenant(t, str(self.files[t]))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def commit_weights(self) -> None:
+        """The single writer: a plain daemon on the same data_dir commits t0..t5, then stops."""
+        d = Daemon(load_config(self.config))
+        d.start()
+        try:
+            for t in TENANTS:
+                data = self.files[t].read_bytes()
+                d.upload(Identity(None, admin=True), t, sha256_file(self.files[t]), len(data),
+                         [data])
+        finally:
+            d.stop(0)
+
+    def want(self, tenant: str, ids: list[int], output: str = "logits") -> np.ndarray:
+        (res,) = self.engine.infer([itif.Request(tenant, input_ids=ids, outputs=(output,))])
+        return getattr(res, output)
+
+    def replicas(self) -> set[str]:
+        """Serve's live ItifReplica replica ids (its replica actors, by name)."""
+        prefix = f"SERVE_REPLICA::{APP}#ItifReplica#"
+        out = set()
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(prefix):
+                try:
+                    ray.get_actor(a["name"], namespace=a["namespace"])
+                except ValueError:
+                    continue
+                out.add(a["name"][len(prefix):])
+        return out
+
+    def kill(self, replica: str) -> None:
+        actor = ray.get_actor(f"SERVE_REPLICA::{APP}#ItifReplica#{replica}", namespace="serve")
+        ray.kill(actor, no_restart=True)
+
+
+def _serve_config() -> dict:
+    return yaml.safe_load(SERVE_YAML.read_text())
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    f.commit_weights()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level="warning", configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": f.port})
+        (cfg,) = ServeDeploySchema.model_validate(_serve_config()).applications
+        module, _, builder = cfg.import_path.partition(":")
+        app = getattr(importlib.import_module(module), builder)({**cfg.args,
+                                                                 "config": str(f.config)})
+        serve.run(app, name=cfg.name, route_prefix=cfg.route_prefix)
+        yield f
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+# ---- one call of each kind, checked ------------------------------------------------------------
+def _rand_ids(rng: random.Random) -> list[int]:
+    return [rng.randrange(1, 128) for _ in range(rng.randrange(2, 12))]
+
+
+def kserve_json(f: Fleet, client: httpx.Client, tenant: str, ids: list[int]) -> tuple[str, str]:
+    body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, len(ids)],
+                        "data": ids}], "outputs": [{"name": "logits"}]}
+    r = client.post(f"/v2/models/{tenant}/infer", json=body, headers=H(TOKENS[tenant]))
+    assert r.status_code == 200, (tenant, r.status_code, r.text)
+    out = r.json()["outputs"][0]
+    np.testing.assert_allclose(np.asarray(out["data"], np.float32), f.want(tenant, ids),
+                               atol=2e-5, rtol=1e-4)
+    return r.headers[serve_ray.REPLICA_HEADER], r.headers[serve_ray.TENANT_HEADER]
+
+
+def embeddings(f: Fleet, client, tenant: str, ids: list[int]) -> tuple[str, str]:
+    raw = client.with_options(api_key=TOKENS[tenant]).embeddings.with_raw_response.create(
+        model=tenant, input=[ids])
+    got = np.asarray(raw.parse().data[0].embedding, np.float32)
+    np.testing.assert_allclose(got, f.want(tenant, ids, "pooled"), atol=2e-5, rtol=1e-4)
+    return raw.headers[serve_ray.REPLICA_HEADER], raw.headers[serve_ray.TENANT_HEADER]
+
+
+def triton_binary(f: Fleet, client, tenant: str, ids: list[int]) -> None:
+    t = th.InferInput("input_ids", [1, len(ids)], "INT64")
+    t.set_data_from_numpy(np.asarray([ids], np.int64))  # binary tensor extension
+    res = client.infer(tenant, [t], outputs=[th.InferRequestedOutput("logits")],
+                       headers=H(TOKENS[tenant]))
+    np.testing.assert_allclose(res.as_numpy("logits")[0], f.want(tenant, ids),
+                               atol=2e-5, rtol=1e-4)
+
+
+class Load:
+    """Mixed traffic from ``workers`` threads until stopped: KServe JSON over httpx, OpenAI
+    embeddings through the ``openai`` client, KServe binary tensors through tritonclient.http;
+    every answer checked. ``seen[tenant]`` lists (time, replica) of the answers that name it."""
+
+    def __init__(self, f: Fleet, tenants: list[str], workers: int = 6, seed: int = 0) -> None:
+        self.f, self.tenants, self.workers = f, tenants, workers
+        self.seed = seed
+        self.stop = threading.Event()
+        self.seen: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        self.errors: list[BaseException] = []
+        self.answers = 0
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                        for i in range(workers)]
+
+    def _run(self, i: int) -> None:
+        rng = random.Random(self.seed * 100 + i)
+        f = self.f
+        hc = httpx.Client(base_url=f.url, timeout=120)
+        oc = openai.OpenAI(base_url=f.url + "/v1", api_key="-", max_retries=0, timeout=120)
+        tc = th.InferenceServerClient(f.url[len("http://"):], network_timeout=120)
+        try:
+            while not self.stop.is_set():
+                tenant, ids = rng.choice(self.tenants), _rand_ids(rng)
+                kind = rng.randrange(3)
+                try:
+                    if kind == 0:
+                        who = kserve_json(f, hc, tenant, ids)
+                    elif kind == 1:
+                        who = embeddings(f, oc, tenant, ids)
+                    else:
+                        triton_binary(f, tc, tenant, ids)
+                        who = None
+                except BaseException as e:  # noqa: BLE001 - reported by the test
+                    with self.lock:
+                        self.errors.append(e)
+                    continue
+                with self.lock:
+                    self.answers += 1
+                    if who is not None:
+                        assert who[1] == tenant, who  # Serve routed it with its tenant's id
+                        self.seen[tenant].append((time.monotonic(), who[0]))
+        finally:
+            hc.close()
+            oc.close()
+            tc.close()
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(180)
+
+    def wait_answers(self, n: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        start = self.answers
+        while self.answers - start < n:
+            assert not self.errors, self.errors[:3]
+            assert time.monotonic() < end, f"{self.answers - start} answers in {timeout} s"
+            time.sleep(0.05)
+
+
+def _place(f: Fleet, client: httpx.Client, tenants: list[str]) -> dict[str, str]:
+    """One call per tenant, in turn: Serve places each (the first call of a tenant goes to a
+    replica holding the fewest); returns tenant -> replica."""
+    rng = random.Random(7)
+    out = {}
+    for t in tenants:
+        replica, routed = kserve_json(f, client, t, _rand_ids(rng))
+        assert routed == t
+        out[t] = replica
+        # the replica reports its tenants to Serve's routers every 0.1 s: a call sent before
+        # that may be placed on another replica as if it were the tenant's first
+        time.sleep(1.0)
+    return out
+
+
+# ---- tests -------------------------------------------------------------------------------------
+def test_engine_oracle_is_hugging_face(fleet):
+    """The single-process engine the fleet is compared with equals HF's model per tenant."""
+    ids = [3, 17, 99, 4, 51]
+    for t in (TENANTS[0], TENANTS[4]):
+        want = reference(fleet.hf[t], itif.Request(t, input_ids=ids))["logits"]
+        np.testing.assert_allclose(fleet.want(t, ids), want, atol=1e-5)
+
+
+def test_mixed_traffic_equals_the_engine_and_tenants_keep_their_replica(fleet):
+    live = fleet.replicas()
+    assert len(live) == 2, live
+    with httpx.Client(base_url=fleet.url, timeout=120) as c:
+        placed = _place(fleet, c, TENANTS)
+        assert set(placed.values()) == live  # tenants are spread over both replicas
+        with Load(fleet, TENANTS, workers=6, seed=1) as load:
+            load.wait_answers(90)
+        assert not load.errors, load.errors[:3]
+        for t in TENANTS:
+            replicas = {r for _, r in load.seen[t]}
+            assert replicas == {placed[t]}, (t, replicas, placed[t])  # every call, one replica
+        assert sum(len(v) for v in load.seen.values()) >= 45
+
+        # a replica holds exactly the tenants routed to it (asked from each replica)
+        for t in TENANTS:
+            r = c.get(f"/v2/models/{t}/ready", headers=H(TOKENS[t]))
+            assert r.status_code == 200 and r.headers[serve_ray.REPLICA_HEADER] == placed[t]
+
+        # what has no tenant, or names none that is configured, goes to any replica and loads
+        # nothing; errors keep the KServe body
+        assert c.get("/v2/health/ready").status_code == 200
+        r = c.post("/v2/models/nope/infer", json={"inputs": []}, headers=H(TOKENS["t0"]))
+        assert r.status_code == 404 and "not found" in r.json()["error"]
+        assert r.headers[serve_ray.TENANT_HEADER] == ""
+        r = c.post("/v2/models/t1/infer", json={"inputs": []}, headers=H("wrong"))
+        assert r.status_code == 401 and "token" in r.json()["error"]
+        r = c.post("/v2/models/t1/infer", json={"inputs": []}, headers=H(TOKENS["t0"]))
+        assert r.status_code == 404  # another tenant's model answers like an unknown one
+        r = c.post("/v1/embeddings", content=b"{not json", headers=H(TOKENS["t0"]))
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_kill_a_replica_mid_load_loses_no_tenant(fleet):
+    with httpx.Client(base_url=fleet.url, timeout=120) as c:
+        placed = _place(fleet, c, TENANTS)
+        # t6's weights are acknowledged by the fleet itself: uploaded through it (KServe
+        # repository load, admin token), stored in the shared blob store by t6's replica
+        data = base64.b64encode(fleet.files[LATE].read_bytes()).decode()
+        r = c.post(f"/v2/repository/models/{LATE}/load", headers=H(ADMIN),
+                   json={"parameters": {"file:model.safetensors": data}})
+        assert r.status_code == 200, r.text
+        holder = r.headers[serve_ray.REPLICA_HEADER]
+        time.sleep(1.0)  # the replica reports that it holds t6 to Serve's routers (see _place)
+        placed[LATE] = kserve_json(fleet, c, LATE, [5, 6, 7])[0]
+        assert placed[LATE] == holder
+        before = fleet.replicas()
+        victims = [t for t in ALL if placed[t] == holder]
+        with Load(fleet, ALL, workers=6, seed=2) as load:
+            load.wait_answers(30)
+            fleet.kill(holder)
+            end = time.monotonic() + 150
+            while not (len(fleet.replicas()) == 2 and holder not in fleet.replicas()):
+                assert time.monotonic() < end, "Serve did not restart the replica"
+                time.sleep(0.5)
+            t_recovered = time.monotonic()
+            load.wait_answers(60)
+        assert not load.errors, load.errors[:3]  # no call failed, across the kill
+        after = fleet.replicas()
+        assert holder not in after and len(after) == 2 and len(after & before) == 1
+        for t in victims:  # the killed replica's tenants answered again, by a live replica
+            late = [r for when, r in load.seen[t] if when > t_recovered]
+            assert late and set(late) <= after, (t, late, after)
+
+    # recovered: every tenant, t6 included, answers correctly, each from one live replica
+    with httpx.Client(base_url=fleet.url, timeout=120) as c:
+        rng = random.Random(3)
+        for t in ALL:
+            got = {kserve_json(fleet, c, t, _rand_ids(rng))[0] for _ in range(4)}
+            assert len(got) == 1 and got <= after, (t, got)
+
+
+# ---- the committed configs and the documented snippets ------------------------------------------
+def test_serve_config_and_rayservice_parse_with_serves_schema():
+    cfg = ServeDeploySchema.model_validate(_serve_config())
+    (app_cfg,) = cfg.applications
+    assert app_cfg.import_path == "itif.serve_ray:app" and app_cfg.route_prefix == "/"
+    assert app_cfg.args["num_replicas"] == 2
+    service = yaml.safe_load(RAYSERVICE_YAML.read_text())
+    assert service["kind"] == "RayService" and service["apiVersion"] == "ray.io/v1"
+    spec = service["spec"]
+    inner = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
+    assert inner.applications[0].import_path == app_cfg.import_path
+    workers = spec["rayClusterConfig"]["workerGroupSpecs"][0]
+    gpus = workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) == 1 and workers["replicas"] == inner.applications[0].args["num_replicas"]
+    assert inner.applications[0].args["num_gpus_per_replica"] == 1
+    # the doc's `serve run` / `serve deploy` lines name this module and these files
+    text = DOC.read_text()
+    assert "serve run itif.serve_ray:app config=" in text
+    assert "serve deploy docs/scale-out/serve.yaml" in text
+    assert "docs/scale-out/rayservice.yaml" in text
+    with pytest.raises(ValueError, match="config="):
+        serve_ray.app({})
+
+
+def test_tenant_of_reads_the_routes():
+    cases = [("POST", "/v2/models/acme/infer", b"", "acme"),
+             ("GET", "/v2/models/acme/versions/1/ready", b"", "acme"),
+             ("GET", "/v2/models/stats", b"", None),
+             ("GET", "/v2/models/acme/stats", b"", "acme"),
+             ("POST", "/v2/repository/models/acme/load", b"{}", "acme"),
+             ("POST", "/v2/repository/index", b"{}", None),
+             ("GET", "/v1/models/acme", b"", "acme"),
+             ("GET", "/v1/models", b"", None),
+             ("POST", "/v1/embeddings", b'{"model": "acme", "input": "x"}', "acme"),
+             ("POST", "/v1/embeddings", b'{"model": 3}', None),
+             ("POST", "/v1/embeddings", b"[1, 2]", None),
+             ("POST", "/v1/embeddings", b"{bad", None),
+             ("GET", "/v2/health/ready", b"", None)]
+    for method, path, body, want in cases:
+        assert serve_ray.tenant_of(method, path, body) == want, (method, path, body)
+
+
+@pytest.mark.parametrize("marker", ["import httpx", "from openai import",
+                                    "import tritonclient.http"])
+def test_documented_client_snippets(fleet, marker, capsys):
+    """docs/scale-out.md's first calls, as written, against the fleet (its address for the
+    documented one, t0's token for acme's; acme's ids fit any BERT vocabulary of 128+)."""
+    (block,) = [b for b in blocks(DOC) if b.lang == "python" and marker in b.text]
+    code = block.text.replace(DOC_ADDR, f"127.0.0.1:{fleet.port}")
+    code = code.replace("acme-secret-token", TOKENS["t0"])
+    code = re.sub(r"\bacme\b", "t0", code)
+    exec(compile(code, f"{block.path}:{block.line}", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.strip(), "the snippet printed nothing"
+    assert "replica" in out or "embedding" in out or "logits" in out, out
