@@ -13,6 +13,7 @@ admission (``served``); the last one runs a real ``itif serve`` (upload, the doc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -138,6 +139,14 @@ def served(tmp_path_factory):
     for tenant, model in models.items():
         data = weights_bytes(model, root)
         d.upload(admin, tenant, hashlib.sha256(data).hexdigest(), len(data), [data])
+    with grpc_server(d) as port:
+        yield Served(d, port, models, root)
+
+
+@contextlib.contextmanager
+def grpc_server(d: InProcess):
+    """The real itif.v1 servicer with its auth interceptor and admission over ``d`` on an
+    in-process grpc.aio server; yields its port; stops the daemon at the end."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -151,7 +160,7 @@ def served(tmp_path_factory):
 
     srv, port = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
     try:
-        yield Served(d, port, models, root)
+        yield port
     finally:
         asyncio.run_coroutine_threadsafe(srv.stop(None), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)
@@ -251,6 +260,47 @@ def test_sampling_is_reproducible_for_a_seed(served):
                              timeout=60) for s in (12, 13, 14)]
     assert list(a.sequences[0].ids) == list(b.sequences[0].ids)
     assert any(list(o.sequences[0].ids) != list(a.sequences[0].ids) for o in others)
+
+
+def test_encoder_decoder_tenant_through_generate(tmp_path):
+    """A BART daemon (a checkpoint directory whose config carries the generation settings:
+    decoder start, eos, pad, forced eos): greedy and beam search through Generate equal
+    GenEngine.generate and Hugging Face generate(); the sequences leave out the decoder start
+    token."""
+    from itif.generation.spec import PRESETS
+
+    cfg = PRESETS["bart-tiny"].hf_config()
+    cfg.update(bos_token_id=0, eos_token_id=EOS, pad_token_id=1, decoder_start_token_id=EOS,
+               forced_eos_token_id=EOS)
+    (tmp_path / "bart").mkdir()
+    (tmp_path / "bart" / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(3)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(**cfg)).eval()
+    d = InProcess(parse_config(config_text(tmp_path / "bart", max_new_tokens=32), tmp_path))
+    d.start()
+    data = weights_bytes(model, tmp_path)
+    d.upload(Identity(None, admin=True), "acme", hashlib.sha256(data).hexdigest(), len(data),
+             [data])
+    # (a random BART repeats its start token, the eos: greedy ends at once unless eos is moved)
+    cases = [dict(max_new_tokens=10, eos_token_id=VOCAB - 1),
+             dict(max_new_tokens=10, num_beams=3, num_return_sequences=2, no_repeat_ngram_size=2)]
+    src = [0, 17, 42, 9, 2]
+    with grpc_server(d) as port, Client(f"127.0.0.1:{port}", TOKENS["acme"]) as c:
+        got = [c.generate("acme", src, timeout=60, **kw) for kw in cases]
+        want = d.generator.generate([GenerateRequest("acme", src, **kw) for kw in cases])
+    for g, w, kw in zip(got, want, cases):
+        seqs = [list(s.ids) for s in g.sequences]
+        assert seqs == w.sequences
+        with torch.no_grad():
+            out = model.generate(torch.tensor([src]), attention_mask=torch.ones(1, len(src),
+                                 dtype=torch.long), **kw)
+        hf = []
+        for row in out[:, 1:].tolist():  # without the decoder start token and the padding
+            while row and row[-1] == cfg["pad_token_id"]:
+                row.pop()
+            hf.append(row)
+        assert seqs == hf, (kw, seqs, hf)
+        assert all(len(s) >= 3 for s in seqs), seqs  # more than an immediate end
 
 
 # ---- refusals ----------------------------------------------------------------------------------
