@@ -20,10 +20,11 @@ import torch
 
 from itif.errors import InvalidRequest
 from itif.generation.api import GenerateRequest, GenerationDefaults
-from itif.generation.processors import ban_repeated_ngrams, exponential_noise
+from itif.generation.processors import ban_bad_words, ban_repeated_ngrams, exponential_noise
 from itif.generation.search import SearchBatch, search_params
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Unfeasible length constraints")
 
 V = 96
 
@@ -57,10 +58,12 @@ def _tiny(family: str, seed: int):
 
 
 class Tenant:
-    def __init__(self, family: str, seed: int):
+    def __init__(self, family: str, seed: int, **generation_config):
         self.model = _tiny(family, seed)
         self.enc_dec = family != "gpt2"
         g = self.model.generation_config
+        for k, v in generation_config.items():
+            setattr(g, k, v)
         eos = g.eos_token_id
         self.defaults = GenerationDefaults(
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
@@ -118,6 +121,15 @@ class Tenant:
             cut = next((i + 1 for i, t in enumerate(s) if t in eos), len(s))
             seqs.append(s[:cut])
         return seqs, None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread (a busy shared CPU makes two threads many times slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +211,7 @@ def test_greedy_and_beam_mixed_tenants_equal_hf(tenants):
     combos = [(nb, es, ng, lp) for nb in (1, 2, 3, 4, 5) for es in (True, False, "never")
               for ng in (0, 3) for lp in (1.0, 0.6, 1.7)]
     rng.shuffle(combos)
-    for i, (nb, es, ng, lp) in enumerate(combos[:36]):
+    for i, (nb, es, ng, lp) in enumerate(combos[:48]):
         kw = dict(num_beams=nb, no_repeat_ngram_size=ng, max_new_tokens=rng.randrange(1, 14))
         if nb > 1:
             kw.update(early_stopping=es, length_penalty=lp, num_return_sequences=rng.randrange(1, nb + 1))
@@ -233,32 +245,45 @@ def test_joining_and_leaving_do_not_change_results(tenants):
         assert crowded[key] == alone[key]
 
 
-def test_min_length_forced_tokens_and_request_eos(tenants):
-    """The checkpoint's min_length (counted as generate() counts it), forced BOS/EOS, the banned
-    pad token, and a request's own eos_token_id replacing the checkpoint's."""
+def test_checkpoint_settings_and_request_eos(tenants):
+    """The checkpoint's settings as generate() honours them: min_length (counting the prompt, or
+    the start token) and min_new_tokens, forced BOS/EOS, single- and multi-token bad words,
+    several EOS ids (3 * num_beams candidates), and a request's own eos_token_id replacing them;
+    length penalties below zero, zero and above one."""
     rng = random.Random(2)
     mt = dict(tenants)
-    for name, family, seed in (("gpt2-min", "gpt2", 5), ("bart-min", "bart", 6)):
-        t = Tenant(family, seed)
-        t.model.generation_config.min_length = 6 if family == "gpt2" else 4
-        t.defaults = GenerationDefaults(**{**t.defaults.__dict__, "min_length": t.model.generation_config.min_length})
-        mt[name] = t
+    mt["gpt2-min"] = Tenant("gpt2", 5, min_length=6)
+    mt["bart-min"] = Tenant("bart", 6, min_new_tokens=3)
+    mt["gpt2-multi"] = Tenant("gpt2", 7, eos_token_id=[5, 9], bad_words_ids=[[12, 13], [20, 21, 22], [7], [9]])
+    mt["marian-min"] = Tenant("marian", 8, min_length=5)
     jobs = []
-    for i, name in enumerate(["gpt2-min", "bart-min", "marian", "bart", "gpt2-a", "marian"]):
-        for nb in (1, 3):
-            req = GenerateRequest(tenant=name, input_ids=_prompt(rng)[:3], num_beams=nb, max_new_tokens=7,
-                                  eos_token_id=rng.choice((None, 7)) if name.startswith("gpt2") else None)
-            jobs.append((f"{name}-{nb}-{i}", 0, req))
+    for i, name in enumerate(["gpt2-min", "bart-min", "gpt2-multi", "marian-min", "bart", "marian", "gpt2-multi"]):
+        for nb in (1, 2, 3, 4):
+            req = GenerateRequest(tenant=name, input_ids=_prompt(rng)[:4], num_beams=nb,
+                                  max_new_tokens=rng.choice((1, 2, 7, 10)),
+                                  eos_token_id=rng.choice((None, 7)) if name.startswith("gpt2") else None,
+                                  length_penalty=rng.choice((1.0, -0.5, 0.0, 2.0)) if nb > 1 else 1.0,
+                                  early_stopping=rng.choice((True, False, "never")) if nb > 1 else False,
+                                  no_repeat_ngram_size=rng.choice((0, 2, 3)))
+            jobs.append((f"{name}-{nb}-{i}", rng.choice((0, 2)), req))
     results, _ = drive(mt, jobs)
     check_against_hf(mt, jobs, results)
     for key, _, req in jobs:
+        d = mt[req.tenant].defaults
+        eos = {req.eos_token_id} if req.eos_token_id is not None else set(d.eos_token_ids)
         for seq in results[key].sequences:
             if req.tenant.startswith("bart"):
-                assert seq[0] == 0                      # forced BOS
-            if req.tenant == "marian":
-                assert 0 not in seq                     # pad banned
-            if req.tenant == "gpt2-min" and len(seq) < 7:
-                assert seq[-1] not in {5, 7} or len(seq) > 6 - len(req.input_ids)
+                assert seq[0] == 0 or (req.max_new_tokens == 1 and seq == [2])   # forced BOS (EOS wins at 1)
+            if req.tenant.startswith("marian"):
+                assert 0 not in seq                                                 # pad banned
+            if req.tenant == "gpt2-multi":
+                assert 7 not in seq or 7 in eos
+                assert all(seq[j:j + 2] != [12, 13] for j in range(len(seq)))
+            if seq and seq[-1] in eos and len(seq) < req.max_new_tokens:
+                if req.tenant == "gpt2-min":
+                    assert len(req.input_ids) + len(seq) > 6
+                if req.tenant == "bart-min":
+                    assert len(seq) > 3
 
 
 def test_sampling_reproducible_and_equal_to_hf_warpers(tenants):
@@ -334,6 +359,31 @@ def test_ngram_blocker_property():
                 if n and len(seq) >= n:
                     grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
                     assert grams.count(tuple(seq[-n:])) == 1
+
+
+def test_bad_words_blocker_against_python():
+    """Multi-token bad words: a sequence bans its last token exactly when the history ends with
+    the rest of it (a prefix longer than the history bans nothing), rows padded differently."""
+    rng = random.Random(5)
+    for _ in range(40):
+        rows, vocab = rng.randrange(1, 6), rng.choice((3, 5))
+        hists = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 9))] for _ in range(rows)]
+        words = [[[rng.randrange(vocab) for _ in range(rng.randrange(1, 5))] for _ in range(rng.randrange(0, 4))]
+                 for _ in range(rows)]
+        w = max(len(x) for x in words)
+        p = max([len(s) - 1 for x in words for s in x], default=0)
+        width = max(map(len, hists))
+        h = torch.tensor([x + [0] * (width - len(x)) for x in hists])
+        last = torch.tensor([[s[-1] for s in x] + [-1] * (w - len(x)) for x in words]).view(rows, w)
+        plen = torch.tensor([[len(s) - 1 for s in x] + [0] * (w - len(x)) for x in words]).view(rows, w)
+        pre = torch.tensor([[[-1] * (p - len(s) + 1) + s[:-1] for s in x] + [[-1] * p] * (w - len(x))
+                            for x in words]).view(rows, w, p)
+        scores = torch.randn(rows, vocab)
+        out = ban_bad_words(scores, h, torch.tensor(list(map(len, hists))), pre, plen, last)
+        for r in range(rows):
+            want = {s[-1] for s in words[r] if len(s) - 1 <= len(hists[r])
+                    and (len(s) == 1 or hists[r][-(len(s) - 1):] == s[:-1])}
+            assert {i for i in range(vocab) if out[r, i] == float("-inf")} == want
 
 
 def test_bad_input_is_named(tenants):
