@@ -48,6 +48,24 @@ def build_generator(source: str, device: str, dtype: str, kv_cache_bytes: int | 
     return GenEngine(source, device=device, dtype=dtype, max_new_tokens_limit=max_new_tokens, **kw)
 
 
+class _SpecView:
+    """The DecoderSpec as the encoder paths read ``engine.spec``: every attribute forwarded,
+    but ``is_text`` (what KServe's metadata and inference ask first) refuses, naming Generate,
+    so KServe on a decoder daemon answers UNIMPLEMENTED rather than failing inside."""
+
+    def __init__(self, spec: Any) -> None:
+        self._spec = spec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spec, name)
+
+    @property
+    def is_text(self) -> bool:
+        raise Unimplemented(
+            f"backbone {self._spec.name!r} is a decoder: call the itif.v1 Generate RPC (itif "
+            "generate); KServe inference serves encoder backbones")
+
+
 def _dir_tokenizer(source_dir: Any) -> Any:
     """The ``tokenizers.Tokenizer`` of ``source_dir/tokenizer.json``, or None."""
     if source_dir is None:
@@ -79,7 +97,7 @@ class DecoderBackend:
     # ---- what the daemon reads ------------------------------------------------------------
     @property
     def spec(self) -> Any:
-        return self.gen.spec
+        return _SpecView(self.gen.spec)
 
     @property
     def store(self) -> Any:

@@ -37,6 +37,7 @@ from itif.errors import Unimplemented
 from itif.generation.api import GenerateRequest
 from itif.metrics import Metrics
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
+from itif.server import kserve
 from itif.server.admission import Admission
 from itif.server.service import AuthInterceptor, ItifService
 from itif.weights.safetensors_io import save_safetensors
@@ -154,6 +155,7 @@ def grpc_server(d: InProcess):
     async def start():
         srv = grpc.aio.server(interceptors=[AuthInterceptor(d, Admission(d))])
         itif_pb2_grpc.add_ItifServicer_to_server(ItifService(d), srv)
+        kserve.add_to_server(d, srv)
         port = srv.add_insecure_port("127.0.0.1:0")
         await srv.start()
         return srv, port
@@ -357,6 +359,18 @@ def test_tenants_auth_and_the_wrong_call(served):
             assert code == C.NOT_FOUND and "not found" in msg, (tenant, code, msg)
         code, msg = error_of(lambda: c.infer("acme", [5, 6], timeout=30))
         assert code == C.UNIMPLEMENTED and "Generate" in msg, (code, msg)
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        triton = service_pb2_grpc.GRPCInferenceServiceStub(c.channel)
+        infer = service_pb2.ModelInferRequest(model_name="acme", inputs=[
+            service_pb2.ModelInferRequest.InferInputTensor(
+                name="input_ids", datatype="INT64", shape=[1, 2],
+                contents=service_pb2.InferTensorContents(int64_contents=[5, 6]))])
+        for call in (lambda: triton.ModelMetadata(service_pb2.ModelMetadataRequest(name="acme"),
+                                                  metadata=c.metadata, timeout=30),
+                     lambda: triton.ModelInfer(infer, metadata=c.metadata, timeout=30)):
+            code, msg = error_of(call)
+            assert code == C.UNIMPLEMENTED and "Generate" in msg, (code, msg)
     with served.client("empty") as c:
         code, _ = error_of(lambda: c.generate("empty", [5], timeout=30))
         assert code == C.FAILED_PRECONDITION
