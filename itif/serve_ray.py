@@ -117,15 +117,20 @@ class FleetDaemon(Daemon):
 
 class _Held:
     """What the multiplexed loader returns for a tenant: Serve calls :meth:`__del__` when it
-    evicts the tenant from this replica."""
+    evicts the tenant from this replica. Only that first call releases: Python calls the
+    class's ``__del__`` again when the object is collected, by which time the tenant may be
+    held anew (Serve's reset of the instance attribute does not stop that)."""
 
     def __init__(self, daemon: FleetDaemon, tenant: str) -> None:
         self.daemon, self.tenant = daemon, tenant
+        self.released = False
 
     def __del__(self) -> None:
         daemon = self.__dict__.get("daemon")
-        if daemon is not None and daemon.engine is not None:
-            daemon.release(self.tenant)
+        if self.__dict__.get("released", True) or daemon is None or daemon.engine is None:
+            return
+        self.released = True
+        daemon.release(self.tenant)
 
 
 # ---- ASGI in-process ---------------------------------------------------------------------------

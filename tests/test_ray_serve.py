@@ -369,6 +369,41 @@ def test_serve_config_and_rayservice_parse_with_serves_schema():
         serve_ray.app({})
 
 
+def test_replica_daemon_holds_and_releases_tenants(tmp_path):
+    """What the multiplexed loader and Serve's eviction do to a replica's daemon, without Ray:
+    nothing is held at start; a held tenant answers like the engine; an evicted one is refused
+    and leaves the engine; held anew it answers again, and the old handle's collection (Python
+    calls ``__del__`` once more) does not drop it."""
+    import gc
+
+    f = Fleet(tmp_path)
+    f.commit_weights()
+    d = serve_ray.FleetDaemon(load_config(f.config))
+    d.start()
+    admin = Identity(None, admin=True)
+    try:
+        assert not any(t in d.engine.store for t in ALL)  # nothing restored at start
+        d.hold(LATE)  # no stored weights: stays without
+        assert d.status[LATE].state.name == "NO_WEIGHTS" and LATE not in d.engine.store
+        d.hold("nope")  # not configured: nothing
+        held = serve_ray._Held(d, "t1")
+        d.hold("t1")
+        np.testing.assert_allclose(d.infer(admin, "t1", [itif.Request("", input_ids=[4, 5, 6])],
+                                           timeout=30)[0].logits, f.want("t1", [4, 5, 6]),
+                                   atol=2e-5)
+        held.__del__()  # Serve's eviction
+        held.__del__ = lambda _: None  # what Serve does next
+        assert "t1" not in d.engine.store and d.status["t1"].state.name == "NO_WEIGHTS"
+        with pytest.raises(itif.errors.NoWeights):
+            d.infer(admin, "t1", [itif.Request("", input_ids=[4, 5, 6])], timeout=30)
+        d.hold("t1")
+        del held
+        gc.collect()
+        assert "t1" in d.engine.store and d.status["t1"].state.name == "READY"
+    finally:
+        d.stop(0)
+
+
 def test_tenant_of_reads_the_routes():
     cases = [("POST", "/v2/models/acme/infer", b"", "acme"),
              ("GET", "/v2/models/acme/versions/1/ready", b"", "acme"),
