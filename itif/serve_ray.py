@@ -68,7 +68,7 @@ __all__ = ["FleetDaemon", "ItifReplica", "ItifRouter", "MAX_TENANTS_PER_REPLICA"
 #: used is evicted past it. ``ITIF_SERVE_MAX_TENANTS`` in the replicas' environment changes it.
 MAX_TENANTS_PER_REPLICA = int(os.environ.get("ITIF_SERVE_MAX_TENANTS", "64"))
 #: How many times the router sends a call again whose replica died under it.
-RETRIES = 3
+RETRIES = 5
 #: Concurrent calls per replica and per router (Serve's ``max_ongoing_requests``; its default, 5,
 #: would keep a replica's scheduler from ever seeing a batch).
 MAX_ONGOING = 256
@@ -280,7 +280,7 @@ class ItifRouter:
                 if attempt == RETRIES:
                     return JSONResponse({"error": f"no replica answered: {type(e).__name__}"},
                                         status_code=503)
-                await asyncio.sleep(0.2 * (attempt + 1))
+                await asyncio.sleep(0.25 * (attempt + 1))  # 3.75 s in all
         response = Response(data, status_code=status)
         response.raw_headers = [(k, v) for k, v in out if k != b"content-length"]
         response.raw_headers.append((b"content-length", str(len(data)).encode()))
