@@ -346,7 +346,7 @@ def test_ngram_blocker_property():
         width = max(map(len, hists)) + rng.randrange(0, 4)
         h = torch.tensor([x + [rng.randrange(vocab)] * (width - len(x)) for x in hists])   # junk past the end
         scores = torch.randn(rows, vocab)
-        out = ban_repeated_ngrams(scores, h, torch.tensor(list(map(len, hists))), torch.tensor(sizes), max(sizes))
+        out = ban_repeated_ngrams(scores.clone(), h, torch.tensor(list(map(len, hists))), torch.tensor(sizes), max(sizes))
         for r in range(rows):
             banned = _banned_oracle(hists[r], sizes[r])
             assert {i for i in range(vocab) if out[r, i] == float("-inf")} == banned
@@ -379,7 +379,7 @@ def test_bad_words_blocker_against_python():
         pre = torch.tensor([[[-1] * (p - len(s) + 1) + s[:-1] for s in x] + [[-1] * p] * (w - len(x))
                             for x in words]).view(rows, w, p)
         scores = torch.randn(rows, vocab)
-        out = ban_bad_words(scores, h, torch.tensor(list(map(len, hists))), pre, plen, last)
+        out = ban_bad_words(scores.clone(), h, torch.tensor(list(map(len, hists))), pre, plen, last)
         for r in range(rows):
             want = {s[-1] for s in words[r] if len(s) - 1 <= len(hists[r])
                     and (len(s) == 1 or hists[r][-(len(s) - 1):] == s[:-1])}

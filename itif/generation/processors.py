@@ -1,7 +1,8 @@
 """The logits processors and sampling warpers of Hugging Face ``generate()``, over many rows at once.
 
 Every function here takes the scores of several rows, each row with its own parameters held in
-tensors (one entry per row), and returns new scores. They reproduce, bit for bit in float32,
+tensors (one entry per row); the processors write their ``-inf`` into the scores in place (only
+the entries they ban) and return them, so the caller passes a tensor it owns. They reproduce, bit for bit in float32,
 what ``transformers`` 5.x applies to one request's rows, in the order ``generate()`` applies them
 (``_get_logits_processor``):
 
@@ -38,17 +39,17 @@ NEG_INF = -math.inf
 
 
 def _ban(scores: torch.Tensor, cols: torch.Tensor, on: torch.Tensor | None = None) -> torch.Tensor:
-    """``scores`` [rows, V] with ``-inf`` at ``cols`` [rows, k] (entries < 0 or >= V, or where
-    ``on`` [rows, k] is False, ban nothing)."""
-    rows, vocab = scores.shape
+    """``scores`` [rows, V] with ``-inf`` written at ``cols`` [rows, k], in place (entries < 0 or
+    >= V, or where ``on`` [rows, k] is False, ban nothing). Only the banned entries are touched."""
+    vocab = scores.shape[1]
     if cols.shape[1] == 0:
         return scores
     ok = (cols >= 0) & (cols < vocab)
     if on is not None:
         ok = ok & on
-    mask = torch.zeros((rows, vocab + 1), dtype=torch.bool, device=scores.device)
-    mask.scatter_(1, torch.where(ok, cols, vocab), True)
-    return scores.masked_fill(mask[:, :vocab], NEG_INF)
+    r, j = torch.nonzero(ok, as_tuple=True)
+    scores[r, cols[r, j]] = NEG_INF
+    return scores
 
 
 def ban_repeated_ngrams(scores: torch.Tensor, hist: torch.Tensor, hlen: torch.Tensor,
@@ -115,57 +116,61 @@ def ban_early_eos(scores: torch.Tensor, gen: torch.Tensor, min_new: torch.Tensor
 
 def force_tokens(scores: torch.Tensor, hlen: torch.Tensor, gen: torch.Tensor, max_new: torch.Tensor,
                  forced_bos: torch.Tensor, forced_eos: torch.Tensor) -> torch.Tensor:
-    """``ForcedBOS`` then ``ForcedEOS``: a row whose history is one token long with
+    """``ForcedBOS`` then ``ForcedEOS``, in place: a row whose history is one token long with
     ``forced_bos >= 0`` gets ``-inf`` everywhere but 0 at that token; so does a row at its last
-    step (``gen == max_new - 1``) with ``forced_eos >= 0``, applied second (it wins)."""
-    rows, vocab = scores.shape
-    cols = torch.arange(vocab, device=scores.device).view(1, vocab)
+    step (``gen == max_new - 1``) with ``forced_eos >= 0``, applied second (it wins). Only the
+    forced rows are rewritten."""
     for on, tok in (((hlen == 1) & (forced_bos >= 0), forced_bos),
                     ((gen == max_new - 1) & (forced_eos >= 0), forced_eos)):
-        forced = torch.where(cols == tok.view(rows, 1), 0.0, NEG_INF).to(scores.dtype)
-        scores = torch.where(on.view(rows, 1), forced, scores)
+        r = torch.nonzero(on).view(-1)
+        if r.numel():
+            scores[r] = NEG_INF
+            scores[r, tok[r]] = 0.0
     return scores
 
 
 def warp(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
          top_p_cut: torch.Tensor, use_top_p: torch.Tensor) -> torch.Tensor:
-    """The sampling warpers in ``generate()``'s order: temperature, top-k, top-p.
+    """The sampling warpers in ``generate()``'s order: temperature, top-k, top-p (a new tensor).
 
     ``temperature`` [rows] float32 (1.0 = off; dividing by 1.0 is exact); ``top_k`` [rows]
     (0 = off; ``generate()`` keeps at least one token); ``top_p_cut`` [rows] float32: ``1 -
     top_p`` rounded to float32 as ``generate()``'s comparison rounds it; ``use_top_p`` [rows]:
     top_p < 1 (rows without it are left untouched, as ``generate()`` adds no warper for them).
+    Top-p sorts whole rows as ``generate()`` does (its cumulative sums must be the same bits), so
+    only the rows that use it are sorted.
     """
     rows, vocab = scores.shape
     scores = scores / temperature.view(rows, 1)
     # top-k: drop everything below the k-th largest value (ties with it stay)
-    k = top_k.clamp(1, vocab)
-    kth = scores.sort(-1, descending=True).values.gather(1, (k - 1).view(rows, 1))
-    scores = torch.where((top_k > 0).view(rows, 1) & (scores < kth), NEG_INF, scores)
+    kr = torch.nonzero(top_k > 0).view(-1)
+    if kr.numel():
+        k = top_k[kr].clamp(1, vocab)
+        kth = torch.topk(scores[kr], int(k.max()), dim=-1).values.gather(1, (k - 1).view(-1, 1))
+        sub = scores[kr]
+        scores[kr] = sub.masked_fill(sub < kth, NEG_INF)
     # top-p: ascending sort; drop the low tail whose cumulative probability is <= 1 - top_p
-    sorted_logits, sorted_idx = torch.sort(scores, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = cum <= top_p_cut.view(rows, 1)
-    drop_sorted[:, -1] = False
-    drop = drop_sorted.scatter(1, sorted_idx, drop_sorted)
-    return torch.where(use_top_p.view(rows, 1) & drop, NEG_INF, scores)
+    pr = torch.nonzero(use_top_p).view(-1)
+    if pr.numel():
+        sub = scores[pr]
+        sorted_logits, sorted_idx = torch.sort(sub, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= top_p_cut[pr].view(-1, 1)
+        drop_sorted[:, -1] = False
+        scores[pr] = sub.masked_fill(drop_sorted.scatter(1, sorted_idx, drop_sorted), NEG_INF)
+    return scores
 
 
 _MASK32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for ``x`` in [0, 2**32) held in int64, without int64 overflow."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (murmur3's finaliser) on int64 tensors holding 32-bit values."""
+    """A 32-bit integer hash on int64 tensors holding values in [0, 2**32). The multipliers are
+    below 2**31, so no product overflows int64 (the same bits on every device)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _MASK32
     return x ^ (x >> 16)
 
 
@@ -173,16 +178,18 @@ def exponential_noise(seed: torch.Tensor, row: torch.Tensor, step: torch.Tensor,
     """Exp(1) draws [rows, vocab] float32, a pure function of (seed, row, step, token id).
 
     ``seed`` [rows] (any int64), ``row`` [rows] (the row's index within its request), ``step``
-    [rows] (how many tokens the row has generated). Uniforms have 32 random bits, offset by half
-    a unit so that they are never 0 or 1.
+    [rows] (how many tokens the row has generated). The key of a row is hashed from its three
+    numbers once; each draw hashes (key, token id) twice, and the top 24 bits, offset by half a
+    unit so they are never 0 or 1, make the uniform.
     """
-    dev = seed.device
-    v = torch.arange(vocab, device=dev, dtype=torch.int64).view(1, vocab)
-    h = _mix32(v + 0x9E3779B9)
-    for part in (step, row, seed & _MASK32, (seed >> 32) & _MASK32):
-        h = _mix32(h ^ (part.view(-1, 1) & _MASK32))
-    u = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
-    return (-torch.log(u)).to(torch.float32)
+    key = _mix32((seed >> 32) & _MASK32)
+    for part in (seed & _MASK32, row & _MASK32, step & _MASK32):
+        key = _mix32(key ^ part)
+    v = torch.arange(vocab, device=seed.device, dtype=torch.int64).view(1, vocab)
+    h = _mix32(((v * 0x61C88647) & _MASK32) ^ key.view(-1, 1))
+    h = _mix32(h ^ ((key.view(-1, 1) * 0x2545F491) & _MASK32))
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(u)
 
 
 def sample_tokens(scores: torch.Tensor, seed: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
