@@ -1,0 +1,258 @@
+"""GenEngine.generate against Hugging Face generate() (CPU, float32, tiny random checkpoints).
+
+Per family (GPT-2, BART, Marian): three tenants saved as Hugging Face checkpoint directories
+(config, generation_config, safetensors), many requests of all of them in one ``generate`` call
+(greedy and beam search: num_beams 1-5, early_stopping True/False/"never", length penalties,
+no_repeat_ngram_size 0 and 3, num_return_sequences > 1, varied prompt lengths), each equal token
+for token to ``generate()`` of its tenant's own model. Plus: a beam-4 request's cross-attention
+cache holds one copy of its source; requests joining a running batch leave the others' outputs
+unchanged; a cancelled request frees its blocks; sampling is reproducible for a seed; bad
+parameters raise InvalidRequest naming the field.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from itif.errors import InvalidRequest, TenantNotFound
+from itif.generation.api import GenerateRequest
+from itif.generation.spec import PRESETS
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("itif.generation.search")
+
+from itif.generation.engine import GenEngine  # noqa: E402
+
+EOS = {"gpt2": 0, "bart": 2, "marian": 0}
+
+
+def hf_model(spec, seed: int):
+    from transformers import (BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel,
+                              MarianConfig, MarianMTModel)
+    torch.manual_seed(seed)
+    cfg = spec.hf_config()
+    eos = EOS[spec.family]
+    if spec.family == "gpt2":
+        m = GPT2LMHeadModel(GPT2Config(**cfg, bos_token_id=eos, eos_token_id=eos, initializer_range=0.2))
+    elif spec.family == "bart":
+        m = BartForConditionalGeneration(BartConfig(**cfg, bos_token_id=0, eos_token_id=eos, init_std=0.2,
+                                                    decoder_start_token_id=2, forced_eos_token_id=eos))
+    else:
+        m = MarianMTModel(MarianConfig(**cfg, eos_token_id=eos, decoder_start_token_id=spec.pad_token_id,
+                                       forced_eos_token_id=eos, init_std=0.2))
+        m.generation_config.bad_words_ids = [[spec.pad_token_id]]  # as Marian checkpoints ship
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+        # make EOS likely enough to end some sequences within a few tokens
+        if spec.family == "gpt2":
+            w = m.transformer.wte.weight[eos]
+            m.transformer.ln_f.bias.add_(w * (2.0 / (w @ w)))  # +2 on the EOS logit
+        else:
+            m.final_logits_bias[0, eos] += 2.5
+    return m.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread (waking a pool for microsecond ops costs more)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=["gpt2-tiny", "bart-tiny", "marian-tiny"])
+def family(request, tmp_path_factory):
+    spec = PRESETS[request.param]
+    models = {"a": hf_model(spec, 1), "b": hf_model(spec, 1), "c": hf_model(spec, 2)}
+    with torch.no_grad():  # b: a's weights with one decoder FFN retrained (the rest shared)
+        ffn = (models["b"].transformer.h[-1].mlp.c_fc.weight if spec.family == "gpt2"
+               else models["b"].model.decoder.layers[-1].fc1.weight)
+        ffn.add_(torch.randn_like(ffn) * 0.1)
+    eng = GenEngine(request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    for name, m in models.items():
+        m.save_pretrained(root / name)
+        eng.add_tenant(name, root / name)
+    return spec, models, eng
+
+
+def hf_generate(spec, m, r: GenerateRequest) -> tuple[list[list[int]], list[float] | None]:
+    kw = dict(max_new_tokens=r.max_new_tokens, num_beams=r.num_beams, do_sample=False,
+              length_penalty=r.length_penalty, early_stopping=r.early_stopping,
+              no_repeat_ngram_size=r.no_repeat_ngram_size,
+              num_return_sequences=r.num_return_sequences, return_dict_in_generate=True,
+              output_scores=True)
+    if r.eos_token_id is not None:
+        kw["eos_token_id"] = r.eos_token_id
+    with torch.no_grad():
+        out = m.generate(torch.tensor([list(r.input_ids)]), **kw)
+    eos = r.eos_token_id if r.eos_token_id is not None else m.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    seqs = []
+    for s in out.sequences.tolist():
+        s = s[1:] if spec.encoder_decoder else s[len(r.input_ids):]
+        for i, t in enumerate(s):  # everything after the first EOS is padding
+            if t in eos:
+                s = s[: i + 1]
+                break
+        seqs.append(s)
+    scores = out.sequences_scores.tolist() if r.num_beams > 1 else None
+    return seqs, scores
+
+
+def requests_for(spec) -> list[GenerateRequest]:
+    R = GenerateRequest
+    lens = [3, 9, 1, 14, 6, 11, 4, 7, 2, 12, 5, 8]
+    grid = [  # (tenant, beams, early_stopping, ngram, return, length_penalty, max_new)
+        ("a", 1, False, 0, 1, 1.0, 12), ("b", 1, False, 3, 1, 1.0, 12), ("c", 2, False, 0, 1, 1.0, 10),
+        ("a", 3, True, 0, 2, 1.0, 10), ("b", 4, "never", 3, 3, 0.5, 10), ("c", 5, False, 3, 5, 2.0, 9),
+        ("a", 4, True, 3, 1, 1.0, 11), ("b", 2, "never", 0, 2, -1.0, 8), ("c", 1, False, 0, 1, 1.0, 7),
+        ("a", 5, "never", 0, 4, 1.0, 10), ("b", 3, False, 0, 1, 1.5, 12), ("c", 4, True, 0, 2, 1.0, 6),
+    ]
+    out = []
+    for i, ((t, nb, es, ng, nr, lp, mx), n) in enumerate(zip(grid, lens)):
+        ids = [(7 * i + 3 * j) % (spec.vocab_size - 10) + 5 for j in range(n)]
+        out.append(R(t, ids, max_new_tokens=mx, num_beams=nb, early_stopping=es, no_repeat_ngram_size=ng,
+                     num_return_sequences=nr, length_penalty=lp))
+    out.append(R("a", [9, 8, 7], max_new_tokens=8, num_beams=3, eos_token_id=11))
+    return out
+
+
+def test_greedy_and_beam_equal_hf_generate_tenants_mixed(family):
+    spec, models, eng = family
+    reqs = requests_for(spec)
+    got = eng.generate(reqs)
+    eos_seen = 0
+    for r, g in zip(reqs, got):
+        want, scores = hf_generate(spec, models[r.tenant], r)
+        assert g.tenant == r.tenant
+        assert g.sequences == want, (r, g.sequences, want)
+        eos_seen += sum(1 for s in want if s and s[-1] in (EOS[spec.family], 11))
+        if scores is not None:
+            assert g.scores == pytest.approx(scores, abs=1e-4)
+        else:
+            assert g.scores is None
+    assert eos_seen >= 3  # the grid exercises finished beams, not only max_new_tokens
+    assert eng.cache_stats()["blocks_used"] == 0
+
+
+def test_cross_attention_cache_one_copy_per_source(family):
+    spec, models, eng = family
+    if not spec.encoder_decoder:
+        pytest.skip("decoder-only: no cross-attention")
+    src = list(range(5, 25))
+    t = eng.submit(GenerateRequest("a", src, max_new_tokens=6, num_beams=4), lambda ev: None)
+    eng._iterate()  # the request joins: its encoder runs once
+    assert eng.cache_stats()["rows"] == 4
+    assert eng.cross_positions(t) == len(src)  # one copy, not num_beams copies
+    while eng.cache_stats()["running"]:
+        eng._iterate()
+    assert eng.cache_stats()["blocks_used"] == 0
+
+
+def test_requests_joining_a_running_batch_do_not_change_the_others(family):
+    spec, models, eng = family
+    reqs = requests_for(spec)
+    first, later = reqs[:6], reqs[6:]
+    alone = eng.generate(first)
+    results: dict[int, object] = {}
+    done = threading.Event()
+    tokens_seen = threading.Event()
+
+    def sink(i):
+        def on(ev):
+            if ev.kind == "tokens":
+                tokens_seen.set()
+            elif ev.kind in ("done", "error"):
+                results[i] = ev
+                if len(results) == len(reqs):
+                    done.set()
+        return on
+
+    eng.start()
+    try:
+        for i, r in enumerate(first):
+            eng.submit(r, sink(i))
+        assert tokens_seen.wait(30)  # the first requests are running
+        for i, r in enumerate(later, start=len(first)):
+            eng.submit(r, sink(i))
+        assert done.wait(60)
+    finally:
+        eng.stop()
+    assert all(results[i].kind == "done" for i in results)
+    assert [results[i].generation.sequences for i in range(len(first))] == [g.sequences for g in alone]
+    for i, r in enumerate(later, start=len(first)):
+        assert results[i].generation.sequences == hf_generate(spec, models[r.tenant], r)[0]
+
+
+def test_streamed_tokens_are_the_result_and_cancel_frees_blocks(family):
+    spec, models, eng = family
+    streamed, events = [], []
+    r = GenerateRequest("c", [5, 6, 7], max_new_tokens=10)
+    t = eng.submit(r, lambda ev: (events.append(ev), ev.kind == "tokens" and streamed.extend(ev.tokens)))
+    while not any(e.kind == "done" for e in events):
+        eng._iterate()
+    assert streamed == events[-1].generation.sequences[0]
+    long = eng.submit(GenerateRequest("b", [5, 6], max_new_tokens=40, num_beams=3), events.append)
+    eng._iterate()
+    assert eng.cache_stats()["blocks_used"] > 0
+    eng.cancel(long)
+    eng._iterate()
+    stats = eng.cache_stats()
+    assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
+    assert not [e for e in events[len(events) - 1:] if e.kind == "done" and e is not events[-1]]
+    del t
+
+
+def test_sampling_reproducible_for_a_seed(family):
+    spec, models, eng = family
+    R = GenerateRequest
+    reqs = [R("a", [5, 9, 13], max_new_tokens=10, do_sample=True, seed=7, num_return_sequences=2,
+              top_k=20, top_p=0.9, temperature=0.8),
+            R("b", [6, 6], max_new_tokens=10, do_sample=True, seed=8)]
+    one = eng.generate(reqs)
+    two = eng.generate(list(reversed(reqs)) + [R("c", [4], max_new_tokens=5)])
+    assert [g.sequences for g in one] == [g.sequences for g in reversed(two[:2])]
+    other = eng.generate([R("a", [5, 9, 13], max_new_tokens=10, do_sample=True, seed=99,
+                            num_return_sequences=2, top_k=20, top_p=0.9, temperature=0.8)])
+    assert other[0].sequences != one[0].sequences
+
+
+def test_bad_requests_name_the_field(family):
+    spec, models, eng = family
+    with pytest.raises(InvalidRequest, match="num_beams"):
+        eng.generate([GenerateRequest("a", [5], num_beams=0)])
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        eng.generate([GenerateRequest("a", [5], max_new_tokens=spec.max_position)])
+    with pytest.raises(InvalidRequest, match="input_ids"):
+        eng.generate([GenerateRequest("a", [spec.vocab_size])])
+    with pytest.raises(TenantNotFound):
+        eng.generate([GenerateRequest("nobody", [5])])
+    # one bad request refuses the whole call before anything runs
+    with pytest.raises(InvalidRequest, match="temperature"):
+        eng.generate([GenerateRequest("a", [5]), GenerateRequest("b", [5], temperature=0.5)])
+    assert eng.cache_stats()["waiting"] == 0
+
+
+def test_removing_a_tenant_ends_its_requests_only(family, tmp_path):
+    spec, models, eng = family
+    models["c"].save_pretrained(tmp_path / "d")
+    eng.add_tenant("d", tmp_path / "d")
+    events = {"a": [], "d": []}
+    ra = GenerateRequest("a", [5, 6, 7, 8], max_new_tokens=8, num_beams=2)
+    eng.submit(GenerateRequest("d", [5, 6], max_new_tokens=30, num_beams=3), events["d"].append)
+    eng.submit(ra, events["a"].append)
+    eng._iterate()
+    eng.remove_tenant("d")
+    assert [e.kind for e in events["d"]] == ["error"]
+    assert isinstance(events["d"][0].error, TenantNotFound)
+    while not events["a"]:
+        eng._iterate()
+    assert events["a"][0].generation.sequences == hf_generate(spec, models["a"], ra)[0]
+    assert eng.cache_stats()["blocks_used"] == 0 and "d" not in eng.tenants()
