@@ -2,7 +2,7 @@
 generate``, the generation settings, metrics, and freeing a call's work when it ends early.
 
 The backbone is a tiny GPT-2 checkpoint directory written here (a Hugging Face config.json with
-512 positions, so a long generation lasts long enough to be cut off, and a word-level
+2048 positions, so a long generation lasts long enough to be cut off, and a word-level
 tokenizer.json: text in and out). Tenants upload random-initialised ``GPT2LMHeadModel`` weights;
 the GenEngine's own ``generate`` and Hugging Face ``generate()`` with the tenant's model are the
 oracles. Most tests share one in-process daemon behind the real gRPC servicer, auth and
@@ -56,7 +56,7 @@ def hf_config() -> dict:
     from itif.generation.spec import PRESETS
 
     cfg = PRESETS["gpt2-tiny"].hf_config()
-    cfg.update(n_positions=512, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS)
+    cfg.update(n_positions=2048, vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS)
     return cfg
 
 
@@ -119,7 +119,7 @@ class Served:
 
 
 def config_text(backbone: Path, data: str = "./data", listen: str = "127.0.0.1:0",
-                max_new_tokens: int = 480) -> str:
+                max_new_tokens: int = 2040) -> str:
     tenants = "".join(f"  - id: {t}\n    token_sha256: {hash_token(tok)}\n"
                       for t, tok in TOKENS.items())
     return (f"server:\n  listen: {listen}\n  data_dir: {data}\n"
@@ -310,7 +310,7 @@ BAD = [  # (what the request says, the field the refusal names)
     (dict(num_beams=0), "num_beams"),
     (dict(num_beams=17), "num_beams"),
     (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=481), "max_new_tokens"),  # over server.max_new_tokens (480)
+    (dict(max_new_tokens=2041), "max_new_tokens"),  # over server.max_new_tokens (2040)
     (dict(max_new_tokens=-3), "max_new_tokens"),
     (dict(temperature=0.5), "temperature"),  # without do_sample
     (dict(top_k=5), "top_k"),
@@ -329,7 +329,7 @@ BAD = [  # (what the request says, the field the refusal names)
     (dict(ids=[]), "input_ids"),
     (dict(ids=[5, VOCAB]), "input_ids"),
     (dict(ids=[-1]), "input_ids"),
-    (dict(ids=list(range(1, 60)) * 8, max_new_tokens=50), "max_new_tokens"),  # past 512 positions
+    (dict(ids=list(range(1, 60)) * 34, max_new_tokens=50), "max_new_tokens"),  # past 2048 positions
 ]
 
 
@@ -400,7 +400,7 @@ def test_cancel_and_disconnect_free_sequences_and_cache_blocks(served):
     whose deadline passes. Nothing else is running meanwhile."""
     wait_until(lambda: idle(served), what="an idle engine")
     with served.client() as c:
-        call = c.generate_stream("acme", [5, 6, 7], max_new_tokens=470, eos_token_id=VOCAB - 1,
+        call = c.generate_stream("acme", [5, 6, 7], max_new_tokens=2000, eos_token_id=VOCAB - 1,
                                  timeout=120)
         first = next(call)
         assert first.WhichOneof("event") == "tokens"
@@ -408,16 +408,44 @@ def test_cancel_and_disconnect_free_sequences_and_cache_blocks(served):
         assert held["blocks_used"] > 0 and held["running"] == 1, held
         assert len(served.daemon._generating) == 1
         call.cancel()
-        wait_until(lambda: idle(served), timeout=20, what="the cancelled call's blocks")
+        # freed at the engine's next step, long before the 2000 tokens could be made
+        wait_until(lambda: idle(served), timeout=3, what="the cancelled call's blocks")
 
         t0 = time.monotonic()
-        code, msg = error_of(lambda: c.generate("acme", [5, 6, 7], max_new_tokens=470,
+        code, msg = error_of(lambda: c.generate("acme", [5, 6, 7], max_new_tokens=2000,
                                                 eos_token_id=VOCAB - 1, timeout=0.3))
         assert code == C.DEADLINE_EXCEEDED, (code, msg)
         assert time.monotonic() - t0 < 10
-        wait_until(lambda: idle(served), timeout=20, what="the expired call's blocks")
+        wait_until(lambda: idle(served), timeout=3, what="the expired call's blocks")
         # and the engine still serves
         assert len(c.generate("acme", [5, 6, 7], max_new_tokens=3, timeout=60).sequences) == 1
+
+
+_STREAMING_CLIENT = """
+import sys
+from itif.client import Client
+c = Client(sys.argv[1], sys.argv[2])
+for msg in c.generate_stream("acme", [5, 6, 7], max_new_tokens=2000, eos_token_id=95):
+    print(msg.WhichOneof("event"), flush=True)
+"""
+
+
+def test_a_killed_client_frees_its_sequences(served):
+    """A client process killed mid-stream (its connection drops, no cancel is sent): the
+    server notices, and the call's sequences and cache blocks are freed."""
+    wait_until(lambda: idle(served), what="an idle engine")
+    proc = subprocess.Popen([sys.executable, "-c", _STREAMING_CLIENT, f"127.0.0.1:{served.port}",
+                             TOKENS["acme"]], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout.readline().strip() == "tokens"
+        assert served.gen.cache_stats()["blocks_used"] > 0
+        proc.kill()
+        proc.wait(10)
+        wait_until(lambda: idle(served), timeout=3, what="the killed client's blocks")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 # ---- settings and metrics ----------------------------------------------------------------------
