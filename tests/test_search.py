@@ -20,7 +20,7 @@ import torch
 
 from itif.errors import InvalidRequest
 from itif.generation.api import GenerateRequest, GenerationDefaults
-from itif.generation.processors import ban_bad_words, ban_repeated_ngrams, exponential_noise
+from itif.generation.processors import ban_bad_words, ban_repeated_ngrams, exponential_noise, sample_tokens
 from itif.generation.search import SearchBatch, search_params
 
 transformers = pytest.importorskip("transformers")
@@ -324,6 +324,20 @@ def test_sampling_reproducible_and_equal_to_hf_warpers(tenants):
     b = drive(tenants, [("b", 0, GenerateRequest(tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=2,
                                                  max_new_tokens=12))])[0]["b"].sequences
     assert a != b
+
+
+def test_sample_draws_follow_softmax():
+    """The draw is distributed as softmax(scores): 20000 draws (seeds, rows and steps varied)
+    land on each token within 4 standard deviations of its probability; a banned token never."""
+    scores = torch.tensor([2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5])
+    probs = torch.softmax(scores, -1)
+    n = 20000
+    i = torch.arange(n)
+    tok = sample_tokens(scores.expand(n, -1).clone(), seed=i // 7, row=i % 7, step=i % 5)
+    freq = torch.bincount(tok, minlength=6).double() / n
+    sd = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert ((freq - probs.double()).abs() <= 4 * sd + 1e-12).all(), (freq, probs)
+    assert freq[4] == 0
 
 
 def _banned_oracle(hist: list[int], n: int) -> set[int]:

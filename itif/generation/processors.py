@@ -174,20 +174,30 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+_TOKEN_HASH: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    """[1, vocab]: every token id hashed once (cached per vocabulary size and device)."""
+    key = (vocab, str(device))
+    if key not in _TOKEN_HASH:
+        v = torch.arange(vocab, device=device, dtype=torch.int64).view(1, vocab)
+        _TOKEN_HASH[key] = _mix32(_mix32((v * 0x61C88647) & _MASK32) ^ 0x2545F491)
+    return _TOKEN_HASH[key]
+
+
 def exponential_noise(seed: torch.Tensor, row: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) draws [rows, vocab] float32, a pure function of (seed, row, step, token id).
 
     ``seed`` [rows] (any int64), ``row`` [rows] (the row's index within its request), ``step``
-    [rows] (how many tokens the row has generated). The key of a row is hashed from its three
-    numbers once; each draw hashes (key, token id) twice, and the top 24 bits, offset by half a
-    unit so they are never 0 or 1, make the uniform.
+    [rows] (how many tokens the row has generated). A row's key is hashed from its three numbers
+    and each token id is hashed once (cached); a draw mixes the two, and its top 24 bits, offset
+    by half a unit so they are never 0 or 1, make the uniform.
     """
     key = _mix32((seed >> 32) & _MASK32)
     for part in (seed & _MASK32, row & _MASK32, step & _MASK32):
         key = _mix32(key ^ part)
-    v = torch.arange(vocab, device=seed.device, dtype=torch.int64).view(1, vocab)
-    h = _mix32(((v * 0x61C88647) & _MASK32) ^ key.view(-1, 1))
-    h = _mix32(h ^ ((key.view(-1, 1) * 0x2545F491) & _MASK32))
+    h = _mix32(_token_hash(vocab, seed.device) ^ key.view(-1, 1))
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
     return -torch.log(u)
 
