@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -504,7 +505,7 @@ def _documented_generate_commands():
     return [c for c in shell_commands() if c.argv[:2] == ("itif", "generate")]
 
 
-def test_itif_generate_streams_and_a_decoder_tenant_survives_restart(tmp_path):
+def test_itif_generate_streams_drains_and_a_decoder_tenant_survives_restart(tmp_path):
     backbone = write_backbone(tmp_path / "backbone")
     d = Daemon(tmp_path / "d", {"acme": TOKENS["acme"]}, backbone=str(backbone),
                server_extra={"max_new_tokens": 64}, backbone_extra={"kv_cache_bytes": "8MiB"})
@@ -537,7 +538,16 @@ def test_itif_generate_streams_and_a_decoder_tenant_survives_restart(tmp_path):
         assert [s["ids"] for s in final["sequences"]] == [list(s.ids) for s in before.sequences]
         assert all("score" in s for s in final["sequences"])
 
-        d.restart()  # the decoder tenant comes back from the data directory
+        # SIGTERM while a generation streams: it is finished and answered, then the daemon exits
+        with d.client(TOKENS["acme"]) as c:
+            it = iter(c.generate_stream("acme", [5, 17, 42], max_new_tokens=60,
+                                        eos_token_id=VOCAB - 1, timeout=120))
+            assert next(it).WhichOneof("event") == "tokens"
+            d.proc.send_signal(signal.SIGTERM)
+            rest = list(it)
+        assert rest[-1].WhichOneof("event") == "result", rest[-1:]
+        assert d.wait_exit(60) == 0
+        d.start()  # the decoder tenant comes back from the data directory
         with d.client(TOKENS["acme"]) as c:
             assert c.get_tenant("acme").state == itif_pb2.TenantInfo.READY
             after = c.generate("acme", [5, 17, 42], max_new_tokens=8, num_beams=4,
