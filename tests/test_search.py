@@ -138,7 +138,7 @@ def tenants():
             "marian": Tenant("marian", 4)}
 
 
-def drive(tenants, jobs, device="cpu"):
+def drive(tenants, jobs, device="cpu", cancel=None):
     """Run ``jobs`` [(key, join_step, GenerateRequest)] through one SearchBatch; key -> result.
 
     The driver plays the engine: logits per request from its tenant's model, rows reordered by
@@ -176,6 +176,12 @@ def drive(tenants, jobs, device="cpu"):
                 streamed.setdefault(key, []).append(list(s))
         if res.finished:
             out, keep = sb.remove(res.finished)
+            results.update(out)
+            rows = [rows[i] for i in keep.tolist()]
+            order = [(k, n) for k, n in order if k not in out]
+        gone = [k for k, n in order if (cancel or {}).get(k) == step]
+        if gone:  # the engine cancels requests between steps, whatever their state
+            out, keep = sb.remove(gone)
             results.update(out)
             rows = [rows[i] for i in keep.tolist()]
             order = [(k, n) for k, n in order if k not in out]
@@ -243,6 +249,26 @@ def test_joining_and_leaving_do_not_change_results(tenants):
     crowded, _ = drive(tenants, base + extra)
     for key, _, _ in base:
         assert crowded[key] == alone[key]
+
+
+def test_cancelled_requests_leave_without_changing_the_others(tenants):
+    rng = random.Random(6)
+    keep = [(f"k{i}", 0, GenerateRequest(tenant=t, input_ids=_prompt(rng), num_beams=nb, max_new_tokens=10))
+            for i, (t, nb) in enumerate([("gpt2-a", 3), ("marian", 1), ("bart", 2)])]
+    go = [("c0", 0, GenerateRequest(tenant="gpt2-b", input_ids=_prompt(rng), num_beams=4, max_new_tokens=30,
+                                    num_return_sequences=2)),
+          ("c1", 0, GenerateRequest(tenant="bart", input_ids=[9, 10], do_sample=True, seed=5, max_new_tokens=30,
+                                    num_return_sequences=2)),
+          ("c2", 0, GenerateRequest(tenant="gpt2-a", input_ids=_prompt(rng), max_new_tokens=30))]
+    alone, _ = drive(tenants, keep)
+    mixed, _ = drive(tenants, keep + go, cancel={"c0": 1, "c1": 2, "c2": 3})
+    for key, _, _ in keep:
+        assert mixed[key] == alone[key]
+    for key, _, req in go:
+        got = mixed[key]
+        assert got.finish_reasons == ["cancelled"] * len(got.sequences)
+        assert len(got.sequences) == req.num_return_sequences
+        assert all(0 < len(s) <= 4 for s in got.sequences)
 
 
 def test_checkpoint_settings_and_request_eos(tenants):
