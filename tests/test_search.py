@@ -441,6 +441,10 @@ def test_bad_input_is_named(tenants):
         sb.step(torch.zeros(2, V))
     with pytest.raises(KeyError):
         sb.remove(["nope"])
+    for seed in (2 ** 64 + 3, -5):  # any integer seed is accepted (folded into int64)
+        r = GenerateRequest(tenant="gpt2-a", input_ids=[3, 4], do_sample=True, seed=seed)
+        sb.add(seed, search_params(r, t.defaults, False), [3, 4])
+    assert sb.rows == 3
 
 
 def test_search_params_resolution(tenants):

@@ -224,7 +224,8 @@ class SearchBatch:
                                  f"the {n} rows of a {params.mode} search")
         rid = self._next_id
         self._next_id += 1
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
+        # any integer seed is served (folded into int64's range); none: a fresh one per request
+        seed = int(params.seed) % (1 << 63) if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
         nb = params.num_beams
         K = max(2, 1 + len(params.eos_token_ids)) * nb if mode == BEAM else 0
         dev = self.device
