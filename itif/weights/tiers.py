@@ -154,7 +154,7 @@ class TierManager:
     def __init__(self, engine, scheduler: Scheduling, *, host_bytes: int | None,
                  load: Callable[[str], CanonicalWeights],
                  on_failed: Callable[[str, BaseException], None] | None = None,
-                 wait_s: float = 30.0) -> None:
+                 wait_s: float = 30.0, loader_share: float = 0.5) -> None:
         self.engine = engine
         self.store = engine.store
         self.scheduler = scheduler
@@ -163,11 +163,18 @@ class TierManager:
         self.on_failed = on_failed
         self.wait_s = wait_s  # how long a promotion waits for a busy tenant to become evictable
         self.observer: TierObserver | None = None
+        #: At most this fraction of the loader thread's time is spent promoting: after each
+        #: promotion it sleeps in proportion, so promotions cannot take the CPU (and the GIL)
+        #: from the forward of resident tenants (1: no pause).
+        self.loader_share = loader_share
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._io = threading.RLock()  # held by whatever adds to or removes from the store
         self._t: dict[str, _State] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # resident tenants, coldest first
+        # resident tenants in two LRU segments (coldest first): probation (promoted, not used
+        # since) and protected (used again while resident); victims come from probation first
+        self._prob: OrderedDict[str, None] = OrderedDict()
+        self._prot: OrderedDict[str, None] = OrderedDict()
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._children: dict[str, int] = {}  # base -> its resident LoRA tenants
         self._pool = _HostPool(pin=engine.device.type == "cuda")
@@ -211,7 +218,7 @@ class TierManager:
                 st = self._t.get(tenant)
                 if st is not None:
                     self._drop_host(tenant, st)
-                    if self._lru.pop(tenant, 0) is None:
+                    if self._unlist(tenant):
                         self._unchild(st)
                     st.tier, st.error = Tier.NONE, ""
                     self.scheduler.park(tenant, True)
@@ -242,8 +249,7 @@ class TierManager:
             if st is None:
                 raise TenantNotFound(f"tenant {shown(tenant)} not found")
             st.busy += n
-            if tenant in self._lru:
-                self._lru.move_to_end(tenant)
+            self._used(tenant)
 
     def release(self, tenant: str, n: int = 1) -> None:
         with self._lock:
@@ -278,7 +284,7 @@ class TierManager:
             return
         need = _nbytes(weights, self.store.dtype)
         with self._lock:
-            pinned = [t for t in self._lru if t != tenant and self._t[t].pinned]
+            pinned = [t for t in (*self._prob, *self._prot) if t != tenant and self._t[t].pinned]
         held = sum(self.engine.tenant_info(t).exclusive_bytes for t in pinned
                    if t in self.store)
         if need + held > budget:
@@ -374,7 +380,10 @@ class TierManager:
                 if self._stop:
                     return
                 tenant = self._queue.popleft()
+            start = time.perf_counter()
             self._promote(tenant)
+            if 0 < self.loader_share < 1:  # leave the forward its share of the CPU
+                time.sleep((time.perf_counter() - start) * (1 / self.loader_share - 1))
 
     def close(self) -> None:
         with self._lock:
@@ -392,7 +401,7 @@ class TierManager:
                 if victim is not None:
                     st = self._t[victim]
                     self.scheduler.park(victim, True)  # idle and parked in one step
-                    self._lru.pop(victim, None)
+                    self._unlist(victim)
                     break
                 left = end - time.monotonic()
                 if not waiting or left <= 0 or self._stop:
@@ -412,7 +421,7 @@ class TierManager:
         """(``_lock`` held) (coldest evictable resident tenant, whether a busy one may become
         evictable later)."""
         waiting = False
-        for t in self._lru:
+        for t in (*self._prob, *self._prot):
             st = self._t.get(t)
             if st is None or t in keep or st.pinned:
                 continue
@@ -459,18 +468,35 @@ class TierManager:
         return Tier.HOST
 
     # ---- bookkeeping (``_lock`` held) ------------------------------------------------------
+    def _used(self, tenant: str) -> None:
+        """A resident tenant was used: most recent of the protected segment (a probation one
+        moves up; past 3/4 of the resident tenants, the coldest protected one moves down)."""
+        if tenant in self._prot:
+            self._prot.move_to_end(tenant)
+        elif self._prob.pop(tenant, 0) is None:
+            self._prot[tenant] = None
+            if len(self._prot) > max(1, 3 * (len(self._prot) + len(self._prob)) // 4):
+                cold = next(iter(self._prot))
+                del self._prot[cold]
+                self._prob[cold] = None
+
+    def _unlist(self, tenant: str) -> bool:
+        """Out of the resident segments; whether it was in one."""
+        return self._prob.pop(tenant, 0) is None or self._prot.pop(tenant, 0) is None
+
     def _unchild(self, st: _State) -> None:
         if st.base is not None and self._children.get(st.base):
             self._children[st.base] -= 1
 
     def _resident(self, tenant: str, st: _State, weights: CanonicalWeights) -> None:
-        if st.base is not None and tenant not in self._lru:
+        if st.base is not None and tenant not in self._prob and tenant not in self._prot:
             self._children[st.base] = self._children.get(st.base, 0) + 1
         st.tier, st.loading = Tier.DEVICE, False
         st.own = tuple(weights.tensors)
         st.num_labels, st.has_pooler = weights.num_labels, weights.has_pooler
-        self._lru[tenant] = None
-        self._lru.move_to_end(tenant)
+        if tenant not in self._prot:
+            self._prob[tenant] = None
+            self._prob.move_to_end(tenant)
         self.scheduler.park(tenant, False)
 
     def _drop_host(self, tenant: str, st: _State) -> None:
