@@ -14,6 +14,9 @@ It reproduces ``transformers`` 5.x ``generate()`` (``_sample`` and ``_beam_searc
 request: the same float32 operations on the same per-request shapes (a beam request's top-k runs
 over its own ``num_beams * vocab`` scores, as in ``generate()``), so the token ids are the ones
 ``generate()`` returns for that request alone, and beam scores are its ``sequences_scores``.
+Sampling applies the same warpers and the same draw as ``torch.multinomial`` (``argmax(p / q)``,
+``q ~ Exp(1)``), but ``q`` comes from a seeded hash (``processors.exponential_noise``), not from
+torch's generator: a seed gives the same tokens whatever else is in the batch.
 
 State: one entry per row in a dict of tensors (``self._t``), rows in the engine's order. A
 request's rows are contiguous (``add`` appends, ``remove`` keeps the survivors' order); row
