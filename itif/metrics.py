@@ -83,6 +83,15 @@ METRIC_NAMES = (
     "itif_generation_time_to_first_token_seconds",
     "itif_generation_inter_token_seconds",
     "itif_generated_tokens_total",
+    "itif_tenant_tier",
+    "itif_tenant_promotions_total",
+    "itif_tenant_evictions_total",
+    "itif_tier_bytes",
+    "itif_tier_budget_bytes",
+    "itif_tier_tenants",
+    "itif_tier_promotions_total",
+    "itif_tier_promotion_seconds",
+    "itif_tier_evictions_total",
 )
 
 # ---- the tenant of the current call -----------------------------------------------------------
@@ -209,6 +218,18 @@ class Metrics:
         self.generated_tokens = Counter(
             "itif_generated_tokens", "Tokens generated and sent, by tenant", ("tenant",),
             registry=r)
+        # weight tiers (``itif.weights.tiers``): labels are tiers and outcomes, never tenants
+        # (the per-tenant tier series come from the collector, one per configured tenant)
+        self.promotions = Counter(
+            "itif_tier_promotions", "Promotions of a tenant's weights to the device tier, by "
+            "source tier (host, disk) and result (ok, failed)", ("source", "result"), registry=r)
+        self.promotion_seconds = Histogram(
+            "itif_tier_promotion_seconds", "Time to load a tenant's weights onto the device "
+            "tier (evictions it needed included), by source tier", ("source",),
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.evictions = Counter(
+            "itif_tier_evictions", "Tenants' weights leaving a tier, by where they went: host "
+            "or disk from the device tier, disk from the host tier", ("to",), registry=r)
         self._lock = threading.Lock()
         self._stats: dict[str, TenantCallStats] = {}
         self._nvml = _load_nvml() if nvml == "auto" else nvml
@@ -237,6 +258,15 @@ class Metrics:
     def note_tenant(self, tenant: str | None) -> None:
         """The daemon authorised the current call for ``tenant`` (see :func:`note_tenant`)."""
         note_tenant(tenant)
+
+    def tier_promoted(self, tenant: str, source: str, seconds: float, ok: bool) -> None:
+        """``itif.weights.tiers.TierObserver``: a promotion finished or failed."""
+        self.promotions.labels(source, "ok" if ok else "failed").inc()
+        if ok:
+            self.promotion_seconds.labels(source).observe(seconds)
+
+    def tier_evicted(self, tenant: str, to: str) -> None:
+        self.evictions.labels(to).inc()
 
     def observe_rpc(self, tenant: str, method: str, code: str, seconds: float) -> None:
         self.requests.labels(tenant, method, code).inc()
@@ -405,6 +435,8 @@ class _StateCollector:
             for s in State:
                 state.add_metric([tenant, s.name], 1.0 if v.state is s else 0.0)
         yield from (depth, wbytes, xbytes, state)
+        if getattr(d, "tiers", None) is not None:
+            yield from self._tiers(d)
         if d.engine is not None:
             store = GaugeMetricFamily("itif_weight_store_bytes",
                                       "Bytes held by the weight store (shared tensors once)")
@@ -416,6 +448,39 @@ class _StateCollector:
         reloads.add_metric(["ok"], d.reloads_ok)
         reloads.add_metric(["failed"], d.reloads_failed)
         yield reloads
+
+    def _tiers(self, d: Daemon):
+        """Weight tiers: each configured tenant's tier and counts (as the other per-tenant
+        series, one per configured tenant: bounded by tenants.yaml, never by callers), and
+        bytes, budgets and tenants per tier."""
+        tier = GaugeMetricFamily("itif_tenant_tier", "1 for the tier holding the tenant's "
+                                 "weights (device, host, disk, none)", labels=["tenant", "tier"])
+        prom = CounterMetricFamily("itif_tenant_promotions", "Promotions of the tenant's "
+                                   "weights to the device tier", labels=["tenant"])
+        evic = CounterMetricFamily("itif_tenant_evictions", "Evictions of the tenant's weights "
+                                   "from the device tier", labels=["tenant"])
+        for tenant in sorted(list(d.status)):
+            v = d.tiers.view(tenant)
+            if v is None:
+                continue
+            for name in ("device", "host", "disk", "none"):
+                tier.add_metric([tenant, name], 1.0 if v.tier.value == name else 0.0)
+            prom.add_metric([tenant], v.promotions)
+            evic.add_metric([tenant], v.evictions)
+        yield from (tier, prom, evic)
+        tot = d.tiers.totals()
+        nbytes = GaugeMetricFamily("itif_tier_bytes", "Bytes of weights held by a tier "
+                                   "(shared tensors once)", labels=["tier"])
+        budget = GaugeMetricFamily("itif_tier_budget_bytes", "A tier's budget in bytes",
+                                   labels=["tier"])
+        count = GaugeMetricFamily("itif_tier_tenants", "Tenants whose weights a tier holds",
+                                  labels=["tier"])
+        for name in ("device", "host"):
+            nbytes.add_metric([name], tot[f"{name}_bytes"])
+            budget.add_metric([name], tot[f"{name}_budget"])
+        for name in ("device", "host", "disk", "none"):
+            count.add_metric([name], tot[f"{name}_tenants"])
+        yield from (nbytes, budget, count)
 
     def _gpu(self):
         nv, handles = self.m._nvml, self.m._gpus

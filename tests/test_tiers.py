@@ -102,7 +102,7 @@ def file_of(backbone, seed: int, tmp) -> bytes:
 
 
 def make_daemon(root, backbone, names, *, device_tenants: float | None, host_tenants: float = 0,
-                pinned=(), per_tenant: int | None = None) -> Daemon:
+                pinned=(), per_tenant: int | None = None, metrics: bool = False) -> Daemon:
     per = per_tenant or tenant_bytes(backbone)
     lines = ["server:", "  listen: 127.0.0.1:0", "  data_dir: ./data",
              f"  admin_token_sha256: {hash_token('admin')}",
@@ -117,6 +117,10 @@ def make_daemon(root, backbone, names, *, device_tenants: float | None, host_ten
         if n in pinned:
             lines.append("    pinned: true")
     d = Daemon(parse_config("\n".join(lines) + "\n", root))
+    if metrics:
+        from itif.metrics import Metrics  # noqa: PLC0415
+
+        d.metrics = Metrics(d, nvml=None)
     d.start()
     return d
 
@@ -332,5 +336,52 @@ def test_64_registered_16_resident_uniform_stream(tmp_path, backbone, per_tenant
         assert all(tier(d, n) is Tier.DISK for n in names) and d.engine.weight_bytes == 0
         for n in names[::9]:
             check_answer(backbone, n, int(n[1:]), IDS[2], ask(d, n, IDS[2]))
+    finally:
+        d.stop(0)
+
+
+def test_visibility_metrics_views_and_live_pinning(tmp_path, backbone, per_tenant):
+    """/metrics: each tenant's tier and counts, bytes/budgets/tenants per tier, promotions by
+    source and result with their time, evictions by destination (no tenant label on those);
+    the tenant view carries tier and bytes; ``pinned`` set by a live reload loads the tenant
+    and keeps it."""
+    import dataclasses  # noqa: PLC0415
+
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    d = make_daemon(tmp_path, backbone, ["a", "b"], device_tenants=1.5, host_tenants=1.5,
+                    metrics=True)
+    try:
+        upload(d, backbone, "a", 0, tmp_path)
+        upload(d, backbone, "b", 1, tmp_path)  # a -> host
+        check_answer(backbone, "a", 0, IDS[0], ask(d, "a", IDS[0]))  # b -> host, a's copy out
+        text = generate_latest(d.metrics.registry).decode()
+        for line in ('itif_tenant_tier{tenant="a",tier="device"} 1.0',
+                     'itif_tenant_tier{tenant="b",tier="host"} 1.0',
+                     'itif_tenant_promotions_total{tenant="a"} 1.0',
+                     'itif_tenant_evictions_total{tenant="b"} 1.0',
+                     'itif_tier_promotions_total{result="ok",source="host"} 1.0',
+                     'itif_tier_promotion_seconds_count{source="host"} 1.0',
+                     'itif_tier_evictions_total{to="host"} 2.0',
+                     f'itif_tier_bytes{{tier="device"}} {float(per_tenant)}',
+                     f'itif_tier_bytes{{tier="host"}} {float(per_tenant)}',
+                     f'itif_tier_budget_bytes{{tier="device"}} {float(int(1.5 * per_tenant))}',
+                     'itif_tier_tenants{tier="host"} 1.0'):
+            assert line in text, line
+        assert 'itif_tier_promotions_total{result="ok",source="host",tenant' not in text
+        views = {v.id: v for v in d.list_tenants(ADMIN)}
+        assert (views["a"].tier, views["a"].weight_bytes) == ("device", per_tenant)
+        assert (views["b"].tier, views["b"].host_bytes) == ("host", per_tenant)
+        cfg = d.config
+        pinned = dataclasses.replace(cfg, tenants=tuple(
+            dataclasses.replace(t, pinned=t.id == "b") for t in cfg.tenants))
+        d.apply_config(pinned)
+        deadline = time.monotonic() + 30
+        while tier(d, "b") is not Tier.DEVICE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier(d, "b") is Tier.DEVICE and d.tiers.view("b").pinned
+        with pytest.raises(Unavailable, match="could never be resident"):
+            ask(d, "a", IDS[0])  # only b's place would fit it, and b is pinned
+        assert tier(d, "b") is Tier.DEVICE and tier(d, "a") is Tier.HOST
     finally:
         d.stop(0)
