@@ -118,6 +118,7 @@ def cmd_tenants(args) -> int:
         print(json.dumps({"id": t.id, "state": state, "sha256": t.sha256,
                           "weight_bytes": t.weight_bytes, "exclusive_bytes": t.exclusive_bytes,
                           "num_labels": t.num_labels, "queue_depth": t.queue_depth,
+                          "tier": t.tier, "host_bytes": t.host_bytes,
                           **({"error": t.error} if t.error else {})}))
     return 0
 

@@ -372,6 +372,10 @@ def test_visibility_metrics_views_and_live_pinning(tmp_path, backbone, per_tenan
         views = {v.id: v for v in d.list_tenants(ADMIN)}
         assert (views["a"].tier, views["a"].weight_bytes) == ("device", per_tenant)
         assert (views["b"].tier, views["b"].host_bytes) == ("host", per_tenant)
+        from itif.server.service import _tenant_info  # noqa: PLC0415 - what itif tenants prints
+
+        info = _tenant_info(views["b"])
+        assert (info.tier, info.host_bytes, info.weight_bytes) == ("host", per_tenant, 0)
         cfg = d.config
         pinned = dataclasses.replace(cfg, tenants=tuple(
             dataclasses.replace(t, pinned=t.id == "b") for t in cfg.tenants))

@@ -159,7 +159,7 @@ def _tenant_info(v: TenantView) -> itif_pb2.TenantInfo:
     return itif_pb2.TenantInfo(
         id=v.id, state=v.state.value, sha256=v.sha256, weight_bytes=v.weight_bytes,
         exclusive_bytes=v.exclusive_bytes, num_labels=v.num_labels, queue_depth=v.queue_depth,
-        error=v.error)
+        error=v.error, tier=v.tier, host_bytes=v.host_bytes)
 
 
 class ItifService(itif_pb2_grpc.ItifServicer):
