@@ -564,3 +564,25 @@ def test_decoder_config_refuses_lora_tenants(tmp_path):
 
     with pytest.raises(InvalidConfig, match=r"tenants\[2\]\.base: LoRA tenants"):
         parse_config(text, tmp_path)
+
+
+def test_streamed_text_of_byte_level_tokens_adds_up_to_the_decoded_text():
+    """Token messages' text with a byte-level BPE (GPT-2's kind): characters split over several
+    tokens (é, 日本語) are sent once complete, never as U+FFFD, and the pieces add up to the
+    decoded sequence."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from itif.server.generate import _Text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["héllo wörld, ça va? 日本語のテキスト hello world"] * 20,
+                            trainers.BpeTrainer(vocab_size=280,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    ids = tok.encode("héllo wörld, 日本語 ça va? hello").ids
+    text = _Text(tok)
+    pieces = [text.add(0, [i]) for i in ids]
+    assert "".join(pieces) == tok.decode(ids) == "héllo wörld, 日本語 ça va? hello"
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces  # some token ended mid-character and waited for the next

@@ -104,13 +104,15 @@ def _token_lists(ev: Any) -> list[tuple[int, list[int]]]:
 
 class _Text:
     """Incremental detokenization of the sequences of one call: each token message carries
-    what its ids add to the sequence's text; a character still incomplete (a byte-level BPE
-    token ends mid-character, decoded as U+FFFD) waits for the ids that complete it."""
+    what its ids add to the sequence's text. Only the last few ids are decoded per message (the
+    text of ``ids[prefix:]`` minus that of ``ids[prefix:read]``, as vLLM does), so a long
+    generation costs no more per token than a short one; a character still incomplete (a
+    byte-level token ending mid-character decodes to U+FFFD) waits for the ids that complete it."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self.ids: dict[int, list[int]] = {}
-        self.sent: dict[int, str] = {}
+        self.offsets: dict[int, tuple[int, int]] = {}  # sequence -> (prefix, read)
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.tok is None else self.tok.decode(ids, skip_special_tokens=True)
@@ -120,12 +122,13 @@ class _Text:
             return ""
         all_ids = self.ids.setdefault(seq, [])
         all_ids.extend(ids)
-        text = self.decode(all_ids).rstrip("\ufffd")
-        sent = self.sent.get(seq, "")
-        if not text.startswith(sent):  # a merge changed earlier text: send nothing more
-            return ""
-        self.sent[seq] = text
-        return text[len(sent):]
+        prefix, read = self.offsets.get(seq, (0, 0))
+        before = self.decode(all_ids[prefix:read])
+        text = self.decode(all_ids[prefix:])
+        if text.endswith("\ufffd") or not text.startswith(before):
+            return ""  # incomplete: these ids are sent with the next ones' text
+        self.offsets[seq] = (read, len(all_ids))
+        return text[len(before):]
 
 
 async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, context: Any
