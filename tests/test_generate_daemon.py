@@ -255,6 +255,28 @@ def test_text_in_and_out(served):
     assert by_text.sequences[0].text == " ".join(f"t{t}" for t in by_ids.sequences[0].ids)
 
 
+def test_cli_generate_text_json_and_errors(served, capsys):
+    """``itif generate --text``: one JSON line per token message, then the result; a bad
+    parameter exits 1 with ``error: INVALID_ARGUMENT: <field>: ...``."""
+    from itif.cli import main
+
+    base = ["generate", "--server", f"127.0.0.1:{served.port}", "--token", TOKENS["acme"],
+            "--tenant", "acme"]
+    assert main(base + ["--text", "t5 t17 t42", "--max-new-tokens", "5", "--eos-token-id",
+                        str(VOCAB - 1), "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    *tokens, final = lines
+    assert len(tokens) == 5 and all(len(t["ids"]) == 1 for t in tokens)
+    (seq,) = final["sequences"]
+    assert seq["ids"] == [t["ids"][0] for t in tokens] and seq["finish_reason"] == "length"
+    assert seq["text"] == "".join(t["text"] for t in tokens).strip()
+    with served.client() as c:
+        assert list(c.generate("acme", [5, 17, 42], max_new_tokens=5, eos_token_id=VOCAB - 1,
+                               timeout=60).sequences[0].ids) == seq["ids"]
+    assert main(base + ["--ids", "5,6", "--num-beams", "0"]) == 1
+    assert capsys.readouterr().err.startswith("error: INVALID_ARGUMENT: num_beams:")
+
+
 def test_sampling_is_reproducible_for_a_seed(served):
     with served.client("beta") as c:
         a = c.generate("beta", [3, 9], max_new_tokens=12, do_sample=True, seed=11, timeout=60)
