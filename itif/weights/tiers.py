@@ -16,10 +16,14 @@ tier the forward reads). The tiers, fastest first:
 A request for a tenant that is not resident *promotes* it (host -> device, or disk -> host ->
 device) on one loader thread. Its requests wait in the scheduler, parked (``Scheduler.park``),
 while other tenants' batches keep running; when the weights are in, the tenant is unparked and
-its requests join the next batch. A promotion that needs room evicts the least recently used
-resident tenant that is neither pinned nor busy (has requests queued or running): its weights
-move to the host tier when its budget allows (evicting the host tier's least recently used) and
-are dropped otherwise (they stay on disk). A promotion that fails (a corrupt blob, an error
+its requests join the next batch. A promotion that needs room evicts a resident tenant that is
+neither pinned nor busy (has requests queued or running), by segmented LRU: the least recently
+used of those promoted and not used since (probation), then of those used again while resident
+(protected, at most 3/4 of the resident tenants), so one-off requests over many cold tenants do
+not push out the hot ones. Its weights move to the host tier when its budget allows (evicting
+the host tier's least recently used) and are dropped otherwise (they stay on disk). The loader
+spends at most ``loader_share`` of its time promoting (it sleeps in proportion after each), so
+promotions cannot starve the forward of the CPU and the GIL on a CPU-only host. A promotion that fails (a corrupt blob, an error
 while copying) fails that tenant's waiting requests with UNAVAILABLE and the reason; nothing
 else is affected.
 
