@@ -580,12 +580,16 @@ def test_itif_generate_streams_drains_and_a_decoder_tenant_survives_restart(tmp_
         d.stop()
 
 
-def test_decoder_config_refuses_lora_tenants(tmp_path):
+def test_decoder_config_refuses_lora_tenants_and_weight_tiers(tmp_path):
     text = config_text(write_backbone(tmp_path / "bb")) + "    base: acme\n"
     from itif.errors import InvalidConfig
 
     with pytest.raises(InvalidConfig, match=r"tenants\[2\]\.base: LoRA tenants"):
         parse_config(text, tmp_path)
+    tiers = config_text(tmp_path / "bb").replace("  kv_cache_bytes:",
+                                                 "  device_weight_bytes: 1MiB\n  kv_cache_bytes:")
+    with pytest.raises(InvalidConfig, match=r"backbone\.device_weight_bytes: weight tiers"):
+        parse_config(tiers, tmp_path)
 
 
 def test_streamed_text_of_byte_level_tokens_adds_up_to_the_decoded_text():

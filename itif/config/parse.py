@@ -247,6 +247,9 @@ def _cross_checks(errs: _Errors, cfg: Config) -> None:
             "a full-length sequence could never be scheduled",
         )
     admin = cfg.server.admin_token_sha256
+    if cfg.backbone.is_decoder and cfg.backbone.device_weight_bytes is not None:
+        errs.add("backbone.device_weight_bytes", "weight tiers serve encoder backbones only; "
+                                                  f"backbone.config {cfg.backbone.config!r} is a decoder")
     for i, t in enumerate(cfg.tenants):
         if t.token_sha256 == admin:
             errs.add(
