@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from itif.errors import InvalidRequest, InvalidWeights, ItifError
+from itif.errors import InvalidRequest, InvalidWeights, ItifError, TenantNotFound
 from itif.requests import OUTPUTS
 from itif.weights.tiers import TierManager
 
@@ -87,8 +87,11 @@ def check(d: Daemon, tenant: str, requests) -> None:
     for ``logits`` is checked when its batch runs (a per-request error, isolated there)."""
     eng = d.engine
     if tenant in eng.store:
-        eng.check(requests)
-        return
+        try:
+            eng.check(requests)
+            return
+        except TenantNotFound:  # evicted a moment ago: check it as a tenant not resident
+            pass
     n = len(requests)
     for i, r in enumerate(requests):
         for o in r.outputs or ():

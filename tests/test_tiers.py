@@ -19,7 +19,7 @@ import torch
 
 from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity, State
-from itif.errors import Overloaded, Unavailable
+from itif.errors import InvalidRequest, Overloaded, Unavailable
 from itif.requests import Request, Result
 from itif.scheduler import Scheduler, TenantQuota
 from itif.weights.safetensors_io import save_safetensors
@@ -173,6 +173,9 @@ def test_lru_eviction_pins_and_promotion_from_host_and_disk(tmp_path, backbone, 
         assert [tier(d, n) for n in names] == [Tier.DEVICE, Tier.DISK, Tier.HOST, Tier.DEVICE,
                                                Tier.DEVICE]
         assert d.engine.weight_bytes == 3 * per_tenant
+        with pytest.raises(InvalidRequest, match="vocabulary"):  # checked without its weights
+            d.submit(ADMIN, "a", [Request("a", input_ids=[3, 999])])
+        assert tier(d, "a") is Tier.DISK and not d.tiers.view("a").loading
         check_answer(backbone, "d", 4, IDS[0], ask(d, "d", IDS[0]))  # used again while
         check_answer(backbone, "c", 3, IDS[1], ask(d, "c", IDS[1]))  # resident: protected d, c
         check_answer(backbone, "b", 2, IDS[2], ask(d, "b", IDS[2]))  # from host: d leaves
