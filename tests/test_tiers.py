@@ -102,7 +102,8 @@ def file_of(backbone, seed: int, tmp) -> bytes:
 
 
 def make_daemon(root, backbone, names, *, device_tenants: float | None, host_tenants: float = 0,
-                pinned=(), per_tenant: int | None = None, metrics: bool = False) -> Daemon:
+                pinned=(), per_tenant: int | None = None, metrics: bool = False,
+                bases: dict | None = None) -> Daemon:
     per = per_tenant or tenant_bytes(backbone)
     lines = ["server:", "  listen: 127.0.0.1:0", "  data_dir: ./data",
              f"  admin_token_sha256: {hash_token('admin')}",
@@ -116,6 +117,8 @@ def make_daemon(root, backbone, names, *, device_tenants: float | None, host_ten
                   "    max_queue: 1000"]
         if n in pinned:
             lines.append("    pinned: true")
+        if bases and n in bases:
+            lines.append(f"    base: {bases[n]}")
     d = Daemon(parse_config("\n".join(lines) + "\n", root))
     if metrics:
         from itif.metrics import Metrics  # noqa: PLC0415
@@ -390,5 +393,47 @@ def test_visibility_metrics_views_and_live_pinning(tmp_path, backbone, per_tenan
         with pytest.raises(Unavailable, match="could never be resident"):
             ask(d, "a", IDS[0])  # only b's place would fit it, and b is pinned
         assert tier(d, "b") is Tier.DEVICE and tier(d, "a") is Tier.HOST
+    finally:
+        d.stop(0)
+
+
+def test_lora_tenant_leaves_and_returns_with_its_base(tmp_path, backbone, per_tenant):
+    """A LoRA tenant is evicted like any other (its base stays while it is resident); its
+    promotion loads its base first when the base left meanwhile; answers equal PEFT's."""
+    import copy  # noqa: PLC0415
+
+    peft = pytest.importorskip("peft")
+    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+
+    d = make_daemon(tmp_path, backbone, ["b0", "la", "x", "y"], device_tenants=2.5,
+                    host_tenants=1.5, bases={"la": "b0"})
+    try:
+        upload(d, backbone, "b0", 0, tmp_path)
+        torch.manual_seed(7)
+        lora = peft.get_peft_model(copy.deepcopy(model_of(backbone, 0)), peft.LoraConfig(
+            r=4, target_modules=["query", "value", "dense"], init_lora_weights=False)).eval()
+        lora.save_pretrained(tmp_path / "adapter")
+        packed = pack_adapter(tmp_path / "adapter", tmp_path / "adapter.safetensors")
+        data = open(packed, "rb").read()
+        d.upload(ADMIN, "la", hashlib.sha256(data).hexdigest(), len(data), [data])
+        ref = lora.base_model.model
+
+        def check_la(ids):
+            got = ask(d, "la", ids).logits
+            want = reference(ref, Request("la", input_ids=ids))["logits"]
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+        check_la(IDS[0])
+        la_bytes = d.engine.tenant_info("la").exclusive_bytes  # its adapters and head
+        per = per_tenant
+        assert 0 < la_bytes < per // 4
+        d.engine.store.max_bytes = 2 * per + la_bytes // 2  # x fits only if la or b0 leaves
+        upload(d, backbone, "x", 2, tmp_path)  # la goes: b0 is older, but la's base
+        assert tier(d, "b0") is Tier.DEVICE and tier(d, "la") is not Tier.DEVICE
+        upload(d, backbone, "y", 3, tmp_path)  # now b0 can go
+        assert tier(d, "b0") is not Tier.DEVICE
+        check_la(IDS[1])  # b0 first, then la on its slots
+        assert tier(d, "b0") is Tier.DEVICE and tier(d, "la") is Tier.DEVICE
+        check_answer(backbone, "b0", 0, IDS[2], ask(d, "b0", IDS[2]))
     finally:
         d.stop(0)

@@ -338,6 +338,8 @@ class TierManager:
                         return
                     source, base = st.tier.value, st.base
                     host = st.host
+                if base is not None and base not in self.store:
+                    self.promote(base)  # a LoRA tenant is added on its base's slots
                 if host is not None:
                     weights = CanonicalWeights(dict(host), st.num_labels, st.has_pooler)
                 else:
