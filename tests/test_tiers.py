@@ -437,3 +437,28 @@ def test_lora_tenant_leaves_and_returns_with_its_base(tmp_path, backbone, per_te
         check_answer(backbone, "b0", 0, IDS[2], ask(d, "b0", IDS[2]))
     finally:
         d.stop(0)
+
+
+def test_shared_tensors_counted_once_in_both_tiers(tmp_path, backbone, per_tenant):
+    """Two tenants that differ only in their head: the device tier holds their backbone once
+    (the store), and so does the host tier once both are evicted (its interned pool)."""
+    for seed in (100, 101):
+        _MODELS[seed] = make_hf_model(str(backbone), num_labels=3, seed=seed,
+                                      base_of=model_of(backbone, 0))
+    d = make_daemon(tmp_path, backbone, ["s1", "s2", "x", "y"], device_tenants=2.5,
+                    host_tenants=3)
+    try:
+        upload(d, backbone, "s1", 100, tmp_path)
+        upload(d, backbone, "s2", 101, tmp_path)
+        shared = d.engine.weight_bytes
+        head = shared - per_tenant
+        assert 0 < head < per_tenant // 10  # the second tenant added only its head
+        upload(d, backbone, "x", 2, tmp_path)
+        upload(d, backbone, "y", 3, tmp_path)
+        assert tier(d, "s1") is Tier.HOST and tier(d, "s2") is Tier.HOST
+        assert d.tiers.totals()["host_bytes"] == shared  # not 2 x per_tenant
+        assert d.tiers.view("s2").host_bytes == per_tenant  # what it reads, shared included
+        check_answer(backbone, "s2", 101, IDS[0], ask(d, "s2", IDS[0]))
+        check_answer(backbone, "s1", 100, IDS[1], ask(d, "s1", IDS[1]))
+    finally:
+        d.stop(0)
