@@ -57,6 +57,14 @@ when it alone exceeds ``max_batch_tokens``. Within a tenant: higher ``priority``
 FIFO. Requests whose deadline passed are failed with :class:`DeadlineExceeded` and never run;
 cancelled ones are skipped.
 
+Parked tenants
+--------------
+``Scheduler.park(tenant)`` holds a tenant's requests out of every batch while its weights are
+being loaded (``itif.weights.tiers``): they are accepted and queued as usual (limits,
+deadlines, cancel, shutdown) but its queue leaves the active set, so neither batch formation nor
+the triggers see it, and ``park(tenant, False)`` brings it back at the system virtual time.
+Both are O(1). ``fail_parked`` fails a parked tenant's queued requests (its load failed).
+
 Failures
 --------
 If ``run_batch`` raises for a batch, a per-request error (:class:`InvalidRequest`,
