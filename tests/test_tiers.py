@@ -462,3 +462,40 @@ def test_shared_tensors_counted_once_in_both_tiers(tmp_path, backbone, per_tenan
         check_answer(backbone, "s1", 100, IDS[1], ask(d, "s1", IDS[1]))
     finally:
         d.stop(0)
+
+
+def test_itif_serve_with_tiers(tmp_path):
+    """A real ``itif serve`` with a device tier of 1.5 bert-tiny tenants: three uploads, each
+    answered (the others promoted in turn); ``itif tenants`` and /metrics show the tiers."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    from tests.daemon_harness import ADMIN as ADMIN_TOKEN  # noqa: PLC0415
+    from tests.daemon_harness import Daemon as Served  # noqa: PLC0415
+    from tests.daemon_harness import free_port  # noqa: PLC0415
+    from tests.reliability_util import upload_bytes, weights_bytes  # noqa: PLC0415
+
+    one = len(weights_bytes(1))  # float32 tensors: the file is the tensors and a header
+    d = Served(tmp_path / "d", {"a": "ta", "b": "tb", "c": "tc"},
+               backbone_extra={"device_weight_bytes": int(one * 1.5)},
+               server_extra={"metrics_listen": f"127.0.0.1:{free_port()}"})
+    d.start()
+    try:
+        with d.client(ADMIN_TOKEN) as c:
+            for i, n in enumerate("abc"):
+                upload_bytes(c, n, weights_bytes(i + 1))
+            first = {n: c.infer(n, [1, 2, 3], outputs=("logits",))["logits"] for n in "abc"}
+            again = {n: c.infer(n, [1, 2, 3], outputs=("logits",))["logits"] for n in "cab"}
+            for n in "abc":
+                np.testing.assert_array_equal(first[n], again[n])
+        ls = subprocess.run([sys.executable, "-m", "itif", "tenants", "--server", d.addr,
+                             "--token", ADMIN_TOKEN], capture_output=True, text=True, timeout=60)
+        rows = [json.loads(line) for line in ls.stdout.splitlines()]
+        assert sorted(r["tier"] for r in rows) == ["device", "disk", "disk"], ls.stdout
+        text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics_port}/metrics",
+                                      timeout=10).read().decode()
+        assert 'itif_tenant_tier{tenant="b",tier="device"} 1.0' in text
+        assert 'itif_tier_promotions_total{result="ok",source="disk"} 5.0' in text
+    finally:
+        d.stop()
