@@ -292,10 +292,10 @@ def test_64_registered_16_resident_uniform_stream(tmp_path, backbone, per_tenant
     beside them is compared with their p99 without it. Rounds alternate (hot only, hot +
     uniform) so slow drifts in the machine's load hit both; each p99 is over all rounds'
     samples (server side: enqueue to result). On this 2-core machine shared with other jobs
-    (load average 4-8) the ratio measured 1.8-2.7 (median 2.4, seven runs) with the loader's CPU share at 0.5 (2.5-3.9
-    at 1.0, 3.2-5.1 with plain LRU, which evicted the hot tenants); the bound is 3, not the
-    issue's 2 (see docs/operator.md). Then a restart: the 64 are registered again, on disk,
-    and answer correctly."""
+    (load average 4-8) the ratio measured 1.8-2.7 (median 2.4, seven runs) with the loader's
+    CPU share at 0.5 (2.5-3.9 at 1.0, 3.2-5.1 with plain LRU, which evicted the hot tenants);
+    the bound is 3, not the issue's 2 (see docs/operator.md). Then a restart: the 64 are
+    registered again, on disk, and answer correctly."""
     names = [f"t{i:02d}" for i in range(64)]
     hot = names[:8]
     d = make_daemon(tmp_path, backbone, names, device_tenants=16.5, host_tenants=48.5)
