@@ -72,7 +72,7 @@ MODES = ("view", "seg2", "seg4", "gather")  # per-row parameters of the memory-b
 _MM_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 _GRP_ROWS = (16, 128, 1024, 4096)
 _GRP_SEGS = (2, 4, 16, 64)
-_ATT_LENS = (2, 4, 8, 16, 32, 64, 128, 256)
+_ATT_LENS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512: BERT's longest sequence
 _ATT_NS = (1, 8, 32)
 _MEM_ROWS = (16, 128, 1024, 8192)
 
@@ -211,7 +211,20 @@ class BatchCostModel:
     def attn_ms(self, a) -> float:
         variant = "gather" if a.gather else ("view_masked" if a.masked else "view")
         g = self.grids
-        return _lin2(g["att_lens"], g["att_ns"], self.t["attn"][variant], a.L, a.n)
+        lens, table = g["att_lens"], self.t["attn"][variant]
+        top = float(lens[-1])
+        if a.L <= top:
+            return _lin2(lens, g["att_ns"], table, a.L, a.n)
+        # Beyond the grid: fit c1*L + c2*L^2 (row-wise work plus the score matrix) through the
+        # last two grid lengths, so growth stays between linear and quadratic; proportional
+        # extrapolation priced a doubled length at 2x where it measured 3.8-3.9x.
+        l0 = float(lens[-2])
+        t0 = _lin2(lens, g["att_ns"], table, l0, a.n)
+        t1 = _lin2(lens, g["att_ns"], table, top, a.n)
+        c2 = max(0.0, (t1 / top - t0 / l0) / (top - l0))
+        c1 = max(0.0, t1 / top - c2 * top)
+        fit = c1 * a.L + c2 * a.L * a.L
+        return min(max(t1 * a.L / top, fit), t1 * (a.L / top) ** 2)
 
     def _rowwise(self, table: str, plan: GemmPlan, rows: int) -> float:
         mode, segs = _mode(plan)
