@@ -43,6 +43,14 @@ def http_status_of(exc: BaseException) -> tuple[int, str, str]:
     return HTTP_STATUS[code.name], code.name, msg
 
 
+def _status(e: Exception, name: str) -> tuple[grpc.StatusCode, str]:
+    """The status an exception escaping servicer method ``name`` becomes (INTERNAL is logged)."""
+    code, msg = status_of(e)
+    if code is grpc.StatusCode.INTERNAL and not isinstance(e, ItifError):
+        log.exception("%s failed", name)
+    return code, msg
+
+
 def rpc(method):
     """Wrap an async servicer method: map exceptions to statuses, never leak a traceback."""
 
@@ -50,14 +58,28 @@ def rpc(method):
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
-        except ItifError as e:
-            code, msg = status_of(e)
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
-            code, msg = status_of(e)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", method.__name__)
+            code, msg = _status(e, method.__name__)
+        await context.abort(code, msg)
+
+    return wrapper
+
+
+def rpc_stream(method):
+    """``rpc`` for a server-streaming method (an async generator)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+            return
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
+            code, msg = _status(e, method.__name__)
         await context.abort(code, msg)
 
     return wrapper

@@ -21,22 +21,19 @@ generated per tenant.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import Any, AsyncIterator
 
-import grpc
 
-from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
+from itif.errors import DeadlineExceeded, InvalidRequest, Unavailable
 from itif.generation.api import GenerateRequest
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.admission import finish_reply, reserve_reply
-from itif.server.errors import status_of
 
 log = logging.getLogger("itif.server")
 
-__all__ = ["generate_call", "to_request", "rpc_stream"]
+__all__ = ["generate_call", "to_request"]
 
 _EARLY = {itif_pb2.EARLY_STOPPING_UNSPECIFIED: False, itif_pb2.EARLY_STOPPING_FALSE: False,
           itif_pb2.EARLY_STOPPING_TRUE: True, itif_pb2.EARLY_STOPPING_NEVER: "never"}
@@ -46,29 +43,6 @@ _OPTIONAL = ("max_new_tokens", "num_beams", "length_penalty", "no_repeat_ngram_s
 #: Reply bytes reserved per possible new token of each returned sequence (its id in a token
 #: message and in the result, and its text in both) and per call.
 _BYTES_PER_TOKEN, _CALL_BYTES = 64, 512
-
-
-def rpc_stream(method):
-    """``itif.server.errors.rpc`` for a server-streaming method (an async generator): an
-    ``ItifError`` aborts with its code and message, anything else is INTERNAL and logged."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context):
-        try:
-            async for item in method(self, request, context):
-                yield item
-            return
-        except ItifError as e:
-            code, msg = status_of(e)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
-            code, msg = status_of(e)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", method.__name__)
-        await context.abort(code, msg)
-
-    return wrapper
 
 
 def to_request(msg: itif_pb2.GenerateRequest) -> tuple[GenerateRequest, str | None]:

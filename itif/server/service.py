@@ -27,8 +27,8 @@ from itif.server.admission import (
     in_admitted_call,
     reserve_reply,
 )
-from itif.server.errors import rpc, status_of
-from itif.server.generate import generate_call, rpc_stream
+from itif.server.errors import rpc, rpc_stream, status_of
+from itif.server.generate import generate_call
 from itif.server.handlers import wrap_handler
 
 log = logging.getLogger("itif.server")
