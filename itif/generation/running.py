@@ -129,14 +129,12 @@ class RunningBatch:
             sstart, _ = rows_of_requests(slen[order])
             tok_tenant = np.repeat(row_tenant, slen[order])
             Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
-            ids = torch.tensor(np.concatenate([np.asarray(items[i].source, np.int64) for i in order]),
-                               device=dev)
-            pos = torch.as_tensor(np.concatenate([np.arange(s) for s in slen[order]]), device=dev)
+            ids, pos = _packed([items[i].source for i in order], slen[order], dev)
             sloc = torch.cat([src_locs[i] for i in order])
             encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
             src_table = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
-            for j, i in enumerate(order.tolist()):
-                src_table[j, : slen[i]] = src_locs[i]
+            packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
+            src_table[:, : packed.shape[1]] = packed
             cross = CrossGroup(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), src_table,
                                torch.as_tensor(slen[order], device=dev))
             start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
@@ -148,9 +146,7 @@ class RunningBatch:
             pstart, _ = rows_of_requests(plen[order])
             tok_tenant = np.repeat(row_tenant, plen[order])
             Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
-            ids = torch.tensor(np.concatenate([np.asarray(items[i].prompt, np.int64) for i in order]),
-                               device=dev)
-            pos = torch.as_tensor(np.concatenate([np.arange(s) for s in plen[order]]), device=dev)
+            ids, pos = _packed([items[i].prompt for i in order], plen[order], dev)
             wloc = torch.cat([prompt_locs[i] for i in order])
             logits_f = prefill(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
                                wloc, pstart + plen[order] - 1)
@@ -232,3 +228,11 @@ class RunningBatch:
 
 
 __all__ = ["Admission", "RunningBatch"]
+
+
+def _packed(seqs, lens: np.ndarray, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of ``seqs`` back to back, and each token's position in its sequence."""
+    ids = torch.as_tensor(np.concatenate([np.asarray(q, np.int64) for q in seqs]), device=dev)
+    pos = torch.arange(int(lens.sum()), device=dev) - torch.as_tensor(
+        np.repeat(np.cumsum(lens) - lens, lens), device=dev)
+    return ids, pos
