@@ -51,3 +51,16 @@ def hf_factory():
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module of tiny models (waking a thread pool for
+    microsecond ops costs more than it saves, and on a busy shared CPU two threads made them
+    many times slower); the count is restored after the module."""
+    import torch  # noqa: PLC0415 - conftest stays importable without torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -23,13 +23,7 @@ transformers = pytest.importorskip("transformers")
 SPECS = ("gpt2-tiny", "bart-tiny", "marian-tiny")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (waking a pool for microsecond ops costs more)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model(spec, seed: int):

@@ -24,7 +24,8 @@ from itif.generation.processors import ban_bad_words, ban_repeated_ngrams, expon
 from itif.generation.search import SearchBatch, search_params
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.filterwarnings("ignore:Unfeasible length constraints")
+pytestmark = [pytest.mark.filterwarnings("ignore:Unfeasible length constraints"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 V = 96
 
@@ -121,15 +122,6 @@ class Tenant:
             cut = next((i + 1 for i, t in enumerate(s) if t in eos), len(s))
             seqs.append(s[:cut])
         return seqs, None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread (a busy shared CPU makes two threads many times slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
