@@ -138,7 +138,7 @@ def drive(tenants, jobs, device="cpu", cancel=None):
     sb = SearchBatch(V, device=device)
     order: list[tuple] = []         # (key, n_rows) in row order
     rows: list[list[int]] = []      # every row's decoder tokens
-    enc, reqs, results, streamed = {}, {}, {}, {}
+    enc, reqs, results, streamed, sent = {}, {}, {}, {}, {}
     pending = sorted(jobs, key=lambda j: j[1])
     step = 0
     while pending or order:
@@ -162,10 +162,15 @@ def drive(tenants, jobs, device="cpu", cancel=None):
         par, tok = res.parent.tolist(), res.tokens.tolist()
         assert all(0 <= q < len(rows) for q in par)
         rows = [rows[q] + [t] for q, t in zip(par, tok)]
+        new = sb.new_tokens({k: sent.get(k, 0) for k, _ in order})  # the engine's batched form
         for key, n in order:
             s = sb.tokens_of(key)
             if s is not None:
                 streamed.setdefault(key, []).append(list(s))
+                assert new.get(key, []) == s[sent.get(key, 0):], (key, new, s)
+                sent[key] = len(s)
+            else:
+                assert key not in new
         if res.finished:
             out, keep = sb.remove(res.finished)
             results.update(out)

@@ -362,18 +362,11 @@ class GenEngine:
 
     def _stream(self) -> None:
         """New tokens of streaming (greedy, sampling) requests, one event per request."""
-        for t in self._streaming.values():
-            if t.cancelled:
-                continue
-            toks = self._sb.tokens_of(t.id)
-            if toks is None or len(toks) <= t.sent:
-                continue
-            new = toks[t.sent:]
-            t.sent = len(toks)
-            if new and isinstance(new[0], (list, tuple)):
-                t.on_event(GenEvent("tokens", tokens=[list(x) for x in new]))
-            else:
-                t.on_event(GenEvent("tokens", tokens=list(new)))
+        live = {t.id: t for t in self._streaming.values() if not t.cancelled}
+        for key, new in self._sb.new_tokens({k: t.sent for k, t in live.items()}).items():
+            t = live[key]
+            t.sent += len(new)
+            t.on_event(GenEvent("tokens", tokens=new))
 
     @staticmethod
     def _generation(t: Ticket, g: Any) -> Generation:

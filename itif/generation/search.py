@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import torch
 
@@ -325,6 +325,28 @@ class SearchBatch:
         row = int(torch.nonzero(self._t["req"] == req.id)[0, 0])
         p, g = int(self._t["plen"][row]), int(self._t["gen"][row])
         return self._t["hist"][row, p:p + g].tolist()
+
+    def new_tokens(self, sent: Mapping[Hashable, int]) -> dict[Hashable, list[int]]:
+        """``tokens_of`` for many streaming requests at once, past the ``sent[key]`` tokens each
+        has streamed: one lookup of their rows and two host copies for all of them, whatever
+        their number (the engine calls this every step). Keys ``tokens_of`` answers None for,
+        and keys with nothing new, are left out."""
+        keys = [k for k, n in sent.items()
+                if self._reqs[k].params.rows == 1 and self._reqs[k].params.mode != "beam"]
+        if not keys:
+            return {}
+        t = self._t
+        ids = torch.tensor([self._reqs[k].id for k in keys], dtype=t["req"].dtype, device=self.device)
+        row = (t["req"][None, :] == ids[:, None]).to(torch.int8).argmax(1)  # first row of each
+        end = t["plen"][row] + t["gen"][row]
+        gen_host = t["gen"][row].tolist()
+        have = [g - sent[k] for k, g in zip(keys, gen_host)]
+        width = max(have)
+        if width <= 0:
+            return {}
+        cols = (end[:, None] - width + torch.arange(width, device=self.device)).clamp(min=0)
+        window = t["hist"][row[:, None], cols].tolist()
+        return {k: window[i][width - n:] for i, (k, n) in enumerate(zip(keys, have)) if n > 0}
 
     # ---- one decoding step ---------------------------------------------------------------
 
