@@ -33,7 +33,7 @@ from itif.server.admission import finish_reply, reserve_reply
 
 log = logging.getLogger("itif.server")
 
-__all__ = ["generate_call", "to_request"]
+__all__ = ["GenerationStream", "generate_call", "to_request"]
 
 _EARLY = {itif_pb2.EARLY_STOPPING_UNSPECIFIED: False, itif_pb2.EARLY_STOPPING_FALSE: False,
           itif_pb2.EARLY_STOPPING_TRUE: True, itif_pb2.EARLY_STOPPING_NEVER: "never"}
@@ -105,6 +105,83 @@ class _Text:
         return text[len(before):]
 
 
+class GenerationStream:
+    """One submitted generation, its events delivered on the event loop: what the gRPC
+    ``Generate`` call and the HTTP ``/v1/completions`` route share.
+
+    Constructing it submits the request (:meth:`itif.daemon.Daemon.submit_generate`: its
+    refusals are raised here, before any answer has started); :meth:`events` then yields
+    ``("tokens", [(sequence, ids, text), ...])`` as the GenEngine decides them (greedy search
+    and sampling) and ``("done", Generation)`` once at the end, records the generation metrics,
+    and raises the engine's error, or DeadlineExceeded past ``deadline`` (``time.monotonic()``).
+    Leaving early (a cancelled task, a client gone, an error) frees the request's sequences and
+    cache blocks in the GenEngine: :meth:`close`, which :meth:`events` calls on its way out and
+    which may be called again (nothing once it finished)."""
+
+    def __init__(self, daemon: Any, who: Any, tenant: str, req: GenerateRequest,
+                 text: str | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(ev: Any) -> None:  # the GenEngine's loop thread: never blocks
+            loop.call_soon_threadsafe(self._events.put_nowait, ev)
+
+        self.daemon, self.tenant = daemon, tenant
+        self.start = time.perf_counter()
+        self.finished = False
+        self.ticket = daemon.submit_generate(who, tenant, req, on_event, text=text)
+        self.words = _Text(daemon.engine.tokenizer_of(tenant))
+
+    async def events(self, deadline: float | None = None) -> AsyncIterator[tuple[str, Any]]:
+        metrics, tenant = self.daemon.metrics, self.tenant
+        first = last = None
+        streamed = 0
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    ev = await asyncio.wait_for(self._events.get(), timeout)
+                except TimeoutError:
+                    raise DeadlineExceeded("the deadline passed before the generation ended; "
+                                           "its sequences were freed") from None
+                now = time.perf_counter()
+                if ev.kind == "tokens":
+                    parts = _token_lists(ev)
+                    if not parts:
+                        continue
+                    count = sum(len(ids) for _, ids in parts)
+                    streamed += count
+                    if metrics is not None:
+                        metrics.observe_tokens(tenant, now - (last if last is not None
+                                                              else self.start),
+                                               count, first=first is None)
+                    first = first if first is not None else now
+                    last = now
+                    yield "tokens", [(seq, ids, self.words.add(seq, ids)) for seq, ids in parts]
+                elif ev.kind == "done":
+                    self.finished = True
+                    g = ev.generation
+                    if metrics is not None:
+                        metrics.observe_generation(
+                            tenant, sum(len(s) for s in g.sequences) - streamed,
+                            None if first is not None else now - self.start)
+                    yield "done", g
+                    return
+                elif ev.kind == "error":
+                    self.finished = True
+                    err = getattr(ev, "error", None)
+                    raise err if isinstance(err, BaseException) else Unavailable(str(err))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Free the request's rows now unless it finished (cancelled, disconnected, expired or
+        failed)."""
+        if not self.finished:
+            self.finished = True
+            self.daemon.cancel_generate(self.ticket)
+
+
 async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, context: Any
                         ) -> AsyncIterator[itif_pb2.GenerateResponse]:
     """The Generate stream of one authenticated caller (``who``)."""
@@ -114,61 +191,21 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
     if gen is not None:  # an encoder daemon: submit_generate says so
         daemon._visible(who, tenant)
         reserve_reply(daemon, _reply_bytes(req))  # in an admitted call, before any work
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-
-    def on_event(ev: Any) -> None:  # the GenEngine's loop thread: never blocks
-        loop.call_soon_threadsafe(events.put_nowait, ev)
-
     remaining = context.time_remaining()
     deadline = None if remaining is None else time.monotonic() + remaining
-    start = time.perf_counter()
-    ticket = daemon.submit_generate(who, tenant, req, on_event, text=text)
+    call = GenerationStream(daemon, who, tenant, req, text)
     st = daemon.status.get(tenant)
     sha = st.sha256 if st is not None else ""
-    words = _Text(daemon.engine.tokenizer_of(tenant))
-    metrics = daemon.metrics
-    finished = False
-    first = last = None
-    streamed = 0
     try:
-        while True:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ev = await asyncio.wait_for(events.get(), timeout)
-            except TimeoutError:
-                raise DeadlineExceeded("the deadline passed before the generation ended; its "
-                                       "sequences were freed") from None
-            now = time.perf_counter()
-            if ev.kind == "tokens":
-                parts = _token_lists(ev)
-                if not parts:
-                    continue
-                count = sum(len(ids) for _, ids in parts)
-                streamed += count
-                if metrics is not None:
-                    metrics.observe_tokens(tenant, now - (last if last is not None else start),
-                                           count, first=first is None)
-                first = first if first is not None else now
-                last = now
-                for seq, ids in parts:
+        async for kind, value in call.events(deadline):
+            if kind == "tokens":
+                for seq, ids, words in value:
                     yield itif_pb2.GenerateResponse(tokens=itif_pb2.GenerateTokens(
-                        sequence=seq, ids=ids, text=words.add(seq, ids)))
-            elif ev.kind == "done":
-                finished = True
-                g = ev.generation
-                if metrics is not None:
-                    metrics.observe_generation(tenant, sum(len(s) for s in g.sequences) - streamed,
-                                               None if first is not None else now - start)
-                yield await finish_reply(daemon, _result(g, words, sha))
-                return
-            elif ev.kind == "error":
-                finished = True
-                err = getattr(ev, "error", None)
-                raise err if isinstance(err, BaseException) else Unavailable(str(err))
+                        sequence=seq, ids=ids, text=words))
+            else:
+                yield await finish_reply(daemon, _result(value, call.words, sha))
     finally:
-        if not finished:  # cancelled, disconnected, expired or failed: free its rows now
-            daemon.cancel_generate(ticket)
+        call.close()
 
 
 def _result(g: Any, words: _Text, sha: str) -> itif_pb2.GenerateResponse:

@@ -1,5 +1,6 @@
-"""The HTTP APIs on ``server.http_listen``: KServe v2 REST (``kserve_rest``) and OpenAI-compatible
-embeddings (``openai``), one Starlette app served by uvicorn on the daemon's own event loop.
+"""The HTTP APIs on ``server.http_listen``: KServe v2 REST (``kserve_rest``), OpenAI-compatible
+embeddings (``openai``) and completions of decoder tenants (``completions``), one Starlette app
+served by uvicorn on the daemon's own event loop.
 
 ``itif.server.app`` starts it beside the gRPC server (the port opens before the backbone loads;
 until then the routes answer 503, as gRPC answers UNAVAILABLE) and stops it after the daemon has
@@ -31,6 +32,7 @@ except ImportError as e:  # the daemon says what to install rather than a bare t
 
 from itif.config import Config
 from itif.server.admission import Admission
+from itif.server.http.completions import CompletionsApi
 from itif.server.http.kserve_rest import KServeRest
 from itif.server.http.openai import OpenAIApi
 
@@ -44,13 +46,14 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 def build_app(daemon, health=None, *, max_body: int, admission=None) -> Starlette:
-    """The Starlette app of both APIs on ``daemon``. ``admission``: the
+    """The Starlette app of the APIs on ``daemon``. ``admission``: the
     :class:`~itif.server.admission.Admission` that counts the calls (the gRPC server's, so both
     protocols share the limits); None: a new one of this app's own."""
     if admission is None:
         admission = Admission(daemon)
     routes = (KServeRest(daemon, health, max_body=max_body, admission=admission).routes()
-              + OpenAIApi(daemon, max_body=max_body, admission=admission).routes())
+              + OpenAIApi(daemon, max_body=max_body, admission=admission).routes()
+              + CompletionsApi(daemon, max_body=max_body, admission=admission).routes())
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
