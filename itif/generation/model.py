@@ -168,6 +168,19 @@ class CrossGroup:
     rows: SeqGroup
     src_loc: torch.Tensor
     src_len: torch.Tensor
+    #: ``[n, 1, 1, S]`` source-length mask, built once for every layer and step of this group;
+    #: None when every source fills all ``S`` columns (no mask to apply).
+    mask: torch.Tensor | None = None
+
+    @staticmethod
+    def build(rows: SeqGroup, src_loc: torch.Tensor, src_len: np.ndarray) -> "CrossGroup":
+        """``src_len``: host lengths (whether a mask is needed is decided without a sync)."""
+        S = src_loc.shape[1]
+        lens = torch.as_tensor(src_len, device=src_loc.device)
+        mask = None
+        if int(src_len.min()) < S:
+            mask = (torch.arange(S, device=src_loc.device)[None, :] < lens[:, None])[:, None, None, :]
+        return CrossGroup(rows, src_loc, lens, mask)
 
 
 def _cross_attention(q: torch.Tensor, kv: torch.Tensor, c: CrossGroup, heads: int) -> torch.Tensor:
@@ -179,26 +192,40 @@ def _cross_attention(q: torch.Tensor, kv: torch.Tensor, c: CrossGroup, heads: in
     qq = _heads(q.index_select(0, g.rows.reshape(-1)), g.n, g.L, heads)
     src = kv.index_select(0, c.src_loc.reshape(-1)).view(g.n, S, 2 * H)
     k, v = _heads(src[:, :, :H], g.n, S, heads), _heads(src[:, :, H:], g.n, S, heads)
-    mask = (torch.arange(S, device=q.device)[None, :] < c.src_len[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask).transpose(1, 2).reshape(g.n * g.L, H)
+    o = F.scaled_dot_product_attention(qq, k, v, attn_mask=c.mask).transpose(1, 2).reshape(g.n * g.L, H)
     out = torch.empty(R, H, dtype=q.dtype, device=q.device)
     out.index_copy_(0, g.dest, o.index_select(0, g.valid))
     return out
 
 
-def _cache_attention(qkv: torch.Tensor, kv: torch.Tensor, loc: torch.Tensor, pos: torch.Tensor,
-                     heads: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class StepRows:
+    """What every layer of one decode step reads about its rows, built once per step: the
+    history locations ``loc [R, L]``, the location each row writes (``loc[r, pos[r]]``) and the
+    ``[R, 1, 1, L]`` history mask."""
+
+    loc: torch.Tensor
+    write: torch.Tensor
+    mask: torch.Tensor
+
+    @staticmethod
+    def build(loc: torch.Tensor, pos: torch.Tensor) -> "StepRows":
+        L = loc.shape[1]
+        mask = (torch.arange(L, device=loc.device)[None, :] <= pos[:, None])[:, None, None, :]
+        return StepRows(loc, loc.gather(1, pos[:, None]).squeeze(1), mask)
+
+
+def _cache_attention(qkv: torch.Tensor, kv: torch.Tensor, s: StepRows, heads: int) -> torch.Tensor:
     """One query per row over the row's history: write the row's K/V at ``loc[r, pos[r]]``, then
     attend to ``loc[r, :pos[r] + 1]``. qkv [R, 3H]; kv one layer's pool [capacity, 2H]."""
     R, H3 = qkv.shape
     H = H3 // 3
-    L = loc.shape[1]
-    kv.index_copy_(0, loc.gather(1, pos[:, None]).squeeze(1), qkv[:, H:])
-    hist = kv.index_select(0, loc.reshape(-1)).view(R, L, 2 * H)
+    L = s.loc.shape[1]
+    kv.index_copy_(0, s.write, qkv[:, H:])
+    hist = kv.index_select(0, s.loc.reshape(-1)).view(R, L, 2 * H)
     q = _heads(qkv[:, :H], R, 1, heads)
     k, v = _heads(hist[:, :, :H], R, L, heads), _heads(hist[:, :, H:], R, L, heads)
-    mask = (torch.arange(L, device=qkv.device)[None, :] <= pos[:, None])[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(R, H)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask).transpose(1, 2).reshape(R, H)
 
 
 def _embed(spec: DecoderSpec, P: TenantParams, ids: torch.Tensor, pos: torch.Tensor,
@@ -287,16 +314,17 @@ def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
     (L > max pos). Returns the logits [R, V]."""
     with torch.inference_mode():
         x = _embed(spec, P, ids, pos, "dec")
+        rows = StepRows.build(loc, pos)
         for i in range(spec.dec_layers):
             p = f"dec.{i}."
             if spec.pre_ln:
                 qkv = P.linear(P.ln(x, p + "ln1", spec.eps), p + "qkv")
-                ctx = _cache_attention(qkv, kv[i], loc, pos, spec.heads)
+                ctx = _cache_attention(qkv, kv[i], rows, spec.heads)
                 x = ops.bias_residual(P.gemm(ctx, p + "attn_out.weight"), P.rot(p + "attn_out.bias"), x)
                 f = P.linear(P.ln(x, p + "ln2", spec.eps), p + "ffn_in", spec.act)
                 x = ops.bias_residual(P.gemm(f, p + "ffn_out.weight"), P.rot(p + "ffn_out.bias"), x)
                 continue
-            ctx = _cache_attention(P.linear(x, p + "qkv"), kv[i], loc, pos, spec.heads)
+            ctx = _cache_attention(P.linear(x, p + "qkv"), kv[i], rows, spec.heads)
             x = P.ln(P.gemm(ctx, p + "attn_out.weight"), p + "ln1", spec.eps, x, p + "attn_out.bias")
             c = _cross_attention(P.linear(x, p + "cross_q"), kv[i], cross, spec.heads)
             x = P.ln(P.gemm(c, p + "cross_out.weight"), p + "ln_cross", spec.eps, x, p + "cross_out.bias")
@@ -322,5 +350,5 @@ def rows_of_requests(counts: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np
     return starts, counts
 
 
-__all__ = ["CrossGroup", "SeqGroup", "SlotMatrix", "TenantParams", "decode", "encode",
+__all__ = ["CrossGroup", "SeqGroup", "SlotMatrix", "StepRows", "TenantParams", "decode", "encode",
            "group_rows", "prefill", "rows_of_requests"]

@@ -132,11 +132,11 @@ class RunningBatch:
             ids, pos = _packed([items[i].source for i in order], slen[order], dev)
             sloc = torch.cat([src_locs[i] for i in order])
             encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
-            src_table = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
+            # The first step's cross-attention reads only as many source columns as the longest
+            # new source (padding -> location 0, masked), not the table's full width.
             packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
-            src_table[:, : packed.shape[1]] = packed
-            cross = CrossGroup(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), src_table,
-                               torch.as_tensor(slen[order], device=dev))
+            cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
+                                     slen[order])
             start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
             loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
             logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
@@ -162,8 +162,8 @@ class RunningBatch:
         self.src_len = np.concatenate([self.src_len, slen])
         if spec.encoder_decoder:
             new_src = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
-            for i in range(n):
-                new_src[i, : slen[i]] = src_locs[i]
+            adm = torch.nn.utils.rnn.pad_sequence(src_locs, batch_first=True)  # admission order
+            new_src[:, : adm.shape[1]] = adm
             self.src_loc = torch.cat([self.src_loc, new_src])
         self._fwd = None
         return logits.repeat_interleave(torch.as_tensor(rows, device=dev), dim=0)
@@ -201,9 +201,8 @@ class RunningBatch:
                 starts, counts = rows_of_requests(self.nrows[rorder])
                 S = max(int(self.src_len.max()), 1)
                 ro = torch.as_tensor(rorder, device=self.device)
-                cross = CrossGroup(SeqGroup.build(starts, counts, self.device),
-                                   self.src_loc.index_select(0, ro)[:, :S],
-                                   torch.as_tensor(self.src_len[rorder], device=self.device))
+                cross = CrossGroup.build(SeqGroup.build(starts, counts, self.device),
+                                         self.src_loc.index_select(0, ro)[:, :S], self.src_len[rorder])
             self._fwd = (torch.as_tensor(perm, device=self.device), P, cross)
         return self._fwd
 
