@@ -12,7 +12,11 @@ Three systems over the same tenants and requests, in one run:
 
 Tenants are random-initialised Marian-shaped models with distinct weights (nothing shared: the
 worst case for itif). Tokens/s counts the tokens of the returned best sequences; each system's
-sequences are compared with ``hf``'s. Results go to ``bench/results/<name>.json``.
+sequences are compared with ``hf``'s. Results go to ``bench/results/<name>.json`` (or ``--out``).
+
+``--device cuda`` runs all three systems on the GPU (HF's models moved there, the GenEngine built
+there; ``bench/gpu_suite.sh --steps generate`` calls it so); the dtype stays float32 unless
+``--dtype`` says otherwise, so the token-for-token comparison with HF keeps its meaning.
 """
 
 from __future__ import annotations
@@ -51,12 +55,14 @@ def hf_model(spec, seed: int):
 def run(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     spec = PRESETS[args.preset]
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     names = [f"t{i}" for i in range(args.tenants)]
     models = {n: hf_model(spec, i + 1) for i, n in enumerate(names)}
-    eng = GenEngine(args.preset, kv_cache_bytes=args.kv_mib << 20)
+    eng = GenEngine(args.preset, device=dev, dtype=args.dtype, kv_cache_bytes=args.kv_mib << 20)
     for n, m in models.items():  # each tenant's generation settings as its checkpoint has them
         eng.add_tenant(n, m.state_dict(), defaults_from_config(m.config.to_dict(),
                                                                m.generation_config.to_dict()))
+        models[n] = m.to(device=dev, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     reqs = {n: [GenerateRequest(n, torch.randint(5, spec.vocab_size - 1, (args.src_len,), generator=g).tolist(),
                                 max_new_tokens=args.new_tokens, num_beams=args.beams)
@@ -66,7 +72,7 @@ def run(args) -> dict:
     def hf_all():
         out = []
         for n in names:
-            ids = torch.tensor([r.input_ids for r in reqs[n]])
+            ids = torch.tensor([r.input_ids for r in reqs[n]], device=dev)
             with torch.no_grad():
                 seqs = models[n].generate(ids, max_new_tokens=args.new_tokens, num_beams=args.beams,
                                           do_sample=False)
@@ -86,13 +92,14 @@ def run(args) -> dict:
     systems = {"hf": hf_all, "seq": seq_all, "itif": itif_all}
     eng.generate(flat[:2])  # warm-up (allocations, first plans), both systems
     with torch.no_grad():
-        models[names[0]].generate(torch.tensor([flat[0].input_ids]), max_new_tokens=2, num_beams=args.beams)
+        models[names[0]].generate(torch.tensor([flat[0].input_ids], device=dev), max_new_tokens=2,
+                                  num_beams=args.beams)
     rows, outs = [], {}
     for name, fn in systems.items():
         times = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            outs[name] = fn()
+            outs[name] = fn()  # token lists on the host: the device work is done
             times.append(time.perf_counter() - t0)
         tokens = sum(len(s) for s in outs[name])
         best = min(times)
@@ -105,7 +112,8 @@ def run(args) -> dict:
         r["sequences_equal_hf"] = sum(a == b for a, b in zip(outs[r["system"]], outs["hf"]))
         r["sequences"] = len(flat)
     return dict(meta=dict(
-        device=f"cpu-{platform.machine()}-{torch.get_num_threads()}threads", dtype="float32",
+        device=(torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                else f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"), dtype=args.dtype,
         cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), load_average=list(os.getloadavg()),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command="python " + " ".join(sys.argv), torch=torch.__version__,
@@ -126,13 +134,17 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--kv-mib", type=int, default=1024)
-    p.add_argument("--name", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--name", default=None, help="write bench/results/<name>.json")
+    p.add_argument("--out", default=None, help="write the JSON here instead")
     args = p.parse_args(argv)
     res = run(args)
     text = json.dumps(res, indent=1)
     print(text)
-    if args.name:
-        out = Path(__file__).resolve().parent / "results" / f"{args.name}.json"
+    out = (Path(args.out) if args.out else
+           Path(__file__).resolve().parent / "results" / f"{args.name}.json" if args.name else None)
+    if out is not None:
         out.write_text(text + "\n")
         print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -2,13 +2,15 @@
 # The GPU suite in one command: gpu-marked tests, Table 5.3 (per-op SEQ vs fused), the Table 5.2
 # workloads for every system, and (on request) the serving sweep.
 #
-#   bash bench/gpu_suite.sh OUTDIR [--dry-run] [--steps tests,ops,table,serve]
+#   bash bench/gpu_suite.sh OUTDIR [--dry-run] [--steps tests,ops,profile,table,serve,generate]
 #   PYTHONPATH=/tmp/site:$PWD bash bench/gpu_suite.sh $OUT          # on the GPU machine
 #
 # Every step runs under its own `timeout` carved from one budget (SUITE_BUDGET_S), so one hang
 # cannot eat the call; each appends a summary line (and SKIPPED/ERROR lines with reasons) to
 # OUTDIR/suite.log. Files in OUTDIR (at most 8): suite.log, tests.log, ops.json, profile.json,
-# table.json, plots.tar.gz, bench.log, serve.json. Intermediate files live in a temp dir.
+# table.json, plots.tar.gz, bench.log, serve.json, generate.json (serve and generate are off by
+# default: each is its own call, --steps serve / --steps generate). Intermediate files live in a
+# temp dir.
 #
 # --dry-run (automatic when torch sees no CUDA): the same steps on the CPU with the tiny
 # presets, T = 1 2, 2 repeats; every GPU-only part is marked SKIPPED with its reason.
@@ -30,6 +32,9 @@
 #   TESTS_TIMEOUT_S OPS_TIMEOUT_S SERVE_TIMEOUT_S   per-step caps [150 60 480 / 90 60 120]
 #   SERVE_MODEL SERVE_TENANTS SERVE_MIX SERVE_DURATION_S
 #                    [bert-base 16 uniform:2-100+zipf:1.2 5 / bert-tiny 4 (same mix) 1]
+#   GEN_ARGS         bench/bench_generate.py's workload (the thesis' Decoding row: seq, hf, itif)
+#                    [marian-decoding, 8 tenants x 4 requests, beam 4, 128 source tokens, 32 new /
+#                    marian-tiny, 2 x 2, beam 2, 16, 4]; GENERATE_TIMEOUT_S [300 / 120]
 #   PYTHON           [python3]
 set -u -o pipefail
 
@@ -94,6 +99,8 @@ if [ "$DRY" = 1 ]; then
   OPS_ARGS="--cpu"
   TABLE_ARGS="--one-part --compiled-min 20"
   RES_OPS_MIN=10; RES_TABLE_MIN=80; RES_SERVE_MIN=40
+  GEN_ARGS=${GEN_ARGS:-"--preset marian-tiny --tenants 2 --requests 2 --beams 2 --src-len 16 --new-tokens 4 --repeats 1"}
+  GEN_CAP=${GENERATE_TIMEOUT_S:-120}
 else
   BUDGET=${SUITE_BUDGET_S:-510}
   MODELS=${MODELS:-"bert-base albert-large vit-base"}
@@ -108,6 +115,8 @@ else
   OPS_ARGS=""
   TABLE_ARGS=""
   RES_OPS_MIN=30; RES_TABLE_MIN=240; RES_SERVE_MIN=200
+  GEN_ARGS=${GEN_ARGS:-"--preset marian-decoding --tenants 8 --requests 4 --beams 4 --src-len 128 --new-tokens 32 --repeats 3"}
+  GEN_CAP=${GENERATE_TIMEOUT_S:-300}
 fi
 SYSTEMS=${SYSTEMS:-"seq multi_stream hf hf_compiled mps itif itif_nographs"}
 STRATEGIES=${STRATEGIES:-packed}
@@ -218,6 +227,16 @@ if has_step serve; then
   "$PY" -m itif.bench.suite summary-serve "$OUT/serve.json" | sed 's/^/  /' | tee -a "$LOG"
 else
   say "step serve: not selected (--steps $STEPS; on the GPU it runs in its own call: --steps serve)"
+fi
+
+# ---- (e) generation: the Decoding row, seq / hf / itif (off by default: its own call) -------------
+if has_step generate; then
+  TO=$(step_timeout "$GEN_CAP" 0)
+  run_step generate "$TO" "$OUT/bench.log" "$PY" bench/bench_generate.py $GEN_ARGS \
+    --device "$DEVICE" --out "$OUT/generate.json"
+  "$PY" -m itif.bench.suite summary-generate "$OUT/generate.json" | sed 's/^/  /' | tee -a "$LOG"
+else
+  say "step generate: not selected (--steps $STEPS; on the GPU it runs in its own call: --steps generate)"
 fi
 
 say "suite done in $(elapsed)s; $( [ -z "$FAILS" ] && echo "every step ok" || echo "steps not ok:$FAILS"); files: $(cd "$OUT" && ls | tr '\n' ' ')"

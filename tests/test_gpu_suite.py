@@ -234,3 +234,21 @@ def test_copy_bandwidth_on_cuda():
 
     bw, src = copy_bandwidth(torch.device("cuda"), 256 << 20)
     assert 50e9 < bw < 20e12 and src.startswith("measured")
+
+
+def test_dry_run_generate_step(tmp_path):
+    """``--steps generate``: the Decoding row's three systems on tiny presets, every sequence
+    equal to HF's, and a summary line per system in suite.log."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--steps", "generate"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    log = (out / "suite.log").read_text() if (out / "suite.log").exists() else ""
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{log}"
+    assert "step generate: ok" in log and "every step ok" in log
+    d = json.loads((out / "generate.json").read_text())
+    assert {r["system"] for r in d["rows"]} == {"hf", "seq", "itif"}
+    for r in d["rows"]:
+        assert r["tokens_per_s"] > 0 and r["sequences_equal_hf"] == r["sequences"] > 0, r
+        assert f"  {r['system']}: {r['tokens_per_s']} tokens/s" in log

@@ -5,6 +5,7 @@
     python3 -m itif.bench.suite summary-ops OUT/ops.json
     python3 -m itif.bench.suite summary-tests OUT/tests.log
     python3 -m itif.bench.suite summary-serve OUT/serve.json
+    python3 -m itif.bench.suite summary-generate OUT/generate.json
 
 ``table`` runs ``python3 -m itif bench --suites table`` once per model for every system but
 ``hf_compiled`` (so a slow compile cannot cost the other rows), then once per model for
@@ -322,6 +323,23 @@ def summary_serve(path: Path) -> int:
     return 0
 
 
+def summary_generate(path: Path) -> int:
+    """One line per system of ``bench/bench_generate.py``'s JSON."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"no generate result ({e})")
+        return 1
+    st = d["meta"]["settings"]
+    print(f"SUMMARY generate {st['preset']} on {d['meta']['device']} ({d['meta']['dtype']}): "
+          f"{st['tenants']} tenants x {st['requests_per_tenant']} requests, beam {st['beams']}, "
+          f"{st['src_len']} source tokens, {st['new_tokens']} new")
+    for r in d["rows"]:
+        print(f"  {r['system']}: {r['tokens_per_s']} tokens/s, {r['speedup_vs_hf']}x hf, "
+              f"{r['sequences_equal_hf']}/{r['sequences']} sequences equal hf")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m itif.bench.suite",
                                 description=__doc__.splitlines()[0])
@@ -347,7 +365,7 @@ def main(argv=None) -> int:
     t.add_argument("--compiled-min", type=float, default=COMPILED_MIN_S,
                    help="seconds a hf_compiled part needs at least (less left: skipped)")
     t.add_argument("--no-plots", action="store_true")
-    for name in ("summary-ops", "summary-tests", "summary-serve"):
+    for name in ("summary-ops", "summary-tests", "summary-serve", "summary-generate"):
         s = sub.add_parser(name)
         s.add_argument("path")
         if name == "summary-tests":
@@ -360,6 +378,8 @@ def main(argv=None) -> int:
         return summary_ops(Path(a.path))
     if a.cmd == "summary-tests":
         return summary_tests(Path(a.path), a.cuda == "True")
+    if a.cmd == "summary-generate":
+        return summary_generate(Path(a.path))
     return summary_serve(Path(a.path))
 
 
