@@ -6,9 +6,11 @@ request, ``itif.generation.running``) and one ``SearchBatch`` (the decoding sear
 row, ``itif.generation.search``). The iteration loop, each step:
 
 1. cancelled requests leave (rows and cache blocks freed);
-2. waiting requests join, first come first served, while the KV pool has room for their whole
-   reservation (prompt, source and ``max_new_tokens`` positions per row); one that does not fit
-   waits for blocks to free, never failing the batch;
+2. waiting requests join in fair order across tenants (start-time fair queueing over their
+   generated-token budgets, weighted by ``tenants[].weight``: ``itif.generation.admission``)
+   while the KV pool has room for their whole reservation (prompt, source and
+   ``max_new_tokens`` positions per row); the next one that does not fit waits for blocks to
+   free, never failing the batch;
 3. one decode forward over all rows already running (every tenant together), and the prefill
    (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests;
 4. ``SearchBatch.step`` over all rows' logits decides each row's token and the row it continues;
@@ -25,7 +27,6 @@ import itertools
 import logging
 import os
 import threading
-from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,6 +35,7 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import InvalidRequest, ItifError, Overloaded, TenantNotFound, shown
+from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.running import Admission, RunningBatch
@@ -101,7 +103,7 @@ class GenEngine:
             decoder_start_token_id=self.spec.pad_token_id if self.spec.family == "marian" else None)
         self._ids = itertools.count()
         self._cv = threading.Condition()
-        self._waiting: deque[Ticket] = deque()
+        self._waiting: FairWaiting[Ticket] = FairWaiting()
         self._running: dict[int, Ticket] = {}
         self._streaming: dict[int, Ticket] = {}  # running requests whose tokens are streamed
         self._cancel: list[Ticket] = []
@@ -222,7 +224,8 @@ class GenEngine:
             t.on_event = sink(i)
             t.stream = False
         with self._cv:
-            self._waiting.extend(tickets)
+            for t in tickets:
+                self._enqueue(t)
             self._cv.notify_all()
         if self._thread is None:
             while any(o is None for o in out):
@@ -240,9 +243,20 @@ class GenEngine:
         t = self._prepare(request)
         t.on_event = on_event
         with self._cv:
-            self._waiting.append(t)
+            self._enqueue(t)
             self._cv.notify_all()
         return t
+
+    def _enqueue(self, t: Ticket) -> None:
+        """Queue ``t`` at its fair place; its cost is its token budget (see ``admission``)."""
+        a = t.admission
+        cost = a.rows * a.max_new_tokens + len(a.prompt) + (len(a.source) if a.source else 0)
+        self._waiting.append(t, t.request.tenant, cost)
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """Tenants' shares of admissions under contention (tenants.yaml's ``weight``)."""
+        with self._cv:
+            self._waiting.set_weights(weights)
 
     def cancel(self, ticket: Ticket) -> None:
         """Free the request's rows and cache blocks (at the loop's next step); no more events."""
@@ -317,11 +331,11 @@ class GenEngine:
             joins: list[Ticket] = []
             free = batch.pool.free_blocks
             while self._waiting:
-                need = batch.blocks_needed(self._waiting[0].admission)
+                need = batch.blocks_needed(self._waiting.peek().admission)
                 if need > free:
                     break
                 free -= need
-                joins.append(self._waiting.popleft())
+                joins.append(self._waiting.pop())
         for t in joins:  # running from here: a failing step below reports to them too
             self._running[t.id] = t
         gone = [t for t in cancel if t.id in self._running]
