@@ -3,6 +3,8 @@ queue's order on its own, and the GenEngine admitting by it when the KV cache is
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -135,3 +137,44 @@ def test_engine_admits_a_quiet_tenant_ahead_of_a_flood():
             want = m.generate(torch.tensor([r.input_ids]), max_new_tokens=20, do_sample=False,
                               pad_token_id=0)[0, len(r.input_ids):].tolist()
         assert results[name].generation.sequences == [want], name  # one sequence: no padding
+
+
+def test_replacing_a_tenant_ends_its_running_requests_and_stop_ends_the_rest():
+    """Re-uploaded weights never continue a sequence begun on the old ones: its running request
+    ends with Unavailable (retryable) and its cache blocks are freed; another tenant's request
+    carries on. ``stop`` ends what still waits or runs with Unavailable, not silence."""
+    pytest.importorskip("transformers")
+    from itif.errors import Unavailable
+    from itif.generation.engine import GenEngine
+
+    eng = GenEngine("gpt2-tiny")
+    ma, mb = _hf_gpt2(1), _hf_gpt2(2)
+    eng.add_tenant("a", ma.state_dict())
+    eng.add_tenant("b", mb.state_dict())
+    events: dict[str, list] = {"a": [], "b": []}
+    eng.submit(GenerateRequest("a", [5, 6, 7], max_new_tokens=30), events["a"].append)
+    eng.submit(GenerateRequest("b", [5, 6, 7], max_new_tokens=30), events["b"].append)
+    eng._iterate()
+    eng._iterate()
+    assert eng.cache_stats()["running"] == 2
+    eng.add_tenant("a", _hf_gpt2(3).state_dict())  # a re-upload while a generates
+    last = events["a"][-1]
+    assert last.kind == "error" and isinstance(last.error, Unavailable)
+    assert "replaced" in str(last.error)
+    assert eng.cache_stats()["running"] == 1  # b's request is still running
+    while not any(e.kind == "done" for e in events["b"]):
+        eng._iterate()
+    assert eng.cache_stats()["blocks_used"] == 0
+
+    eng.start()
+    stopped: list = []
+    with eng._step_lock:  # the loop can take at most one step once stop() has been called
+        eng.submit(GenerateRequest("b", [5, 6, 7], max_new_tokens=60), stopped.append)
+        stopper = threading.Thread(target=eng.stop)
+        stopper.start()
+        time.sleep(0.05)
+    stopper.join(30)
+    assert not stopper.is_alive()
+    assert stopped and stopped[-1].kind == "error" and isinstance(stopped[-1].error, Unavailable)
+    st = eng.cache_stats()
+    assert (st["running"], st["waiting"], st["blocks_used"]) == (0, 0, 0)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from itif.backbones.hf import CanonicalWeights
-from itif.errors import InvalidRequest, ItifError, Overloaded, TenantNotFound, shown
+from itif.errors import InvalidRequest, ItifError, Overloaded, TenantNotFound, Unavailable, shown
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
@@ -119,7 +119,11 @@ class GenEngine:
     def add_tenant(self, tenant: str, source, defaults: GenerationDefaults | None = None) -> None:
         """Add (or replace) ``tenant``. Its generation settings: ``defaults``, else the
         checkpoint directory's generation_config.json / config.json, else the backbone's; its
-        tokenizer: the directory's tokenizer.json when there is one."""
+        tokenizer: the directory's tokenizer.json when there is one.
+
+        Replacing a tenant ends its running requests with Unavailable (retryable) between two
+        steps, rather than letting them continue on other weights than they started with; its
+        waiting requests start on the new weights."""
         weights = self.load_weights(source)
         d = defaults
         tok = None
@@ -131,9 +135,13 @@ class GenEngine:
                 from tokenizers import Tokenizer
 
                 tok = Tokenizer.from_file(str(tj))
-        self.store.add(tenant, weights)
-        self._defaults[tenant] = d or self._base_defaults
-        self._tokenizers[tenant] = tok
+        with self._step_lock:
+            replaced = self._take_running(tenant) if tenant in self.store else []
+            self.store.add(tenant, weights)
+            self._defaults[tenant] = d or self._base_defaults
+            self._tokenizers[tenant] = tok
+        self._fail(replaced, Unavailable(f"tenant {shown(tenant)}'s weights were replaced during "
+                                         "its generation: send the request again"))
 
     def remove_tenant(self, tenant: str) -> None:
         """Remove ``tenant``; its waiting and running requests end with a TenantNotFound
@@ -143,19 +151,27 @@ class GenEngine:
                 dropped = [t for t in self._waiting if t.request.tenant == tenant]
                 for t in dropped:
                     self._waiting.remove(t)
-            keys = self._batch.keys_of(tenant)
-            if keys:
-                if self._sb is not None:
-                    self._sb.remove(keys)
-                self._batch.remove(keys)
-                for k in keys:
-                    self._streaming.pop(k, None)
-                    dropped.append(self._running.pop(k))
+            dropped += self._take_running(tenant)
             self.store.remove(tenant)
             self._defaults.pop(tenant, None)
             self._tokenizers.pop(tenant, None)
-        err = TenantNotFound(f"tenant {shown(tenant)} was removed during its generation")
-        for t in dropped:
+        self._fail(dropped, TenantNotFound(f"tenant {shown(tenant)} was removed during its generation"))
+
+    def _take_running(self, tenant: str) -> list[Ticket]:
+        """(Step lock held.) Take ``tenant``'s running requests out: rows and blocks freed."""
+        keys = self._batch.keys_of(tenant)
+        if not keys:
+            return []
+        if self._sb is not None:
+            self._sb.remove(keys)
+        self._batch.remove(keys)
+        for k in keys:
+            self._streaming.pop(k, None)
+        return [self._running.pop(k) for k in keys]
+
+    @staticmethod
+    def _fail(tickets: list[Ticket], err: ItifError) -> None:
+        for t in tickets:
             t.done = True
             if not t.cancelled:
                 t.on_event(GenEvent("error", error=err))
@@ -279,6 +295,7 @@ class GenEngine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop thread; requests still waiting or running end with Unavailable."""
         th = self._thread
         if th is None:
             return
@@ -287,6 +304,14 @@ class GenEngine:
             self._cv.notify_all()
         th.join()
         self._thread = None
+        with self._step_lock:
+            with self._cv:
+                waiting = list(self._waiting)
+                for t in waiting:
+                    self._waiting.remove(t)
+            self._fail(waiting, Unavailable("the generation engine stopped"))
+            if self._running:  # a fresh batch and pool: the next start begins clean
+                self._fail_all(Unavailable("the generation engine stopped"))
 
     def cache_stats(self) -> dict:
         pool = self._batch.pool
@@ -395,10 +420,7 @@ class GenEngine:
         self._streaming.clear()
         self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes)
         self._sb = None
-        for t in running:
-            t.done = True
-            if not t.cancelled:
-                t.on_event(GenEvent("error", error=err))
+        self._fail(running, err)
 
 
 __all__ = ["GenEngine", "GenEvent", "Ticket"]
