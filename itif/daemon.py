@@ -46,6 +46,7 @@ from itif.generation.api import GenerateRequest, check_request
 from itif.runtime.engine import Engine, Request, Result
 from itif.scheduler import Scheduler, TenantQuota, Ticket
 from itif.observer import DaemonObserver
+from itif.weights import delta
 from itif.weights.blobstore import BlobStore, Upload
 
 log = logging.getLogger("itif.daemon")
@@ -90,6 +91,7 @@ class TenantView:
     error: str
     tier: str = ""  # weight tiers (``itif.weights.tiers``): device, host, disk or none
     host_bytes: int = 0  # bytes of its host-tier copy
+    delta: dict | None = None  # a delta tenant: ``DeltaReport.as_dict()`` (error, bytes)
 
 
 class Daemon:
@@ -112,6 +114,7 @@ class Daemon:
         self.metrics: DaemonObserver | None = None
         self.kernel_checks: list = []  # itif.ops.selftest.KernelCheck of the start-up self-test
         self._generating: set = set()  # GenEngine tickets of running Generate calls
+        self.delta_reports: dict[str, delta.DeltaReport] = {}  # delta tenants' last measure
         self._gen_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -187,18 +190,36 @@ class Daemon:
         conf = self.config.tenant(tenant)
         return None if conf is None else conf.base
 
-    def _load_weights(self, tenant: str, path) -> tuple[CanonicalWeights, str | None]:
+    def _load_weights(self, tenant: str, path, upload: bool = False,
+                      ) -> tuple[CanonicalWeights, str | None]:
         """(validated weights, base) of a file for ``tenant``: a checkpoint, or for a LoRA
-        tenant an adapter on its base, which must be serving."""
-        base = self._base_of(tenant)
+        tenant an adapter on its base, which must be serving; for a delta tenant
+        (``compress``) the uploaded checkpoint compressed against its base (refused above its
+        ``max_error``), or its stored blob (``upload`` False) on the base it was taken against."""
+        conf = self.config.tenant(tenant)
+        base = None if conf is None else conf.base
         if base is None:
             return self.engine.load_weights(path), None
         if base not in self.engine.store and self.tiers is not None and base in self.status:
             self.tiers.promote(base)  # on disk or host: a LoRA tenant is added on its slots
+        kind = "a delta" if conf.is_delta else "a LoRA"
         if base not in self.engine.store:
-            raise NoWeights(f"tenant {tenant!r} is a LoRA tenant of {base!r}, which has no "
+            raise NoWeights(f"tenant {tenant!r} is {kind} tenant of {base!r}, which has no "
                             "weights yet: upload the base first")
-        return self.engine.load_lora(path, base), base
+        if not conf.is_delta:
+            return self.engine.load_lora(path, base), base
+        base_sha = self.status[base].sha256 if base in self.status else ""
+        if upload:
+            weights, report = self.engine.load_delta(path, base, conf.compress, base_sha)
+            log.info("tenant %s: %s delta on %s: max abs %s difference %.4g (max_error %g), "
+                     "%d -> %d bytes", tenant, conf.compress, base, report.output,
+                     report.max_abs_error, conf.error_limit, report.exact_bytes,
+                     report.stored_bytes)
+            delta.check_error(tenant, report, conf.error_limit)
+        else:  # restore, promotion (tiers), re-derivation
+            weights = self.engine.load_delta_blob(path, base, base_sha)
+            self.delta_reports[tenant] = weights.report
+        return weights, base
 
     def _load_stored(self, tenant: str) -> None:
         st = self.status.setdefault(tenant, TenantStatus())
@@ -214,12 +235,16 @@ class Daemon:
             st.state, st.sha256, st.error = State.READY, sha, ""
             log.info("tenant %s restored (sha256 %s)", tenant, sha[:12])
         except ItifError as e:
+            if tenant in self.engine.store:  # re-derived (its base changed): unloaded
+                self.engine.remove_tenant(tenant)
             st.state, st.error = State.FAILED, f"stored weights refused: {e}"
             log.error("tenant %s: stored weights refused: %s", tenant, e)
 
     def _rederive(self, base: str) -> None:
         """The LoRA tenants of ``base`` follow its weights: reloaded from their stored adapters
-        after the base changed, unloaded (FAILED, files kept) when it has none."""
+        after the base changed, unloaded (FAILED, files kept) when it has none. Its delta
+        tenants come back only on the base their delta was taken against (the same sha256);
+        on other base weights they are FAILED: "upload the fine-tune again"."""
         for t in self.config.tenants:
             if t.base != base or t.id not in self.status:
                 continue
@@ -292,7 +317,8 @@ class Daemon:
         refuse a tenant removed from the config meanwhile (nothing is committed then)."""
         try:
             upload.seal()  # size and sha256
-            weights, base = self._load_weights(tenant, upload.temp_path)
+            weights, base = self._load_weights(tenant, upload.temp_path, upload=True)
+            sha = upload.expected_sha256
             # a tenant's own upload is not credited with what other tenants hold (see
             # WeightStore.check_budget); the operator's is
             owner = None if who is None or who.admin else tenant
@@ -305,12 +331,16 @@ class Daemon:
                         raise TenantNotFound(
                             f"tenant {tenant!r} was removed from the configuration during its "
                             "upload; nothing was stored")
+                    if isinstance(weights, delta.DeltaWeights):  # the disk keeps the blob
+                        sha = delta.replace_upload(upload, weights)
                     upload.publish()
                     self.engine.add_tenant(tenant, weights, base=base)
                     if self.tiers is not None:
                         self.tiers.installed(tenant, weights, base)
                     st = self.status[tenant]
-                    st.state, st.sha256, st.error = State.READY, upload.expected_sha256, ""
+                    st.state, st.sha256, st.error = State.READY, sha, ""
+                    if isinstance(weights, delta.DeltaWeights):
+                        self.delta_reports[tenant] = weights.report
         finally:
             upload.abort()  # a no-op once published
         self._rederive(tenant)
@@ -462,8 +492,10 @@ class Daemon:
         depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0
         tv = self.tiers.view(tenant) if self.tiers is not None else None
         tier = tv.tier.value if tv is not None else ("device" if total else "none")
+        rep = self.delta_reports.get(tenant) if st.state is State.READY else None
         return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error,
-                          tier, tv.host_bytes if tv is not None else 0)
+                          tier, tv.host_bytes if tv is not None else 0,
+                          rep.as_dict() if rep is not None else None)
 
     def get_tenant(self, who: Identity, tenant: str) -> TenantView:
         self._visible(who, tenant)

@@ -67,6 +67,9 @@ LIVE = {
     "tenant.max_inflight": (3, lambda d: _admitted(d, "a") == 3),
     # read by the weight tiers (off in this daemon: tests/test_tiers.py shows the effect live)
     "tenant.pinned": (True, lambda d: d.config.tenant("a").pinned is True),
+    # the limit a delta tenant's upload is checked against (read from the config per upload;
+    # tests/test_delta.py shows a refusal above it)
+    "tenant.max_error": (0.5, lambda d: d.config.tenant("a").error_limit == 0.5),
     "server.max_inflight_calls": (5, lambda d: _admitted(d, "") == 5),
     "server.max_pending_reply_bytes": (4096, lambda d: not _reply_fits(d, 3000, 2000)),
     # what Daemon.submit_generate checks each request against (tests/test_generate_daemon.py
@@ -95,7 +98,8 @@ RESTART = {
 # identity: what names the tenant, not one of its settings
 NOT_SETTINGS = {"tenant.id"}
 # section.field -> (a changed value, what the refusal says): fixed for the tenant's life
-FIXED = {"tenant.base": ("a", "base is fixed for its life")}
+FIXED = {"tenant.base": ("a", "base is fixed for its life"),
+         "tenant.compress": ("int8", "compress is fixed for its life")}
 SECTIONS = {"server": ServerConfig, "backbone": BackboneConfig, "scheduler": SchedulerConfig,
             "tenant": Tenant}
 

@@ -23,6 +23,9 @@ _RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "http_listen", "
 _LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s",
                      "max_inflight_calls", "max_pending_reply_bytes", "max_new_tokens")
 
+# tenant keys fixed for the tenant's life (what its stored weights are depends on them)
+_FIXED_TENANT_KEYS = ("base", "compress")
+
 
 @dataclass(frozen=True)
 class ConfigDiff:
@@ -79,12 +82,14 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
 
     old_by_id = {t.id: t for t in old.tenants}
     new_ids = {t.id for t in new.tenants}
-    rebased = [f"tenants[{i}].base: {t.id!r} changed from {_show(old_by_id[t.id].base)} to "
-               f"{_show(t.base)}" for i, t in enumerate(new.tenants)
-               if t.id in old_by_id and old_by_id[t.id].base != t.base]
-    if rebased:
-        raise InvalidConfig(f"{'; '.join(rebased)}; a tenant's base is fixed for its life: "
-                            "remove the tenant and add it again (not applied)")
+    for key in _FIXED_TENANT_KEYS:
+        rebased = [f"tenants[{i}].{key}: {t.id!r} changed from "
+                   f"{_show(getattr(old_by_id[t.id], key))} to {_show(getattr(t, key))}"
+                   for i, t in enumerate(new.tenants)
+                   if t.id in old_by_id and getattr(old_by_id[t.id], key) != getattr(t, key)]
+        if rebased:
+            raise InvalidConfig(f"{'; '.join(rebased)}; a tenant's {key} is fixed for its life: "
+                                "remove the tenant and add it again (not applied)")
     added = tuple(t for t in new.tenants if t.id not in old_by_id)
     removed = tuple(t.id for t in old.tenants if t.id not in new_ids)
     changed = tuple(t for t in new.tenants if t.id in old_by_id and old_by_id[t.id] != t)

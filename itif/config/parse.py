@@ -221,16 +221,26 @@ def _parse_tenants(errs: _Errors, value: Any) -> tuple[Tenant, ...] | object:
             ok = False
         else:
             by_hash[t.token_sha256] = (i, t.id)
-    bases = {t.id: t.base for _, t in tenants}
+    bases = {t.id: t for _, t in tenants}
     for i, t in tenants:
+        if t.is_delta and t.base is None:
+            errs.add(f"tenants[{i}].compress", f"{t.compress!r} needs base: the full tenant "
+                                               "its delta is taken against")
+            ok = False
+        if t.max_error is not None and not t.is_delta:
+            errs.add(f"tenants[{i}].max_error", "only applies to a delta tenant (compress: "
+                                                "int8 or sign)")
+            ok = False
         if t.base is None:
             continue
         if t.base == t.id or t.base not in bases:
             errs.add(f"tenants[{i}].base", f"{t.base!r} must be the id of another tenant")
             ok = False
-        elif bases[t.base] is not None:
-            errs.add(f"tenants[{i}].base", f"{t.base!r} is itself a LoRA tenant (base "
-                                           f"{bases[t.base]!r}); a base must be a full tenant")
+        elif bases[t.base].base is not None:
+            other = bases[t.base]
+            kind = "delta" if other.is_delta else "LoRA"
+            errs.add(f"tenants[{i}].base", f"{t.base!r} is itself a {kind} tenant (base "
+                                           f"{other.base!r}); a base must be a full tenant")
             ok = False
     if not ok:
         return _BAD
@@ -258,7 +268,8 @@ def _cross_checks(errs: _Errors, cfg: Config) -> None:
                 "tenant and admin tokens must differ",
             )
         if t.base is not None and cfg.backbone.is_decoder:
-            errs.add(f"tenants[{i}].base", "LoRA tenants are served on encoder backbones only; "
+            kind = "delta" if t.is_delta else "LoRA"
+            errs.add(f"tenants[{i}].base", f"{kind} tenants are served on encoder backbones only; "
                                            f"backbone.config {cfg.backbone.config!r} is a decoder")
         if t.max_seq_len is not None:
             if bb_len is not None and t.max_seq_len > bb_len:

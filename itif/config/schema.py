@@ -141,6 +141,11 @@ class SchedulerConfig:
     latency_sizing: bool = setting(F.flag, False)
 
 
+#: ``tenants[].compress``: none, or a delta tenant's format (``itif.weights.delta``).
+COMPRESS = ("none", "int8", "sign")
+DEFAULT_MAX_ERROR = 0.05
+
+
 @dataclass(frozen=True)
 class Tenant:
     id: str = setting(F.tenant_id)
@@ -161,6 +166,23 @@ class Tenant:
     max_inflight: int | None = setting(F.integer, None, lo=1, hi=1_000_000)
     #: Weight tiers: keep the tenant's weights resident on the device (never evicted).
     pinned: bool = setting(F.flag, False)
+    #: A delta tenant (``itif.weights.delta``): ``int8`` or ``sign`` stores its uploaded full
+    #: checkpoint as ``base`` (required; a full tenant) plus a compressed delta. ``none``: a
+    #: full (or, with ``base``, LoRA) tenant. Fixed for the tenant's life.
+    compress: str = setting(F.choice, "none", choices=COMPRESS)
+    #: A delta tenant: the largest max abs logit difference between its exact weights and the
+    #: compressed ones, measured on a probe batch at upload, that the upload accepts (above:
+    #: refused, nothing stored). Only with ``compress``; None: :data:`DEFAULT_MAX_ERROR`.
+    max_error: float | None = setting(F.number, None, lo=0.0, hi=1e6, lo_open=True)
+
+    @property
+    def is_delta(self) -> bool:
+        return self.compress != "none"
+
+    @property
+    def error_limit(self) -> float:
+        """``max_error``, or its default."""
+        return DEFAULT_MAX_ERROR if self.max_error is None else self.max_error
 
 
 @dataclass(frozen=True)

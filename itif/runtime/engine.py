@@ -34,6 +34,8 @@ from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported h
 from itif.runtime import forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.graphs import GraphCache
+from itif.weights import delta
+from itif.weights.delta import DeltaReport, DeltaWeights
 from itif.weights.store import WeightStore
 
 log = logging.getLogger("itif.engine")
@@ -131,6 +133,7 @@ class Engine:
         1e30 in a dense layer). The weights are added under a name no tenant id can take and
         removed again; budget as for ``add_tenant``. ``base``: as for ``add_tenant``."""
         name = f"~probe-{next(_PROBES)}"  # tenant ids start with [a-z0-9]
+        base = None if isinstance(weights, DeltaWeights) else base  # W_hat is whole
         self.store.add(name, weights, digests, base=base)  # ``digests``: check_budget's
         try:
             outputs = ("pooled", "last_hidden_state") + (("logits",) if weights.num_labels else ())
@@ -151,12 +154,19 @@ class Engine:
                     f"of {value.size} values NaN/Inf) on a probe input in {_dtype_name(self.dtype)}")
 
     def add_tenant(self, tenant: str, source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights,
-                   base: str | None = None) -> TenantInfo:
+                   base: str | None = None, compress: str | None = None) -> TenantInfo:
         """Add (or atomically replace) a tenant's weights: a safetensors file, a checkpoint
         directory, a dict of Hugging Face-named tensors, or already-validated weights. With
         ``base``: a PEFT LoRA adapter directory (or ``(adapter_config dict, tensors)``, or
-        what ``load_lora`` returned) on that stored tenant (``itif.backbones.lora``)."""
-        if base is not None:
+        what ``load_lora`` returned) on that stored tenant (``itif.backbones.lora``). With
+        ``base`` and ``compress`` ("int8" or "sign"): a full checkpoint stored as that base
+        plus a compressed delta and served as W_hat (``itif.weights.delta``; or what
+        ``load_delta`` returned)."""
+        if isinstance(source, DeltaWeights) or (compress not in (None, "none")):
+            weights = source if isinstance(source, DeltaWeights) else self.load_delta(
+                source, base, compress)[0]
+            base = None  # W_hat is whole: what equals the base's is shared by the store's dedup
+        elif base is not None:
             weights = source if isinstance(source, CanonicalWeights) else self.load_lora(source, base)
         else:
             weights = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
@@ -177,6 +187,68 @@ class Engine:
                 buf, slot = view.param(base, name)
                 heads[name] = buf[slot].detach().to("cpu", torch.float32)
         return load_lora(self.spec, config, tensors, heads)
+
+    def _tensors_of(self, tenant: str, prefixes: tuple[str, ...] | None = None) -> dict:
+        """A stored tenant's canonical tensors (those starting with ``prefixes``; all when
+        None) as float32 CPU copies."""
+        view = self.store.view
+        if tenant not in view.tenants:
+            raise TenantNotFound(f"base tenant {shown(tenant)} not found")
+        out = {}
+        for name in view.tenants[tenant].slots:
+            if prefixes is None or name.startswith(prefixes):
+                buf, slot = view.param(tenant, name)
+                out[name] = buf[slot].detach().to("cpu", torch.float32)
+        return out
+
+    def load_delta(self, source, base: str, compress: str,
+                   base_sha256: str = "") -> tuple[DeltaWeights, DeltaReport]:
+        """Read and validate a full checkpoint, compress it against stored tenant ``base``
+        (``compress``: "int8" or "sign"), and measure what that costs: the probe batch
+        (``delta.probe_requests``) run through the exact weights and through W_hat on this
+        engine's device and dtype (a scratch engine: the store and its budget are untouched);
+        the report holds the max abs difference of the logits (pooled output without a head)
+        and the byte counts. ``base_sha256`` is recorded in the blob (applied to that base only)."""
+        if compress not in delta.METHODS:
+            raise InvalidRequest(f"compress {compress!r} is not one of {delta.METHODS}")
+        if base is None:
+            raise InvalidRequest("compress needs base: the tenant the delta is taken against")
+        exact = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
+        base_t = self._tensors_of(base)
+        blob, table = delta.compress(exact, base_t, compress)
+        meta = delta.make_meta(exact, table, compress, base, base_sha256)
+        w_hat = delta.decompress(self.spec, base_t, blob, meta)
+        output = "logits" if exact.num_labels else "pooled"
+        scratch = Engine(self.spec, device=str(self.device), dtype=_dtype_name(self.dtype),
+                         max_seq_len=self.max_seq_len, cuda_graphs="off")  # packed: no profiling
+        scratch.add_tenant("exact", exact)
+        scratch.add_tenant("delta", w_hat)
+        reqs = delta.probe_requests(self.spec, self.max_seq_len, "exact", output)
+        reqs += [Request("delta", **{k: getattr(r, k) for k in ("input_ids", "pixel_values")},
+                         outputs=(output,)) for r in reqs]
+        res = scratch.infer(reqs)
+        n = len(reqs) // 2
+        error = max(float(np.max(np.abs(getattr(a, output) - getattr(b, output))))
+                    for a, b in zip(res[:n], res[n:]))
+        meta["max_abs_error"], meta["error_output"] = repr(error), output
+        report = delta.report_of(blob, meta, error, output)
+        weights = delta.DeltaWeights(w_hat.tensors, w_hat.num_labels, w_hat.has_pooler,
+                                     blob=blob, meta=meta, report=report)
+        return weights, report
+
+    def load_delta_blob(self, source, base: str, base_sha256: str | None = None) -> DeltaWeights:
+        """W_hat of a stored delta blob (what ``delta.to_bytes`` wrote) on stored tenant
+        ``base``; ``base_sha256``: the base's current sha256, which must be the one the delta
+        was taken against (InvalidWeights otherwise, saying to upload the fine-tune again)."""
+        blob, meta = delta.read_blob(source)
+        was = meta.get("base_sha256", "")
+        if base_sha256 is not None and was != base_sha256:
+            raise InvalidWeights(
+                f"this delta was compressed against base {shown(base)} with sha256 {was[:12]}, "
+                f"which now has {base_sha256[:12] or 'other weights'}: upload the fine-tune again")
+        w_hat = delta.decompress(self.spec, self._tensors_of(base), blob, meta)
+        return delta.DeltaWeights(w_hat.tensors, w_hat.num_labels, w_hat.has_pooler,
+                                  blob=blob, meta=meta, report=delta.report_of(blob, meta))
 
     def remove_tenant(self, tenant: str) -> None:
         self.store.remove(tenant)
