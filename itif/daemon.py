@@ -145,7 +145,8 @@ class Daemon:
         self.tiers = daemon_tiers.build(self)
         (self.restore if self.tiers is None else lambda: daemon_tiers.restore(self))()
         self.scheduler.start()
-        if gen is not None:
+        if gen is not None:  # tenants' shares of the KV cache under contention (``weight``)
+            gen.set_tenant_weights({t.id: t.weight for t in cfg.tenants})
             gen.start()
         self.ready = True
         log.info("ready: backbone %s on %s (%s), %d tenants, %d with weights",
@@ -528,6 +529,7 @@ class Daemon:
             self.blobs.max_upload_bytes = new.server.max_upload_bytes  # checked per upload
             if self.generator is not None:  # submit_generate checks the live value first
                 self.generator.max_new_tokens_limit = new.server.max_new_tokens
+                self.generator.set_tenant_weights({t.id: t.weight for t in new.tenants})
             self.config = new  # grace_s and admin_token_sha256 are read from here when used
             for tid in diff.removed:
                 self.scheduler.remove_tenant(tid)

@@ -612,3 +612,19 @@ def test_streamed_text_of_byte_level_tokens_adds_up_to_the_decoded_text():
     assert "".join(pieces) == tok.decode(ids) == "héllo wörld, 日本語 ça va? hello"
     assert not any("\ufffd" in p for p in pieces)
     assert "" in pieces  # some token ended mid-character and waited for the next
+
+
+def test_tenant_weights_reach_generation_admission_live(served):
+    """tenants.yaml's ``weight`` sets a tenant's share of generation admissions (the GenEngine's
+    fair queue) at start and on a live reload."""
+    d, gen = served.daemon, served.gen
+    assert gen._waiting.weight("acme") == 1.0
+    backbone = Path(d.config.backbone.config)
+    old = d.config
+    text = config_text(backbone).replace("  - id: acme\n", "  - id: acme\n    weight: 4\n")
+    d.apply_config(parse_config(text, served.root))
+    try:
+        assert gen._waiting.weight("acme") == 4.0 and gen._waiting.weight("beta") == 1.0
+    finally:
+        d.apply_config(old)
+    assert gen._waiting.weight("acme") == 1.0
