@@ -414,6 +414,18 @@ class Upload:
         self._digest = digest
         return digest
 
+
+    def replace_content(self, data: bytes) -> str:
+        """After :meth:`seal` (the upload as sent was checked): make the commit store ``data``
+        instead, durably (a delta tenant stores its compressed form, not the checkpoint).
+        Returns the digest :meth:`publish` records for it."""
+        self.seal()
+        with open(self.temp_path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self._digest = hashlib.sha256(data).hexdigest()
+        return self._digest
     def publish(self) -> Path:
         """Seal if not yet sealed, then make the upload the tenant's committed weights (the
         commit point of the module docstring). Aborts on failure."""

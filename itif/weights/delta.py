@@ -44,7 +44,6 @@ tenant's ``max_error``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -278,15 +277,7 @@ def replace_upload(upload, weights: DeltaWeights) -> str:
     """Make a sealed upload (``itif.weights.blobstore.Upload``, the full checkpoint) commit the
     compressed blob instead: its temp file is rewritten (fsynced) and the digest the commit
     records is the blob's. Returns that digest (what the tenant's ``sha256`` reports)."""
-    data = to_bytes(weights)
-    upload.seal()  # the uploaded checkpoint was checked (size, sha256) before this
-    with open(upload.temp_path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    digest = hashlib.sha256(data).hexdigest()
-    upload._digest = digest  # publish() commits the file under the digest seal() recorded
-    return digest
+    return upload.replace_content(to_bytes(weights))
 
 
 # ---- measuring ------------------------------------------------------------------------------
