@@ -6,17 +6,23 @@ Two deployments (:func:`build`, or ``serve run itif.serve_ray:app config=tenants
     receives every HTTP request Serve's proxy accepts, reads its body (bounded by
     ``server.max_message_bytes``), finds the tenant it is for (the ``{model}`` of
     ``/v2/models/{model}/...``, ``/v2/repository/models/{model}/...`` and ``/v1/models/{model}``,
-    the ``model`` field of a ``/v1/embeddings`` body) and hands it to ``ItifReplica`` with that
-    tenant as Serve's **multiplexed model id**, so Serve's router sends it to a replica that holds
+    the ``model`` field of a ``/v1/embeddings`` or ``/v1/completions`` body) and hands it to
+    ``ItifReplica`` with that tenant as Serve's **multiplexed model id**, so Serve's router sends it to a replica that holds
     the tenant (the first call of a tenant goes to a replica holding the fewest). A name that is
     no configured tenant, and a route of no tenant (health, ``/v2``, indexes), go to any replica
     without a model id: an unknown name cannot make a replica load anything. A call whose
     replica died under it is sent again (inference is idempotent), up to :data:`RETRIES` times.
+    ``POST /v1/completions`` goes through Serve's streaming instead (:meth:`ItifReplica.stream`,
+    ``handle.options(stream=True)``, a Starlette ``StreamingResponse``): each body chunk the
+    replica's app sends (a server-sent event of a streamed completion) reaches the client as it
+    is produced; a client that disconnects cancels the router's call, which cancels the
+    replica's generator and with it the generation (its sequences and KV cache blocks freed).
 
 ``ItifReplica`` (``num_replicas`` of them, one GPU each where there are GPUs)
     one itif daemon each: its own engine, scheduler and fused batches, serving the very
-    Starlette app of ``itif.server.http`` (KServe v2 REST and OpenAI embeddings, with their
-    auth, validation, admission and error bodies), called in-process on each forwarded request.
+    Starlette app of ``itif.server.http`` (KServe v2 REST, OpenAI embeddings and, on a decoder
+    backbone such as ``gpt2-tiny``, completions, with their auth, validation, admission and
+    error bodies), called in-process on each forwarded request.
     Tenants are held through ``@serve.multiplexed`` (:meth:`ItifReplica.tenant`): the loader reads
     the tenant's committed weights from the shared blob store (``server.data_dir`` of the one
     tenants.yaml every deployment loads, on a file system all replicas see) into this replica's
@@ -38,6 +44,7 @@ already holds a tenant keeps the weights it loaded until Serve evicts it there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -50,7 +57,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon, State, TenantStatus
@@ -62,7 +69,7 @@ from itif.server.http.common import read_body
 log = logging.getLogger("itif.serve_ray")
 
 __all__ = ["FleetDaemon", "ItifReplica", "ItifRouter", "MAX_TENANTS_PER_REPLICA", "RETRIES",
-           "app", "build", "call_asgi", "tenant_of"]
+           "app", "build", "call_asgi", "stream_asgi", "tenant_of"]
 
 #: Tenants one replica holds at most (Serve's ``max_num_models_per_replica``); the least recently
 #: used is evicted past it. ``ITIF_SERVE_MAX_TENANTS`` in the replicas' environment changes it.
@@ -75,6 +82,10 @@ MAX_ONGOING = 256
 #: Response headers naming who answered.
 REPLICA_HEADER, TENANT_HEADER = "itif-replica", "itif-tenant"
 
+#: Routes whose answer may be a stream (server-sent events): sent through Serve's streaming.
+STREAMED = frozenset({("POST", "/v1/completions")})
+#: Routes whose body's ``model`` names the tenant.
+_MODEL_IN_BODY = frozenset({"/v1/embeddings", "/v1/completions"})
 _TENANT_PATH = re.compile(r"^/(?:v2/models|v2/repository/models|v1/models)/([^/]+)")
 _DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -82,7 +93,21 @@ _DIED = (ActorDiedError, ActorUnavailableError, RayActorError)
 # ---- the replica's daemon ----------------------------------------------------------------------
 class FleetDaemon(Daemon):
     """An itif daemon that restores no tenant at start: tenants arrive and leave as Serve
-    multiplexes them onto this replica (:meth:`hold`, :meth:`release`)."""
+    multiplexes them onto this replica (:meth:`hold`, :meth:`release`). On a decoder backbone
+    its engine is a GenEngine, as a plain daemon's (``Daemon.start``)."""
+
+    #: Generations cancelled before their end (their client went away): tests, operators.
+    cancelled_generations = 0
+
+    def cancel_generate(self, ticket) -> None:
+        if not getattr(ticket, "done", True):
+            self.cancelled_generations += 1
+        super().cancel_generate(ticket)
+
+    def _generating_of(self, tenant: str) -> int:
+        with self._gen_lock:
+            return sum(getattr(t, "request", None) is not None and t.request.tenant == tenant
+                       for t in self._generating)
 
     def restore(self) -> None:
         """Nothing: see :meth:`hold`."""
@@ -101,12 +126,14 @@ class FleetDaemon(Daemon):
 
     def release(self, tenant: str, timeout_s: float = 60.0) -> None:
         """Serve evicted ``tenant`` from this replica: refuse its new calls, let its accepted
-        ones finish (up to ``timeout_s``), then drop its weights from the engine."""
+        ones (inferences and generations) finish (up to ``timeout_s``), then drop its weights
+        from the engine."""
         st = self.status.get(tenant)
         if st is not None:
             st.state, st.error = State.NO_WEIGHTS, "moved off this replica"
         deadline = time.monotonic() + timeout_s
-        while self._outstanding(tenant) and time.monotonic() < deadline:
+        while ((self._outstanding(tenant) or self._generating_of(tenant))
+               and time.monotonic() < deadline):
             time.sleep(0.02)
         with self._tenant_lock(tenant):
             if tenant in self.engine.store:
@@ -134,14 +161,19 @@ class _Held:
 
 
 # ---- ASGI in-process ---------------------------------------------------------------------------
+def _scope(method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+           client: tuple[str, int] | None) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": query, "root_path": "",
+            "headers": headers, "client": client, "server": ("itif-replica", 80)}
+
+
 async def call_asgi(app: Any, method: str, path: str, query: bytes,
                     headers: list[tuple[bytes, bytes]], body: bytes,
                     client: tuple[str, int] | None = None) -> tuple[int, list, bytes]:
     """Run one HTTP request through the ASGI ``app`` in this process: (status, headers, body)."""
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": method, "scheme": "http", "path": path,
-             "raw_path": path.encode(), "query_string": query, "root_path": "",
-             "headers": headers, "client": client, "server": ("itif-replica", 80)}
+    scope = _scope(method, path, query, headers, client)
     done = asyncio.Event()
     sent_body = False
     status, out_headers, chunks = 500, [], []
@@ -170,13 +202,65 @@ async def call_asgi(app: Any, method: str, path: str, query: bytes,
     return status, out_headers, b"".join(chunks)
 
 
+async def stream_asgi(app: Any, method: str, path: str, query: bytes,
+                      headers: list[tuple[bytes, bytes]], body: bytes,
+                      client: tuple[str, int] | None = None):
+    """Run one HTTP request through the ASGI ``app`` in this process, as it answers: yields
+    ``(status, headers)`` once, then each non-empty body chunk the app sends. Leaving the
+    generator early (closed, or its task cancelled: the caller went away) tells the app that
+    the client disconnected and cancels it (a streamed completion then cancels its
+    generation)."""
+    scope = _scope(method, path, query, headers, client)
+    gone = asyncio.Event()
+    messages: asyncio.Queue = asyncio.Queue()
+    sent_body = False
+
+    async def receive() -> dict:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        try:
+            await app(scope, receive, messages.put)
+        finally:
+            messages.put_nowait(None)
+
+    task = asyncio.ensure_future(run())
+    started = False
+    try:
+        while (message := await messages.get()) is not None:
+            if message["type"] == "http.response.start":
+                started = True
+                yield message["status"], list(message.get("headers", ()))
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body", False):
+                    break
+        await asyncio.wait({task}, timeout=30)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            if not started:
+                raise task.exception()
+            log.error("%s %s failed after its answer: %r", method, path, task.exception())
+    finally:
+        gone.set()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({task}, timeout=5)
+
+
 def tenant_of(method: str, path: str, body: bytes) -> str | None:
     """The tenant a request is for, by the routes of ``itif.server.http`` (None: no tenant)."""
     m = _TENANT_PATH.match(path)
     if m is not None:
         name = m.group(1)
         return None if path.startswith("/v2/models/stats") and name == "stats" else name
-    if method == "POST" and path == "/v1/embeddings":
+    if method == "POST" and path in _MODEL_IN_BODY:
         try:
             model = json.loads(body).get("model")
         except (ValueError, AttributeError, RecursionError):
@@ -226,15 +310,41 @@ class ItifReplica:
         if tenant:
             await self.tenant(tenant)
         status, out, data = await call_asgi(self.app, method, path, query, headers, body, client)
-        out += [(REPLICA_HEADER.encode(), self.replica_id.encode()),
+        return status, out + self._who(tenant), data
+
+    async def stream(self, method: str, path: str, query: bytes,
+                     headers: list[tuple[bytes, bytes]], body: bytes,
+                     client: tuple[str, int] | None = None):
+        """One forwarded HTTP request, answered as the app sends it (Serve's streaming: called
+        with ``handle.options(stream=True)``): ``(status, headers)``, then the body's chunks.
+        Serve cancels this generator when the router's call is cancelled (its client went
+        away); :func:`stream_asgi` then cancels the app, and the app the generation."""
+        tenant = serve.get_multiplexed_model_id()
+        if tenant:
+            await self.tenant(tenant)
+        parts = stream_asgi(self.app, method, path, query, headers, body, client)
+        try:
+            async for part in parts:
+                if isinstance(part, tuple):
+                    part = (part[0], part[1] + self._who(tenant))
+                yield part
+        finally:
+            await parts.aclose()
+
+    def _who(self, tenant: str) -> list[tuple[bytes, bytes]]:
+        return [(REPLICA_HEADER.encode(), self.replica_id.encode()),
                 (TENANT_HEADER.encode(), tenant.encode())]
-        return status, out, data
 
     async def held(self) -> dict:
-        """This replica's id and the tenants whose weights it holds (tests, operators)."""
+        """This replica's id, the tenants whose weights it holds and, on a decoder backbone,
+        its GenEngine's cache and the generations cancelled by their client (tests,
+        operators)."""
+        gen = self.daemon.generator
         return {"replica": self.replica_id,
                 "tenants": sorted(t for t, s in self.daemon.status.items()
-                                  if s.state is State.READY)}
+                                  if s.state is State.READY),
+                "generation": None if gen is None else {
+                    **gen.cache_stats(), "cancelled": self.daemon.cancelled_generations}}
 
     def __del__(self) -> None:
         watcher = self.__dict__.get("watcher")
@@ -263,7 +373,10 @@ class ItifRouter:
         except ItifError as e:
             status, _, msg = http_status_of(e)
             return JSONResponse({"error": msg}, status_code=getattr(e, "http_status", status))
-        method, path = request.method, request.url.path
+        method, path = request.method, request.scope["path"]
+        root = request.scope.get("root_path", "")
+        if root and path.startswith(root):  # an application on a route prefix other than "/"
+            path = path[len(root):] or "/"
         tenant = tenant_of(method, path, body)
         handle = self.replicas
         if tenant is not None and self.config.tenant(tenant) is not None:
@@ -271,20 +384,63 @@ class ItifRouter:
         headers = [(k, v) for k, v in request.scope["headers"]
                    if k not in (b"content-encoding", b"content-length")]
         client = tuple(request.client) if request.client is not None else None
+        call = (method, path, request.scope.get("query_string", b""), headers, body, client)
+        if (method, path) in STREAMED:
+            return await self._streamed(handle, call)
         for attempt in range(RETRIES + 1):
             try:
-                status, out, data = await handle.handle.remote(
-                    method, path, request.scope.get("query_string", b""), headers, body, client)
+                status, out, data = await handle.handle.remote(*call)
                 break
             except _DIED as e:  # the replica died under the call: Serve routes it elsewhere
                 if attempt == RETRIES:
-                    return JSONResponse({"error": f"no replica answered: {type(e).__name__}"},
-                                        status_code=503)
+                    return _no_replica(e)
                 await asyncio.sleep(0.25 * (attempt + 1))  # 3.75 s in all
         response = Response(data, status_code=status)
         response.raw_headers = [(k, v) for k, v in out if k != b"content-length"]
         response.raw_headers.append((b"content-length", str(len(data)).encode()))
         return response
+
+    async def _streamed(self, handle: DeploymentHandle, call: tuple) -> Response:
+        """A call through Serve's streaming (:meth:`ItifReplica.stream`): sent again while its
+        replica dies before answering; once the answer has started, a replica lost mid-stream
+        ends the stream early (a completion without ``data: [DONE]``: generation is not
+        resumable). The stream's end, whatever ended it (the client disconnecting cancels
+        this call), cancels the replica's generator."""
+        handle = handle.options(stream=True)
+        for attempt in range(RETRIES + 1):
+            parts = handle.stream.remote(*call)
+            try:
+                status, out = await parts.__anext__()
+                break
+            except _DIED as e:
+                parts.cancel()
+                if attempt == RETRIES:
+                    return _no_replica(e)
+                await asyncio.sleep(0.25 * (attempt + 1))
+            except BaseException:  # cancelled (the client went away): Serve would cancel too
+                parts.cancel()
+                raise
+
+        async def chunks():
+            finished = False
+            try:
+                async for chunk in parts:
+                    yield chunk
+                finished = True
+            except _DIED as e:
+                log.warning("%s %s: its replica died mid-stream (%s)", call[0], call[1],
+                            type(e).__name__)
+            finally:
+                if not finished:
+                    parts.cancel()
+
+        response = StreamingResponse(chunks(), status_code=status)
+        response.raw_headers = list(out)  # a content-length the app set stays true
+        return response
+
+
+def _no_replica(e: BaseException) -> Response:
+    return JSONResponse({"error": f"no replica answered: {type(e).__name__}"}, status_code=503)
 
 
 def build(config: str | os.PathLike, *, num_replicas: int = 2,

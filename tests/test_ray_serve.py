@@ -12,6 +12,13 @@ from ``serve.get_replica_context()``) and the multiplexed model id Serve routed 
 (``itif-tenant``); the replicas are Serve's live replica actors. Ray starts with 2 CPUs and no
 dashboard; the deployments ask for no CPU (2 replicas, the router, Serve's controller and proxy
 fit on 2 cores) and the replicas run torch on one thread each.
+
+A second, smaller application on the same Ray instance (``gen_fleet``, route prefix ``/gen``)
+serves ``/v1/completions``: a tiny GPT-2 backbone (tests/test_generate_daemon.py's, with its
+word-level tokenizer), 2 replicas, 3 tenants committed by a single decoder daemon, whose
+GenEngine is the oracle. Its tests read completions plain and streamed (server-sent events
+through Serve's streaming), and check that a client leaving mid-stream cancels the generation
+on the replica that runs it.
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ import yaml
 import itif
 from itif.config import hash_token, load_config
 from itif.daemon import Daemon, Identity
+from itif.generation.api import GenerateRequest
 from itif.weights.safetensors_io import save_safetensors, sha256_file
 from tests.daemon_harness import ADMIN, free_port
 from tests.doc_blocks import REPO, blocks
 from tests.oracle import make_hf_model, reference
+from tests.reliability_util import wait_until
+from tests.test_generate_daemon import VOCAB, hf_model, weights_bytes, write_backbone
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -417,6 +427,11 @@ def test_tenant_of_reads_the_routes():
              ("POST", "/v1/embeddings", b'{"model": 3}', None),
              ("POST", "/v1/embeddings", b"[1, 2]", None),
              ("POST", "/v1/embeddings", b"{bad", None),
+             ("POST", "/v1/completions", b'{"model": "acme", "prompt": [5], "stream": true}',
+              "acme"),
+             ("POST", "/v1/completions", b'{"model": ["acme"]}', None),
+             ("POST", "/v1/completions", b"{bad", None),
+             ("GET", "/v1/completions", b'{"model": "acme"}', None),
              ("GET", "/v2/health/ready", b"", None)]
     for method, path, body, want in cases:
         assert serve_ray.tenant_of(method, path, body) == want, (method, path, body)
@@ -427,7 +442,8 @@ def test_tenant_of_reads_the_routes():
 def test_documented_client_snippets(fleet, marker, capsys):
     """docs/scale-out.md's first calls, as written, against the fleet (its address for the
     documented one, t0's token for acme's; acme's ids fit any BERT vocabulary of 128+)."""
-    (block,) = [b for b in blocks(DOC) if b.lang == "python" and marker in b.text]
+    (block,) = [b for b in blocks(DOC) if b.lang == "python" and marker in b.text
+                and "completions.create" not in b.text]  # that one: a decoder fleet's (below)
     code = block.text.replace(DOC_ADDR, f"127.0.0.1:{fleet.port}")
     code = code.replace("acme-secret-token", TOKENS["t0"])
     code = re.sub(r"\bacme\b", "t0", code)
@@ -435,3 +451,207 @@ def test_documented_client_snippets(fleet, marker, capsys):
     out = capsys.readouterr().out
     assert out.strip(), "the snippet printed nothing"
     assert "replica" in out or "embedding" in out or "logits" in out, out
+
+
+# ---- completions: a decoder fleet, streamed through Serve ----------------------------------------
+GEN_APP, GEN_PREFIX = "itif-gen", "/gen"
+GEN_TENANTS = ["g0", "g1", "g2"]
+GEN_TOKENS = {t: f"{t}-gen-token" for t in GEN_TENANTS}
+LONG = {"prompt": [5, 6, 7], "max_tokens": 2000, "eos_token_id": VOCAB - 1}
+
+
+class GenFleet:
+    def __init__(self, root: Path, port: int) -> None:
+        backbone = write_backbone(root / "backbone")
+        self.config = root / "tenants.yaml"
+        lines = ["server:", "  listen: 127.0.0.1:0", f"  data_dir: {root / 'data'}",
+                 f"  admin_token_sha256: {hash_token(ADMIN)}", "  max_new_tokens: 2040",
+                 "backbone:", f"  config: {backbone}", "  device: cpu", "  dtype: float32",
+                 "  kv_cache_bytes: 8MiB", "tenants:"]
+        for t in GEN_TENANTS:
+            lines += [f"  - id: {t}", f"    token_sha256: {hash_token(GEN_TOKENS[t])}"]
+        self.config.write_text("\n".join(lines) + "\n")
+        self.url = f"http://127.0.0.1:{port}{GEN_PREFIX}"
+        # the single writer, kept running as the oracle: a plain decoder daemon
+        self.daemon = Daemon(load_config(self.config))
+        self.daemon.start()
+        for i, t in enumerate(GEN_TENANTS):
+            data = weights_bytes(hf_model(30 + i), root)
+            self.daemon.upload(Identity(None, admin=True), t, sha256_hex(data), len(data), [data])
+
+    def want(self, tenant: str, ids: list[int], **kw) -> list[list[int]]:
+        (g,) = self.daemon.generator.generate([GenerateRequest(tenant, ids, **kw)])
+        return [list(s) for s in g.sequences]
+
+    def held(self, tenant: str) -> dict:
+        """Asked from the replica Serve routes ``tenant`` to (the one that holds it)."""
+        handle = serve.get_deployment_handle("ItifReplica", app_name=GEN_APP)
+        return handle.options(multiplexed_model_id=tenant).held.remote().result()
+
+    def post(self, client: httpx.Client, tenant: str, body: dict) -> httpx.Response:
+        return client.post("/v1/completions", json={"model": tenant, **body},
+                           headers=H(GEN_TOKENS[tenant]))
+
+    def events(self, client: httpx.Client, tenant: str, body: dict
+               ) -> tuple[httpx.Headers, list[str]]:
+        """A streamed completion read with httpx: its headers and its server-sent events."""
+        with client.stream("POST", "/v1/completions", headers=H(GEN_TOKENS[tenant]),
+                           json={"model": tenant, **body, "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            assert r.headers["content-type"].startswith("text/event-stream")
+            raw = r.read().decode()
+        events = raw.split("\n\n")
+        assert events[-1] == "" and all(e.startswith("data: ") for e in events[:-1]), raw[-300:]
+        return r.headers, [e[len("data: "):] for e in events[:-1]]
+
+
+def sha256_hex(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def gen_fleet(fleet, tmp_path_factory):
+    g = GenFleet(tmp_path_factory.mktemp("gen-fleet"), fleet.port)
+    try:
+        serve.run(serve_ray.build(g.config, num_replicas=2, torch_threads=1), name=GEN_APP,
+                  route_prefix=GEN_PREFIX)
+        yield g
+    finally:
+        serve.delete(GEN_APP)
+        g.daemon.stop(0)
+
+
+def _words(ids: list[int]) -> str:
+    return " ".join(f"t{t}" for t in ids)  # the word-level tokenizer: id 5 is "t5"
+
+
+GEN_CASES = [  # (prompt, request fields, the GenerateRequest's)
+    ([5, 17, 42], dict(max_tokens=7, eos_token_id=VOCAB - 1),
+     dict(max_new_tokens=7, eos_token_id=VOCAB - 1)),
+    ("t7 t8 t9", dict(max_tokens=9), dict(max_new_tokens=9)),
+    ([4, 40], dict(max_tokens=6, n=2, num_beams=3), dict(max_new_tokens=6, num_beams=3,
+                                                         num_return_sequences=2)),
+    ([3, 9], dict(max_tokens=8, temperature=0.8, seed=7, top_k=20),
+     dict(max_new_tokens=8, do_sample=True, temperature=0.8, seed=7, top_k=20)),
+]
+
+
+def test_completions_through_the_fleet_equal_the_single_daemon(gen_fleet):
+    """Each tenant's completions, plain and streamed (server-sent events through Serve's
+    streaming), are the single daemon's sequences; every answer names the tenant's one
+    replica; a greedy stream arrives as one event per token, then the finish chunk and
+    ``[DONE]``, and its texts add up to the plain answer."""
+    g = gen_fleet
+    with httpx.Client(base_url=g.url, timeout=120) as c:
+        placed = {}
+        for t in GEN_TENANTS:  # as _place: one call each, Serve places the tenant
+            r = g.post(c, t, {"prompt": [5], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.headers[serve_ray.TENANT_HEADER] == t
+            placed[t] = r.headers[serve_ray.REPLICA_HEADER]
+            time.sleep(1.0)
+        assert len(set(placed.values())) == 2  # 3 tenants over both replicas
+        for t in GEN_TENANTS:
+            assert t in g.held(t)["tenants"] and g.held(t)["replica"] == placed[t]
+
+        for i, t in enumerate(GEN_TENANTS):
+            for prompt, fields, gen_kw in GEN_CASES[i:] + GEN_CASES[:i]:
+                ids = [int(w[1:]) for w in prompt.split()] if isinstance(prompt, str) else prompt
+                want = g.want(t, ids, **gen_kw)
+                r = g.post(c, t, {"prompt": prompt, **fields})
+                assert r.status_code == 200, r.text
+                assert r.headers[serve_ray.REPLICA_HEADER] == placed[t]
+                assert r.headers[serve_ray.TENANT_HEADER] == t
+                plain = r.json()
+                assert [ch["token_ids"] for ch in plain["choices"]] == want, (t, prompt)
+                assert [ch["text"] for ch in plain["choices"]] == [_words(s) for s in want]
+
+                headers, events = g.events(c, t, {"prompt": prompt, **fields})
+                assert headers[serve_ray.REPLICA_HEADER] == placed[t]
+                assert headers[serve_ray.TENANT_HEADER] == t
+                assert events[-1] == "[DONE]"
+                chunks = [json.loads(e) for e in events[:-1]]
+                joined: dict[int, list] = defaultdict(lambda: ["", [], []])
+                for chunk in chunks:
+                    (choice,) = chunk["choices"]
+                    o = joined[choice["index"]]
+                    o[0] += choice["text"]
+                    o[1] += choice["token_ids"]
+                    o[2].append(choice["finish_reason"])
+                assert [joined[j][1] for j in sorted(joined)] == want, (t, prompt)
+                assert [joined[j][0] for j in sorted(joined)] == [
+                    ch["text"] for ch in plain["choices"]]
+                assert [joined[j][2][-1] for j in sorted(joined)] == [
+                    ch["finish_reason"] for ch in plain["choices"]]
+                if gen_kw.get("num_beams", 1) == 1 and len(want) == 1:  # token by token
+                    assert len(chunks) == len(want[0]) + 1 >= 3, (t, prompt, len(chunks))
+
+        # the openai client, unchanged, streams through the fleet too
+        oc = openai.OpenAI(base_url=g.url + "/v1", api_key=GEN_TOKENS["g1"], max_retries=0)
+        text = "".join(ch.choices[0].text for ch in oc.completions.create(
+            model="g1", prompt=[5, 17, 42], max_tokens=7, stream=True,
+            extra_body={"eos_token_id": VOCAB - 1}))
+        assert text == _words(g.want("g1", [5, 17, 42], max_new_tokens=7,
+                                     eos_token_id=VOCAB - 1)[0])
+        # refusals keep OpenAI's error body through the fleet, streamed or not
+        for stream in (False, True):
+            r = g.post(c, "g0", {"prompt": [5], "max_tokens": 0, "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+            r = c.post("/v1/completions", json={"model": "g0", "prompt": [5], "stream": stream},
+                       headers=H(GEN_TOKENS["g1"]))
+            assert r.status_code == 404 and r.headers[serve_ray.REPLICA_HEADER], r.text
+
+
+def test_a_client_leaving_a_streamed_completion_cancels_it_on_its_replica(gen_fleet):
+    """A long streamed generation runs on the tenant's replica while its first events arrive
+    (streamed as produced, not at the end); the client closing the connection reaches the
+    replica through Serve (the proxy cancels the router's call, which cancels the replica's
+    generator): the generation is cancelled there and its cache blocks freed. A client that
+    gives up on a non-streamed completion cancels it the same way."""
+    g, t = gen_fleet, "g2"
+
+    def state() -> dict:
+        return g.held(t)["generation"]
+
+    wait_until(lambda: state()["running"] == 0, timeout=60, what="an idle replica")
+    cancelled = state()["cancelled"]
+    with httpx.Client(base_url=g.url, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", headers=H(GEN_TOKENS[t]),
+                      json={"model": t, **LONG, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: ") and json.loads(first[6:])["choices"][0]["text"]
+            running = g.held(t)
+            assert running["replica"] == r.headers[serve_ray.REPLICA_HEADER]
+            assert running["generation"]["running"] == 1, running  # still generating
+            assert running["generation"]["blocks_used"] > 0, running
+        # leaving the block before the end closes the connection
+    wait_until(lambda: state()["cancelled"] == cancelled + 1, timeout=30,
+               what="the replica to cancel the disconnected stream's generation")
+    wait_until(lambda: state()["running"] == 0 and state()["blocks_used"] == 0, timeout=10,
+               what="its sequences and cache blocks freed")
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(g.url + "/v1/completions", json={"model": t, **LONG},
+                   headers=H(GEN_TOKENS[t]), timeout=httpx.Timeout(30, read=0.5))
+    wait_until(lambda: state()["cancelled"] == cancelled + 2, timeout=30,
+               what="the abandoned non-streamed generation cancelled")
+    wait_until(lambda: state()["running"] == 0 and state()["blocks_used"] == 0, timeout=10,
+               what="its blocks freed")
+    with httpx.Client(base_url=g.url, timeout=120) as c:  # and the replica still serves
+        r = g.post(c, t, {**LONG, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_documented_completions_snippet_streams_through_the_fleet(gen_fleet, capsys):
+    """docs/scale-out.md's completions snippet, as written, against the decoder fleet."""
+    (block,) = [b for b in blocks(DOC) if b.lang == "python" and "completions.create" in b.text]
+    code = block.text.replace(DOC_ADDR, gen_fleet.url[len("http://"):])
+    code = code.replace("acme-secret-token", GEN_TOKENS["g0"])
+    code = re.sub(r"\bacme\b", "g0", code)
+    exec(compile(code, f"{block.path}:{block.line}", "exec"), {})
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out and out[-1].split()[0].startswith("t"), out  # the streamed words
