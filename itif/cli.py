@@ -119,6 +119,10 @@ def cmd_tenants(args) -> int:
                           "weight_bytes": t.weight_bytes, "exclusive_bytes": t.exclusive_bytes,
                           "num_labels": t.num_labels, "queue_depth": t.queue_depth,
                           "tier": t.tier, "host_bytes": t.host_bytes,
+                          **({"compress": t.compress, "stored_bytes": t.stored_bytes}
+                             if t.compress else {}),
+                          **({"delta_max_abs_error": t.delta_max_abs_error}
+                             if t.HasField("delta_max_abs_error") else {}),
                           **({"error": t.error} if t.error else {})}))
     return 0
 

@@ -92,6 +92,7 @@ class TenantView:
     tier: str = ""  # weight tiers (``itif.weights.tiers``): device, host, disk or none
     host_bytes: int = 0  # bytes of its host-tier copy
     delta: dict | None = None  # a delta tenant: ``DeltaReport.as_dict()`` (error, bytes)
+    compress: str = ""  # a delta tenant's tenants[].compress
 
 
 class Daemon:
@@ -494,9 +495,11 @@ class Daemon:
         tv = self.tiers.view(tenant) if self.tiers is not None else None
         tier = tv.tier.value if tv is not None else ("device" if total else "none")
         rep = self.delta_reports.get(tenant) if st.state is State.READY else None
+        conf = self.config.tenant(tenant)
         return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error,
                           tier, tv.host_bytes if tv is not None else 0,
-                          rep.as_dict() if rep is not None else None)
+                          rep.as_dict() if rep is not None else None,
+                          conf.compress if conf is not None and conf.is_delta else "")
 
     def get_tenant(self, who: Identity, tenant: str) -> TenantView:
         self._visible(who, tenant)

@@ -18,6 +18,7 @@ import itif
 from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity, State
 from itif.errors import InvalidConfig, InvalidWeights
+from itif.server.service import _tenant_info
 from itif.weights import delta
 from itif.weights.safetensors_io import read_metadata
 from tests.daemon_harness import free_port
@@ -158,6 +159,11 @@ def test_daemon_stores_the_blob_refuses_above_max_error_and_restores(models, tmp
         full = len(safetensors.torch.save(_sd(models["int8"])))
         assert stored.stat().st_size < full / 3, (stored.stat().st_size, full)
         assert view.sha256 == d.blobs.verify("d8")
+        info = _tenant_info(view)  # what GetTenant / ListTenants / `itif tenants` show
+        assert info.compress == "int8" and info.delta_max_abs_error == view.delta["max_abs_error"]
+        assert info.stored_bytes == view.delta["stored_bytes"] > 0
+        plain = _tenant_info(d.tenant_view("base"))
+        assert plain.compress == "" and not plain.HasField("delta_max_abs_error")
         before = _logits(d, "d8")
         # sign at max_error 1e-6: refused with the figure and the limit; nothing stored
         with pytest.raises(InvalidWeights, match=r"difference of [0-9.e-]+ .*max_error 1e-06"):

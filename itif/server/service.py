@@ -156,10 +156,12 @@ def _response(res: Result, sha: str) -> itif_pb2.InferResponse:
 
 
 def _tenant_info(v: TenantView) -> itif_pb2.TenantInfo:
+    d = v.delta or {}
     return itif_pb2.TenantInfo(
         id=v.id, state=v.state.value, sha256=v.sha256, weight_bytes=v.weight_bytes,
         exclusive_bytes=v.exclusive_bytes, num_labels=v.num_labels, queue_depth=v.queue_depth,
-        error=v.error, tier=v.tier, host_bytes=v.host_bytes)
+        error=v.error, tier=v.tier, host_bytes=v.host_bytes, compress=v.compress,
+        delta_max_abs_error=d.get("max_abs_error"), stored_bytes=d.get("stored_bytes", 0))
 
 
 class ItifService(itif_pb2_grpc.ItifServicer):

@@ -134,7 +134,7 @@ class ListTenantsResponse(_message.Message):
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantInfo, _Mapping]]] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
-    __slots__ = ("id", "state", "sha256", "weight_bytes", "exclusive_bytes", "num_labels", "queue_depth", "error", "tier", "host_bytes")
+    __slots__ = ("id", "state", "sha256", "weight_bytes", "exclusive_bytes", "num_labels", "queue_depth", "error", "tier", "host_bytes", "compress", "delta_max_abs_error", "stored_bytes")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NO_WEIGHTS: _ClassVar[TenantInfo.State]
@@ -155,6 +155,9 @@ class TenantInfo(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_MAX_ABS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: str
     state: TenantInfo.State
     sha256: str
@@ -165,7 +168,10 @@ class TenantInfo(_message.Message):
     error: str
     tier: str
     host_bytes: int
-    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[TenantInfo.State, str]] = ..., sha256: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., exclusive_bytes: _Optional[int] = ..., num_labels: _Optional[int] = ..., queue_depth: _Optional[int] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., host_bytes: _Optional[int] = ...) -> None: ...
+    compress: str
+    delta_max_abs_error: float
+    stored_bytes: int
+    def __init__(self, id: _Optional[str] = ..., state: _Optional[_Union[TenantInfo.State, str]] = ..., sha256: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., exclusive_bytes: _Optional[int] = ..., num_labels: _Optional[int] = ..., queue_depth: _Optional[int] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., host_bytes: _Optional[int] = ..., compress: _Optional[str] = ..., delta_max_abs_error: _Optional[float] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
 
 class DeleteWeightsRequest(_message.Message):
     __slots__ = ("tenant",)
