@@ -95,15 +95,16 @@ def run(args) -> dict:
         models[names[0]].generate(torch.tensor([flat[0].input_ids], device=dev), max_new_tokens=2,
                                   num_beams=args.beams)
     rows, outs = [], {}
-    for name, fn in systems.items():
-        times = []
-        for _ in range(args.repeats):
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(args.repeats):  # interleaved: a noisy moment costs every system alike
+        for name, fn in systems.items():
             t0 = time.perf_counter()
             outs[name] = fn()  # token lists on the host: the device work is done
-            times.append(time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
+    for name in systems:
         tokens = sum(len(s) for s in outs[name])
-        best = min(times)
-        rows.append(dict(system=name, seconds=round(best, 4), seconds_all=[round(t, 4) for t in times],
+        best = min(times[name])
+        rows.append(dict(system=name, seconds=round(best, 4), seconds_all=[round(t, 4) for t in times[name]],
                          tokens=tokens, tokens_per_s=round(tokens / best, 2),
                          latency_per_request_ms=round(1000 * best / len(flat), 2)))
     hf_tps = rows[0]["tokens_per_s"]
