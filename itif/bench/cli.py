@@ -13,7 +13,10 @@ import argparse
 
 SUITE_HELP = ("table: the thesis' Table 5.2 (2-5 tenants, one request each, seq 128 / 224x224); "
               "scale: more tenants (8-64); batch: requests per tenant up to 64 at seq 64 "
-              "(Fig. 5.2-5.4); serve: Poisson load through the real daemon")
+              "(Fig. 5.2-5.4); serve: Poisson load through the real daemon; tenants: 100-10,000 "
+              "head-only / LoRA / full tenants of one small backbone in one Engine, and LoRA "
+              "uploads through a daemon (add time, memory, serving, correctness; not in the "
+              "default suites)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", nargs="+", type=int, help="requests per tenant for batch")
     p.add_argument("--seq-len", type=int, help="tokens per text request for table/scale/batch "
                    "(default: 128 for table and scale, 64 for batch; capped by the backbone)")
-    p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve"),
+    p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve", "tenants"),
                    help=SUITE_HELP)
     p.add_argument("--systems", nargs="+",
                    choices=("seq", "multi_stream", "mps", "hf", "hf_compiled", "itif",
@@ -71,6 +74,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-p99-at", type=float, default=0.7,
                    help="after each mode's sweep, one more point at this fraction of its own "
                    "saturation throughput (its p99 goes on the saturation row); 0: none")
+    t = p.add_argument_group("tenant scale (--suites tenants)")
+    t.add_argument("--scale-model", help="small text backbone (default bert-tiny)")
+    t.add_argument("--scale-counts", nargs="+", type=int,
+                   help="tenant counts, ascending (default 100 1000 10000; --quick 100 1000)")
+    t.add_argument("--scale-kinds", nargs="+", choices=("head", "lora", "full", "daemon"),
+                   help="tenant kinds (default all: head-only, LoRA r=8, full in one Engine; "
+                   "daemon: LoRA r=8 uploaded through an in-process daemon)")
+    t.add_argument("--scale-full-max", type=int, default=1000,
+                   help="register full tenants up to this count (host memory; default 1000)")
+    t.add_argument("--scale-requests", type=int,
+                   help="requests per serving point (default 2000; --quick 300)")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="result JSON (default for full runs: bench/results/<name>.json; "
                    "--quick writes nothing unless given)")
@@ -154,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
                     mps_max_tenants=args.mps_max_tenants, hf_reference=args.hf_reference)
     out = Path(args.out) if args.out else None
     if out is None and not quick:
-        out = Path("bench/results") / f"{args.name or result_name(device, _today())}.json"
+        name = args.name or (f"{device.type}-tenants-{_today()[:10]}" if suites == ("tenants",)
+                             else result_name(device, _today()))
+        out = Path("bench/results") / f"{name}.json"
     rows: list[dict] = []
 
     def write(partial: bool) -> dict:
@@ -189,6 +205,12 @@ def run(args: argparse.Namespace) -> int:
     if "serve" in suites:
         rows += _serve(args, quick, gpu, models, strategies, device, dtype_name, blog)
 
+    if "tenants" in suites:
+        from itif.bench import tenant_scale  # noqa: PLC0415
+
+        scale_cfg = tenant_scale.settings_from_args(args, quick, device.type, dtype_name)
+        settings["tenant_scale"] = tenant_scale.asdict(scale_cfg)
+        rows += tenant_scale.run_suite(scale_cfg)
     meta = write(partial=False)
     if out is not None:
         if not args.no_plots:
@@ -203,7 +225,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        _print_table(rows)
+        other = [r for r in rows if r.get("suite") != "tenants"]
+        if other or "tenants" not in suites:
+            _print_table(other)
+        if "tenants" in suites:
+            tenant_scale.print_rows(rows)
     blog.info("done in %.1f s", time.monotonic() - t_start)
     return 0
 

@@ -1,5 +1,6 @@
 """PNG plots of a result: Table 5.2 latencies, speedup vs tenants (ours beside the thesis'),
-throughput vs requests per tenant (Fig. 5.3/5.4's axes), serving latency vs load."""
+throughput vs requests per tenant (Fig. 5.3/5.4's axes), serving latency vs load, add time and
+resident-memory ratio vs registered tenants (the tenants suite)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def make_plots(rows: list[dict], meta: dict, stem: Path) -> list[Path]:
     out = []
     device = meta.get("device", "")
     strat = _itif_strategy(rows)
-    for fn in (_table, _speedup, _batch, _load):
+    for fn in (_table, _speedup, _batch, _load, _tenants):
         path = fn(plt, rows, device, strat, stem)
         if path is not None:
             out.append(path)
@@ -181,6 +182,41 @@ def _load(plt, rows, device, strat, stem):
                  f"{device}", fontsize=10)
     fig.tight_layout()
     path = Path(f"{stem}-load.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _tenants(plt, rows, device, strat, stem):
+    pts = [r for r in rows if r.get("suite") == "tenants" and r.get("status") == "ok"]
+    kinds = list(dict.fromkeys(r["kind"] for r in pts))
+    if not kinds:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, kind in enumerate(kinds):
+        mine = sorted((r["tenants"], r) for r in pts if r["kind"] == kind)
+        xs = [t for t, _ in mine]
+        color = f"C{i}"
+        ax1.plot(xs, [r["last100_median_add_ms"] for _, r in mine], "o-", color=color,
+                 label=f"{kind}: median of the last 100 adds")
+        ax1.plot(xs, [r["p99_add_ms"] for _, r in mine], "x--", color=color,
+                 label=f"{kind}: p99 of all adds")
+        ax2.plot(xs, [r["rss_ratio"] for _, r in mine], "o-", color=color, label=kind)
+    ax1.axhline(10.0, color="k", lw=0.6, ls=":", label="10 ms (issue 14)")
+    ax2.axhline(1.5, color="k", lw=0.6, ls=":", label="1.5x (issue 14)")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("registered tenants")
+        ax.legend(fontsize=6)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("Engine.add_tenant; daemon_lora: whole upload (ms)")
+    ax1.set_title("time per add at that count", fontsize=9)
+    ax2.set_ylabel("RSS growth / (base + tenants' own bytes)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title("resident memory vs the store's accounting", fontsize=9)
+    fig.suptitle(f"{pts[0]['model']} tenants, {device}", fontsize=10)
+    fig.tight_layout()
+    path = Path(f"{stem}-tenants.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -95,6 +96,10 @@ class _Kind:
     sha_of: dict[int, str] = field(default_factory=dict)  # full digests, computed on demand
     free: list[int] = field(default_factory=list)
     live: int = 0  # slots with a reference
+    pairs: dict[int, tuple[KindKey, int]] = field(default_factory=dict)  # slot -> its tuple
+
+    def pair(self, slot: int) -> tuple[KindKey, int]:  # one object for every entry reading it
+        return self.pairs.setdefault(slot, (self.key, slot))
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -334,13 +339,15 @@ class WeightStore:
             with self._state:
                 for name, (key, slot) in (*hits.items(), *inherited.items()):
                     self._kinds[key].refs[slot] += 1
-                    slots[name] = (key, slot)
+                    slots[name] = self._kinds[key].pair(slot)
                 for name in new:
                     key, slot = slots[name]
                     self._index(self._kinds[key], slot, d.keys[name], d._sha.get(name))
+                    slots[name] = self._kinds[key].pair(slot)
                 self._generation += 1
                 old = self._view.tenants.get(tenant)
-                ordered = {n: slots[n] for n in (*inherited, *weights.tensors)}
+                # shared pair tuples and interned names: a tenant's entry costs its dict only
+                ordered = {sys.intern(n): slots[n] for n in (*inherited, *weights.tensors)}
                 entry = TenantEntry(
                     MappingProxyType(ordered), weights.num_labels, weights.has_pooler,
                     self._generation,
@@ -568,6 +575,7 @@ class WeightStore:
             if kind.refs[slot]:
                 continue
             kind.live -= 1
+            kind.pairs.pop(slot, None)
             k = kind.key_of.pop(slot)
             kind.by_key[k].remove(slot)
             if not kind.by_key[k]:
