@@ -247,8 +247,8 @@ class Daemon:
         after the base changed, unloaded (FAILED, files kept) when it has none. Its delta
         tenants come back only on the base their delta was taken against (the same sha256);
         on other base weights they are FAILED: "upload the fine-tune again"."""
-        for t in self.config.tenants:
-            if t.base != base or t.id not in self.status:
+        for t in self.config.tenants_on(base):
+            if t.id not in self.status:
                 continue
             with self._tenant_lock(t.id):
                 served = base in self.engine.store or (  # tiers: or on disk, loaded on demand

@@ -666,3 +666,16 @@ def test_watcher_stop_joins_thread(tmp_path):
     assert rec.changes == []
     with pytest.raises(ValueError):
         ConfigWatcher(path, rec.on_change, rec.on_error, poll_s=0)
+
+
+def test_tenants_on_a_base_are_a_lookup_in_file_order():
+    from itif.config.schema import BackboneConfig, Config, ServerConfig, Tenant
+
+    h = "0" * 64
+    ts = (Tenant("b", h), Tenant("l1", h, base="b"), Tenant("c", h), Tenant("l2", h, base="b"),
+          Tenant("l3", h, base="c"))
+    cfg = Config(ServerConfig("127.0.0.1:0", Path("/tmp"), h), BackboneConfig("bert-tiny"),
+                 tenants=ts)
+    assert [t.id for t in cfg.tenants_on("b")] == ["l1", "l2"]
+    assert [t.id for t in cfg.tenants_on("c")] == ["l3"]
+    assert cfg.tenants_on("l1") == () and cfg.tenants_on("nobody") == ()

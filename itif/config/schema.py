@@ -206,6 +206,19 @@ class Config:
         how much of a stored digest matches (the caller cannot choose digests)."""
         return self._by_token.get(digest)
 
+    def tenants_on(self, base: str) -> tuple[Tenant, ...]:
+        """The tenants whose ``base`` is ``base`` (LoRA and delta tenants), in file order; a
+        dict lookup, not a scan: an upload asks it for every tenant it commits."""
+        return self._by_base.get(base, ())
+
+    @functools.cached_property
+    def _by_base(self) -> dict[str, tuple[Tenant, ...]]:
+        out: dict[str, list[Tenant]] = {}
+        for t in self.tenants:
+            if t.base is not None:
+                out.setdefault(t.base, []).append(t)
+        return {b: tuple(ts) for b, ts in out.items()}
+
     @functools.cached_property
     def _by_id(self) -> dict[str, Tenant]:
         return {t.id: t for t in self.tenants}
