@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from itif.generation.cache import KVPool, RowTable
-from itif.generation.model import (CrossGroup, SeqGroup, SlotMatrix, TenantParams, decode, encode,
-                                   group_rows, prefill, rows_of_requests)
+from itif.generation.model import (CrossGroup, Scratch, SeqGroup, SlotMatrix, TenantParams, decode,
+                                   encode, group_rows, prefill, rows_of_requests)
 from itif.generation.spec import DecoderSpec
 from itif.weights.store import WeightStore
 
@@ -54,6 +54,7 @@ class RunningBatch:
         n0 = np.zeros(0, np.int64)
         self.rid, self.tenant, self.nrows, self.length, self.src_len = n0, n0, n0, n0, n0
         self.src_loc = torch.zeros(0, spec.max_position, dtype=torch.int64, device=self.device)
+        self._scratch = Scratch()  # the decode step's gather buffers, reused step after step
         self.blocks: dict[int, list[int]] = {}  # request id -> its blocks
         self.ids: dict[Hashable, int] = {}  # key -> request id
         self._next = 0
@@ -213,7 +214,8 @@ class RunningBatch:
         L = int(self.length.max()) + 1
         pos = self.table.length.index_select(0, perm)
         loc = self.table.loc[:, :L].index_select(0, perm)
-        logits_f = decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross)
+        logits_f = decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross,
+                          self._scratch)
         logits = torch.empty_like(logits_f)
         logits[perm] = logits_f
         self.table.advance()
