@@ -172,33 +172,14 @@ def _scope(method: str, path: str, query: bytes, headers: list[tuple[bytes, byte
 async def call_asgi(app: Any, method: str, path: str, query: bytes,
                     headers: list[tuple[bytes, bytes]], body: bytes,
                     client: tuple[str, int] | None = None) -> tuple[int, list, bytes]:
-    """Run one HTTP request through the ASGI ``app`` in this process: (status, headers, body)."""
-    scope = _scope(method, path, query, headers, client)
-    done = asyncio.Event()
-    sent_body = False
+    """Run one HTTP request through the ASGI ``app`` in this process: (status, headers, body),
+    the body being :func:`stream_asgi`'s chunks joined (500 if the app never answered)."""
     status, out_headers, chunks = 500, [], []
-
-    async def receive() -> dict:
-        nonlocal sent_body
-        if not sent_body:
-            sent_body = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        nonlocal status, out_headers
-        if message["type"] == "http.response.start":
-            status, out_headers = message["status"], list(message.get("headers", ()))
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                done.set()
-
-    try:
-        await app(scope, receive, send)
-    finally:
-        done.set()
+    async for item in stream_asgi(app, method, path, query, headers, body, client):
+        if isinstance(item, tuple):
+            status, out_headers = item
+        else:
+            chunks.append(item)
     return status, out_headers, b"".join(chunks)
 
 

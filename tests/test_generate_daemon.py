@@ -136,13 +136,19 @@ def served(tmp_path_factory):
     d = InProcess(parse_config(config_text(backbone), root))
     d.metrics = Metrics(d, nvml=None)
     d.start()
+    models = upload_models(d, root)
+    with grpc_server(d) as port:
+        yield Served(d, port, models, root)
+
+
+def upload_models(d: InProcess, root: Path) -> dict:
+    """Tenants acme and beta (distinct random models) uploaded to the started daemon ``d``."""
     models = {"acme": hf_model(1), "beta": hf_model(2)}
     admin = Identity(None, admin=True)
     for tenant, model in models.items():
         data = weights_bytes(model, root)
         d.upload(admin, tenant, hashlib.sha256(data).hexdigest(), len(data), [data])
-    with grpc_server(d) as port:
-        yield Served(d, port, models, root)
+    return models
 
 
 @contextlib.contextmanager

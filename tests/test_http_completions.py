@@ -35,7 +35,8 @@ from itif.server.service import AuthInterceptor, ItifService
 from tests.daemon_harness import ADMIN, free_port
 from tests.doc_blocks import REPO, blocks
 from tests.reliability_util import wait_until
-from tests.test_generate_daemon import VOCAB, hf_config, hf_model, weights_bytes, write_backbone
+from tests.test_generate_daemon import (VOCAB, hf_config, hf_model, upload_models, weights_bytes,
+                                        write_backbone)
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -121,11 +122,7 @@ def served(tmp_path_factory):
     d = InProcess(parse_config(config_text(backbone, http), root))
     d.metrics = Metrics(d, nvml=None)
     d.start()
-    models = {"acme": hf_model(1), "beta": hf_model(2)}
-    admin = Identity(None, admin=True)
-    for tenant, model in models.items():
-        data = weights_bytes(model, root)
-        d.upload(admin, tenant, hashlib.sha256(data).hexdigest(), len(data), [data])
+    models = upload_models(d, root)
     with servers(d) as port:
         yield Served(d, port, http, models)
 

@@ -73,7 +73,8 @@ from itif.generation.api import GenerateRequest
 from itif.server.errors import http_status_of
 from itif.server.generate import GenerationStream
 from itif.server.http.common import authorization, endpoint, json_object, json_type, read_body
-from itif.server.http.openai import _TYPES
+from itif.server.http.openai import _is_int
+from itif.server.http.openai import error as openai_error
 
 __all__ = ["CompletionsApi"]
 
@@ -106,17 +107,9 @@ _SHAPES = ("must be a string, a list of token ids, or a list holding one string 
 
 def error(status: int, code: str, message: str) -> Response:
     """OpenAI's error body; ``param`` is the field a 400's message names (``"<field>: ..."``)."""
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    if status == 404:
-        code = "model_not_found"
     head = message.split(":", 1)[0]
-    param = head if status == 400 and _PARAM.fullmatch(head) else None
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": code.lower()}}, status_code=status)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return openai_error(status, code, message,
+                        head if status == 400 and _PARAM.fullmatch(head) else None)
 
 
 def _get(body: dict, key: str) -> Any:

@@ -46,12 +46,12 @@ _INPUT_SHAPES = ("input must be a string, a list of strings, a list of token ids
                  "token-id lists")
 
 
-def error(status: int, code: str, message: str) -> Response:
-    """OpenAI's error body."""
+def error(status: int, code: str, message: str, param: str | None = None) -> Response:
+    """OpenAI's error body (``param``: the request field it is about, when one is)."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     if status == 404:
         code = "model_not_found"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                    "code": code.lower()}}, status_code=status)
 
 
