@@ -120,10 +120,12 @@ class Served:
 
 
 def config_text(backbone: Path, data: str = "./data", listen: str = "127.0.0.1:0",
-                max_new_tokens: int = 2040) -> str:
+                max_new_tokens: int = 2040, http: str | None = None,
+                tokens: dict[str, str] = TOKENS) -> str:
     tenants = "".join(f"  - id: {t}\n    token_sha256: {hash_token(tok)}\n"
-                      for t, tok in TOKENS.items())
-    return (f"server:\n  listen: {listen}\n  data_dir: {data}\n"
+                      for t, tok in tokens.items())
+    http_line = f"  http_listen: {http}\n" if http else ""
+    return (f"server:\n  listen: {listen}\n{http_line}  data_dir: {data}\n"
             f"  admin_token_sha256: {hash_token(ADMIN)}\n  max_new_tokens: {max_new_tokens}\n"
             f"backbone:\n  config: {backbone}\n  device: cpu\n  dtype: float32\n"
             f"  kv_cache_bytes: 8MiB\ntenants:\n{tenants}")

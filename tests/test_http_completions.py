@@ -35,6 +35,7 @@ from itif.server.service import AuthInterceptor, ItifService
 from tests.daemon_harness import ADMIN, free_port
 from tests.doc_blocks import REPO, blocks
 from tests.reliability_util import wait_until
+from tests.test_generate_daemon import config_text as gen_config_text
 from tests.test_generate_daemon import (VOCAB, hf_config, hf_model, upload_models, weights_bytes,
                                         write_backbone)
 
@@ -48,12 +49,8 @@ DOC_HTTP = "127.0.0.1:8000"
 
 def config_text(backbone: str | Path, http: str, max_new_tokens: int = 2040,
                 tenants: dict[str, str] = TOKENS) -> str:
-    entries = "".join(f"  - id: {t}\n    token_sha256: {hash_token(tok)}\n"
-                      for t, tok in tenants.items())
-    return (f"server:\n  listen: 127.0.0.1:0\n  http_listen: {http}\n  data_dir: ./data\n"
-            f"  admin_token_sha256: {hash_token(ADMIN)}\n  max_new_tokens: {max_new_tokens}\n"
-            f"backbone:\n  config: {backbone}\n  device: cpu\n  dtype: float32\n"
-            f"  kv_cache_bytes: 8MiB\ntenants:\n{entries}")
+    return gen_config_text(Path(backbone), http=http, max_new_tokens=max_new_tokens,
+                           tokens=tenants)
 
 
 @dataclasses.dataclass
