@@ -308,7 +308,12 @@ def test_noisy_neighbour_at_10x_capacity_does_not_starve_a_quiet_one(tmp_path, r
             float(np.median([r["noisy/idle"] for r in rounds])), 2)
         rel.notes["noisy offered/served"] = [offered, served]
         assert served > 0 and offered >= 10 * served, (offered, served)  # 10x its capacity
-        assert load_codes["sent"] and set(load_codes) <= {"sent", "INVALID_ARGUMENT"}, load_codes
+        # the invalid flood is refused as invalid; a few of its calls may meet the tenant's
+        # in-flight limit first (max_queue 1 -> max_inflight 2) when the machine is slow (a CI
+        # run: 2 of 7,346), which answers them RESOURCE_EXHAUSTED, as it should
+        assert load_codes["sent"] and set(load_codes) <= {
+            "sent", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, load_codes
+        assert load_codes["INVALID_ARGUMENT"] >= 0.95 * load_codes["sent"], load_codes
         assert ratio <= 2.0, rounds
     finally:
         for f in floods:
