@@ -266,11 +266,18 @@ def table_lines(rows: list[dict]) -> list[str]:
 
 
 # ---- summaries ------------------------------------------------------------------------------
-def summary_ops(path: Path) -> int:
+def _read_result(path: Path, what: str) -> dict | None:
+    """A step's JSON, or None after saying why there is none."""
     try:
-        d = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        print(f"no ops result ({e})")
+        print(f"no {what} result ({e})")
+        return None
+
+
+def summary_ops(path: Path) -> int:
+    d = _read_result(path, "ops")
+    if d is None:
         return 1
     timed = [r for r in d.get("results", []) if "median_us" in r]
     print(f"SUMMARY {len(timed)} timings on {d.get('device')} ({d.get('dtype')}), "
@@ -305,10 +312,8 @@ def summary_tests(path: Path, cuda: bool) -> int:
 
 
 def summary_serve(path: Path) -> int:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        print(f"no serve result ({e})")
+    d = _read_result(path, "serve")
+    if d is None:
         return 1
     rows = d.get("rows", [])
     sat = [r for r in rows if r.get("suite") == "serve_saturation"]
@@ -325,10 +330,8 @@ def summary_serve(path: Path) -> int:
 
 def summary_generate(path: Path) -> int:
     """One line per system of ``bench/bench_generate.py``'s JSON."""
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        print(f"no generate result ({e})")
+    d = _read_result(path, "generate")
+    if d is None:
         return 1
     st = d["meta"]["settings"]
     print(f"SUMMARY generate {st['preset']} on {d['meta']['device']} ({d['meta']['dtype']}): "

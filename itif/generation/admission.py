@@ -49,7 +49,6 @@ class FairWaiting(Generic[T]):
         self._tenant_of: dict[T, str] = {}
         self._v = 0.0
         self._seq = itertools.count()
-        self._n = 0
 
     # ---- weights -------------------------------------------------------------------------------
     def set_weights(self, weights: dict[str, float]) -> None:
@@ -75,7 +74,6 @@ class FairWaiting(Generic[T]):
         if len(q) == 1:
             heapq.heappush(self._heap, (start, seq, tenant))
         self._tenant_of[item] = tenant
-        self._n += 1
 
     def _head(self) -> tuple[str, tuple[float, int, T]] | None:
         while self._heap:
@@ -102,7 +100,6 @@ class FairWaiting(Generic[T]):
         q.popleft()
         self._v = max(self._v, start)
         del self._tenant_of[item]
-        self._n -= 1
         self._after_head_change(tenant, q)
         return item
 
@@ -117,7 +114,6 @@ class FairWaiting(Generic[T]):
             if entry[2] is item:
                 del q[i]
                 break
-        self._n -= 1
         if was_head:
             self._after_head_change(tenant, q)
 
@@ -133,10 +129,10 @@ class FairWaiting(Generic[T]):
                 self._heap.clear()
 
     def __len__(self) -> int:
-        return self._n
+        return len(self._tenant_of)
 
     def __bool__(self) -> bool:
-        return self._n > 0
+        return bool(self._tenant_of)
 
     def __iter__(self) -> Iterator[T]:
         """Every waiting item (no particular order)."""
