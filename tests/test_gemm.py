@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from itif.runtime.gemm import (
+    _weight_first,
     BACKENDS,
     Segments,
     broadcast_rows,
@@ -134,3 +135,19 @@ def test_cuda_backends_match_the_loop(case, dtype):
         y = grouped_linear(x, w, segs, backend=backend).double().cpu()
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(y, ref, atol=tol, rtol=tol, msg=f"{backend} ({chosen})")
+
+
+@pytest.mark.parametrize("case", ("one_slot", "consecutive", "one_row_each"))
+def test_wide_few_row_products_weight_first_match_the_loop(case):
+    """A vocabulary-head shape (N >= 8 K, few rows a segment) runs as ``(w @ x.T).T`` on the
+    CPU (``_weight_first``); it computes what the loop computes, into ``out`` when given."""
+    segs, _, _ = CASES[case]
+    g = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+    x, w = torch.randn(32, 16, generator=g), torch.randn(64, 8 * 16, 16, generator=g)
+    plan = plan_gemm(segs, 32, torch.device("cpu"), torch.float32)
+    rows = plan.rows if plan.backend == "mm" else plan.L
+    assert _weight_first(x, w.shape[1], rows)
+    out = torch.full((32, w.shape[1]), float("nan"))
+    assert grouped_linear(x, w, segs, out=out) is out
+    torch.testing.assert_close(out.double(), _loop_ref(x, w, segs), atol=1e-5, rtol=1e-5)
+    assert not _weight_first(x, 8 * 16 - 1, rows)  # narrower: the plain product

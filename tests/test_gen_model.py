@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from itif.errors import InvalidWeights
+from itif.generation import model as gen_model
 from itif.generation.hf_import import to_canonical
 from itif.generation.running import Admission, RunningBatch
 from itif.generation.spec import PRESETS, spec_from_hf_config
@@ -75,8 +76,13 @@ def hf_logits(spec, m, source, history):
     return out.logits[0, -1]
 
 
+@pytest.mark.parametrize("keep_sources", (True, False), ids=("sources-kept", "sources-gathered"))
 @pytest.mark.parametrize("name", SPECS)
-def test_mixed_tenants_prefill_decode_reorder_equal_hf(name):
+def test_mixed_tenants_prefill_decode_reorder_equal_hf(name, keep_sources, monkeypatch):
+    """``keep_sources``: decode steps read the sources gathered once per membership
+    (``CrossGroup.cached``) or, with no byte budget for that, gather them at every step."""
+    if not keep_sources:
+        monkeypatch.setattr(gen_model, "CROSS_CACHE_BYTES", 0)
     spec = PRESETS[name]
     models = tenants_for(spec)
     batch = make_batch(spec, models)
@@ -124,6 +130,10 @@ def test_mixed_tenants_prefill_decode_reorder_equal_hf(name):
             row_req = [row_req[i] for i in keep]
         logits = batch.decode()
     assert batch.rows == sum(r for _, r, _ in plan) - 1
+    cross = batch._structure()[2]
+    if spec.encoder_decoder:
+        assert (cross.cached is not None) == keep_sources
+        assert not keep_sources or len(cross.cached) == spec.dec_layers
 
 
 @pytest.mark.parametrize("name", ("bart-tiny",))

@@ -145,6 +145,14 @@ def test_cross_attention_cache_one_copy_per_source(family):
     assert eng.cache_stats()["rows"] == 4
     # one copy, not num_beams copies
     assert eng.cross_positions(t) == (len(src) if spec.encoder_decoder else 0)
+    eng._iterate()  # a decode step of the running batch: its sources stay gathered per layer
+    cross = eng._batch._structure()[2]
+    if spec.encoder_decoder:  # the gathered copy is per source too: [1 request, heads, S, d]
+        assert sorted(cross.cached) == list(range(spec.dec_layers))
+        for k, v in cross.cached.values():
+            assert k.shape == v.shape == (1, spec.heads, len(src), spec.hidden // spec.heads)
+    else:
+        assert cross is None
     while eng.cache_stats()["running"]:
         eng._iterate()
     assert eng.cache_stats()["blocks_used"] == 0

@@ -141,6 +141,20 @@ def plan_gemm(segs: Segments, rows: int, device: torch.device | None = None,
     raise AssertionError("unreachable")
 
 
+#: On the CPU a few rows against a wide weight (a vocabulary head in a decode step) run faster
+#: as ``(w @ x.T).T``: MKL then streams the weight as the long operand. Measured at 2 threads
+#: (marian-decoding's head, 8 tenants x 16 rows against [8000, 512] each): 20.0 ms including the
+#: transposing copy, against 23.1 ms for ``x @ w.T``; for square and FFN shapes the copy eats
+#: the gain, hence the width rule.
+WEIGHT_FIRST_MAX_ROWS = 32
+WEIGHT_FIRST_MIN_WIDTH = 8  # N >= this x K
+
+
+def _weight_first(x: torch.Tensor, N: int, rows: int) -> bool:
+    return (x.device.type == "cpu" and rows <= WEIGHT_FIRST_MAX_ROWS
+            and N >= WEIGHT_FIRST_MIN_WIDTH * x.shape[1])
+
+
 def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """``y[s:e] = x[s:e] @ w[slot].T`` for every segment of ``plan``.
@@ -159,11 +173,17 @@ def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tenso
     if out is None:
         out = torch.empty(rows, N, dtype=x.dtype, device=x.device)
     if b == "mm":
-        torch.mm(x, w[plan.slot0].t(), out=out)
+        if _weight_first(x, N, rows):
+            out.copy_(torch.mm(w[plan.slot0], x.t()).t())
+        else:
+            torch.mm(x, w[plan.slot0].t(), out=out)
     elif b == "bmm":
         ws = w[plan.slot0 : plan.slot0 + plan.step * (plan.n - 1) + 1 : plan.step]
-        torch.bmm(x.view(plan.n, plan.L, x.shape[1]), ws.transpose(1, 2),
-                  out=out.view(plan.n, plan.L, N))
+        xs, ys = x.view(plan.n, plan.L, x.shape[1]), out.view(plan.n, plan.L, N)
+        if _weight_first(x, N, plan.L):
+            ys.copy_(torch.bmm(ws, xs.transpose(1, 2)).transpose(1, 2))
+        else:
+            torch.bmm(xs, ws.transpose(1, 2), out=ys)
     else:
         segs = plan.segs
         for s, e, slot in zip(segs.start, segs.end, segs.slot):
