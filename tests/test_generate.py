@@ -149,8 +149,9 @@ def test_cross_attention_cache_one_copy_per_source(family):
     cross = eng._batch._structure()[2]
     if spec.encoder_decoder:  # the gathered copy is per source too: [1 request, heads, S, d]
         assert sorted(cross.cached) == list(range(spec.dec_layers))
-        for k, v in cross.cached.values():
-            assert k.shape == v.shape == (1, spec.heads, len(src), spec.hidden // spec.heads)
+        d = spec.hidden // spec.heads
+        for kt, v in cross.cached.values():
+            assert kt.shape == (1, spec.heads, d, len(src)) and v.shape == (1, spec.heads, len(src), d)
     else:
         assert cross is None
     while eng.cache_stats()["running"]:
