@@ -14,15 +14,27 @@ Crash safety
 Two files cannot be replaced in one atomic step, so a commit writes an intent record first and
 makes the data-file rename the single commit point:
 
-1. stream into ``tmp/``, then check size and sha256, run the caller's validator, fsync the file;
-2. write ``<tenant>.sha256.pending`` (the new digest), fsync it, fsync ``weights/``;
-3. ``os.replace`` the upload onto ``<tenant>.safetensors``, fsync ``weights/``  <- commit point;
-4. ``os.replace`` the pending record onto ``<tenant>.sha256``, fsync ``weights/``.
+1. stream into ``tmp/``, then check size and sha256 (:meth:`Upload.seal`);
+2. fsync the file, write ``<tenant>.sha256.pending`` (the new digest), fsync it, fsync
+   ``weights/``: on a side thread started by the seal, so these fsyncs overlap the caller's
+   validation of the sealed file (the daemon's read, checks and probe forward);
+3. wait for step 2, ``os.replace`` the upload onto ``<tenant>.safetensors``, fsync ``weights/``
+   <- commit point: once this returns the upload may be acknowledged;
+4. ``os.replace`` the pending record onto ``<tenant>.sha256`` (no fsync of its own: until the
+   next fsync of ``weights/`` makes it durable, a crash leaves the durable pending record of
+   step 2 beside the renamed data file, which start-up rolls forward, so the committed upload
+   survives either way).
+
+Four fsyncs per commit, one per file written (data, pending record) and two of ``weights/``
+(the pending record's name before the rename may happen, the rename before the answer), one of
+them after the validation. A validation that refuses the upload withdraws the pending record
+(a crash before that leaves a record whose digest names no file there: start-up drops it).
 
 A crash leaves one of these states, and :class:`BlobStore` settles it on start-up, before anything
 reads the pair (``_recover``):
 
-* pending record present (crash between 2 and 4): hash the data file. If it matches the pending
+* pending record present (crash between 2 and 4, or during a validation that followed 2): hash
+  the data file. If it matches the pending
   digest the rename in step 3 happened, so roll forward (finish step 4); otherwise step 3 did not
   happen and the old file is still paired with the old sidecar, so drop the record. Step 2 is
   durable before step 3 starts, so "new data file, old sidecar" can only exist together with an
@@ -47,6 +59,7 @@ import re
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -80,6 +93,28 @@ def validate_tenant_id(tid: object) -> str:
     if not isinstance(tid, str) or not _TENANT_ID.fullmatch(tid):
         raise InvalidRequest(f"invalid tenant id {shown(tid)}: must match {TENANT_ID_RE}")
     return tid
+
+
+_sync_pool: ThreadPoolExecutor | None = None
+_sync_pool_lock = threading.Lock()
+
+
+def _syncer() -> ThreadPoolExecutor:
+    """The threads that run step 2 of commits (fsyncs release the GIL), shared by every store."""
+    global _sync_pool
+    with _sync_pool_lock:
+        if _sync_pool is None:
+            _sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="itif-blob-sync")
+        return _sync_pool
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync the file at ``path`` (its data, whichever descriptor wrote it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -274,31 +309,56 @@ class BlobStore:
         with self._lock:
             self._uploading.discard(tenant)
 
-    def _publish(self, tenant: str, upload_path: Path, digest: str) -> Path:
-        """Steps 2-4 of the commit protocol (module docstring); ``upload_path`` is fsynced."""
+    def _stage(self, tenant: str, upload_path: Path, digest: str) -> None:
+        """Step 2 of the commit protocol (module docstring): the upload's data and the intent
+        record durable, the record's name too. Runs on a sync thread while the caller
+        validates; without the store's lock (the record is this tenant's and only its one open
+        upload writes it), except to settle a record a failed commit left behind."""
+        pending = self._path(tenant, _PENDING_SUFFIX)
+        if pending.exists():  # an earlier commit failed after its rename (verify fails closed)
+            with self._lock:
+                self._settle(tenant)
+        _fsync_path(upload_path)
+        _write_durably(pending, _sidecar_line(tenant, digest))
+        _fsync_dir(self._weights)
+
+    def _publish(self, upload: Upload) -> Path:
+        """Steps 3-4 of the commit protocol (module docstring); step 2 is done."""
+        tenant = upload.tenant
         data = self.path_for(tenant)
         sidecar = self._path(tenant, _SIDECAR_SUFFIX)
         pending = self._path(tenant, _PENDING_SUFFIX)
         with self._lock:
-            renamed = False
             try:
-                _write_durably(pending, _sidecar_line(tenant, digest))
-                _fsync_dir(self._weights)
                 fault_point("commit_pending")
-                os.replace(upload_path, data)
-                renamed = True
+                os.replace(upload.temp_path, data)
+                upload._renamed = True  # the pending record is the commit's now (start-up)
                 # One fsync suffices: journaling filesystems commit a rename as one transaction,
                 # so making it durable in weights/ also removes the name from tmp/.
                 _fsync_dir(self._weights)
                 fault_point("commit_renamed")
                 os.replace(pending, sidecar)
-                _fsync_dir(self._weights)
                 fault_point("commit_done")
             except BaseException:
-                if not renamed:  # old pair untouched: just withdraw the intent record
+                if not upload._renamed:  # old pair untouched: just withdraw the intent record
                     _unlink_quietly(pending)
                 raise
         return data
+
+    def _settle(self, tenant: str) -> None:
+        """Settle ``tenant``'s pending record (caller holds the lock or owns the directory):
+        roll forward if the data file hashes to its digest, else drop it."""
+        pending = self._weights / f"{tenant}{_PENDING_SUFFIX}"
+        data = self._weights / f"{tenant}{_DATA_SUFFIX}"
+        try:
+            digest = _parse_digest(pending.read_bytes())
+        except FileNotFoundError:
+            return
+        if digest is not None and data.is_file() and sha256_file(data, _CHUNK) == digest:
+            os.replace(pending, self._weights / f"{tenant}{_SIDECAR_SUFFIX}")
+        else:
+            pending.unlink()
+        _fsync_dir(self._weights)
 
     def _recover(self) -> None:
         """Settle what a crash left behind (see "Crash safety" in the module docstring)."""
@@ -306,13 +366,7 @@ class BlobStore:
             if entry.is_file() or entry.is_symlink():
                 entry.unlink()
         for pending in self._weights.glob(f"*{_PENDING_SUFFIX}"):
-            tenant = pending.name[: -len(_PENDING_SUFFIX)]
-            data = self._weights / f"{tenant}{_DATA_SUFFIX}"
-            digest = _parse_digest(pending.read_bytes())
-            if digest is not None and data.is_file() and sha256_file(data, _CHUNK) == digest:
-                os.replace(pending, self._weights / f"{tenant}{_SIDECAR_SUFFIX}")
-            else:
-                pending.unlink()
+            self._settle(pending.name[: -len(_PENDING_SUFFIX)])
         for data in self._weights.glob(f"*{_DATA_SUFFIX}"):
             stem = data.name[: -len(_DATA_SUFFIX)]
             if data.is_file() and not (self._weights / f"{stem}{_SIDECAR_SUFFIX}").exists():
@@ -336,6 +390,8 @@ class Upload:
         self._store = store
         self._hash = hashlib.sha256()
         self._digest: str | None = None  # set by seal()
+        self._staged: Future | None = None  # step 2 of the commit, started by seal()
+        self._renamed = False  # step 3 done: the pending record belongs to the commit
         fd, name = tempfile.mkstemp(prefix=f"{tenant}-", suffix=_UPLOAD_SUFFIX, dir=store._tmp)
         self.temp_path = Path(name)
         try:
@@ -387,9 +443,11 @@ class Upload:
         return self.publish()
 
     def seal(self) -> str:
-        """Check size and digest and make the temp file durable; return the digest. After this
-        :attr:`temp_path` is complete and may be read (validated) before :meth:`publish`. On a
-        failure the upload is aborted and :class:`InvalidWeights` raised."""
+        """Check size and digest and start making the temp file and the intent record durable
+        (step 2 of the commit, on a sync thread); return the digest. After this
+        :attr:`temp_path` is complete and may be read (validated) before :meth:`publish`, which
+        waits for step 2. On a failure the upload is aborted and :class:`InvalidWeights`
+        raised."""
         self._check_open()
         if self._digest is not None:
             return self._digest
@@ -405,33 +463,44 @@ class Upload:
                     f"sha256 mismatch for tenant {self.tenant!r}: expected "
                     f"{self.expected_sha256}, upload hashes to {digest}"
                 )
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
+            self._file.close()  # flushed; the sync thread fsyncs it
+            self._staged = _syncer().submit(self._store._stage, self.tenant, self.temp_path,
+                                            digest)
         except BaseException:
             self.abort()
             raise
         self._digest = digest
         return digest
 
+    def _wait_staged(self) -> None:
+        """Wait for step 2 (re-raising what it raised)."""
+        if self._staged is not None:
+            self._staged.result()
 
     def replace_content(self, data: bytes) -> str:
         """After :meth:`seal` (the upload as sent was checked): make the commit store ``data``
         instead, durably (a delta tenant stores its compressed form, not the checkpoint).
         Returns the digest :meth:`publish` records for it."""
         self.seal()
-        with open(self.temp_path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        self._digest = hashlib.sha256(data).hexdigest()
-        return self._digest
-    def publish(self) -> Path:
-        """Seal if not yet sealed, then make the upload the tenant's committed weights (the
-        commit point of the module docstring). Aborts on failure."""
-        digest = self.seal()
         try:
-            path = self._store._publish(self.tenant, self.temp_path, digest)
+            self._wait_staged()
+            digest = hashlib.sha256(data).hexdigest()
+            with open(self.temp_path, "wb") as f:
+                f.write(data)
+            self._store._stage(self.tenant, self.temp_path, digest)  # the record names it
+        except BaseException:
+            self.abort()
+            raise
+        self._digest = digest
+        return digest
+
+    def publish(self) -> Path:
+        """Seal if not yet sealed, wait for step 2, then make the upload the tenant's
+        committed weights (the commit point of the module docstring). Aborts on failure."""
+        self.seal()
+        try:
+            self._wait_staged()
+            path = self._store._publish(self)
         except BaseException:
             self.abort()
             raise
@@ -446,6 +515,13 @@ class Upload:
         self._open = False
         try:
             self._file.close()
+            if self._staged is not None:
+                try:
+                    self._staged.result()  # it may still be writing the record
+                except BaseException:  # noqa: BLE001 - withdrawn below all the same
+                    pass
+                if not self._renamed:
+                    _unlink_quietly(self._store._path(self.tenant, _PENDING_SUFFIX))
             _unlink_quietly(self.temp_path)
         finally:
             self._store._release(self.tenant)
