@@ -16,6 +16,11 @@ adapters on query and value) on ``head0``: 20,000 tenants. Then:
 Registration through the daemon (a tenants.yaml of 10,000 entries, an upload each: parse,
 probe forward, blob write) does not fit this test's time; ``itif bench --suites tenants``
 measures the engine path, docs/tenant.md reports the figures.
+
+Cold first responses (the suite's ``cold_lora`` row, small): 40 LoRA tenants registered on
+disk in a daemon with tiers (device: the base and 8 of them, host: 8), first responses from
+disk, host and resident; every answer equals PEFT's and every cold one followed a promotion
+that the tiers and ``/metrics`` counted.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import numpy as np
 import pytest
 import torch
 
-from itif.bench.tenant_scale import Kind, check_sample, rss_bytes, store_bytes, tenant_name
+from itif.bench.tenant_scale import (COLD_SOURCES, Kind, ScaleSettings, check_sample, run_cold,
+                                     rss_bytes, store_bytes, tenant_name)
 from itif.runtime.engine import Engine
 from itif.backbones.spec import load_spec
 
@@ -92,3 +98,36 @@ def test_a_sample_answers_equal_to_hf_and_peft(scale, kind):
     got = check_sample(scale["engine"], k, N, 8, np.random.default_rng(3), scale["refs"][kind])
     assert len(got["sample"]) == 8 and got["sample"][-1] == N - 1
     assert got["max_abs_diff"] <= TOL, got
+
+
+def test_cold_first_responses_from_disk_host_and_resident_answer_correctly():
+    """Structure and what holds on any machine: each source tier sampled as asked, every
+    answer (cold, warm after its promotion, resident) equal to PEFT's, each cold request
+    preceded by exactly one promotion of its tenant counted by the tiers and by
+    ``itif_tier_promotions_total{source}`` (the histogram counts every one, the pinned base's
+    at start included), and the tiers within their budgets at the end. No ordering of the
+    latencies is asserted (a disk promotion of a 33 KB adapter is a few ms on a shared CPU)."""
+    cfg = ScaleSettings(cold_tenants=40, cold_full=0, cold_device=8, cold_host=8,
+                        cold_samples=6)
+    row = run_cold(cfg, "lora")
+    assert (row["suite"], row["kind"], row["status"], row["tenants"]) == (
+        "tenants", "cold_lora", "cold", 40)
+    first = row["first_response"]
+    assert set(first) == set(COLD_SOURCES)
+    for src in COLD_SOURCES:
+        f = first[src]
+        assert f["n"] == 6, (src, f)
+        assert 0 < f["p50_ms"] <= f["p99_ms"] <= f["max_ms"], (src, f)
+    assert row["warm_after_promotion"]["n"] == 12  # the 6 from disk and 6 from host, again
+    for src in ("disk", "host"):
+        assert row["ratio_p50"][src] == round(first[src]["p50_ms"] / first["device"]["p50_ms"], 2)
+    assert row["max_abs_diff"] <= TOL, row["max_abs_diff"]
+    assert row["cold_requests"] == row["warmup_requests"] + 12
+    assert row["promotions_counted"] == row["cold_requests"]
+    assert row["answers"] == 3 * 6 + 12
+    promo = row["promotion_ms"]
+    assert promo["host"]["count"] >= 6 and promo["disk"]["count"] >= 1 + row["warmup_requests"] + 6
+    end = row["tiers_at_end"]
+    assert end["device_bytes"] <= row["device_weight_bytes"]
+    assert end["host_bytes"] <= row["host_weight_bytes"]
+    assert end["device_tenants"] + end["host_tenants"] + end["disk_tenants"] == 41
