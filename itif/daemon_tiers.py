@@ -48,7 +48,7 @@ def build(d: Daemon) -> TierManager | None:
             st.state, st.error = type(st.state).FAILED, f"stored weights refused: {exc}"
 
     tiers = TierManager(d.engine, d.scheduler, host_bytes=d.config.backbone.host_weight_bytes,
-                        load=load, on_failed=failed)
+                        load=load, on_failed=failed, busy=lambda: d.scheduler.in_batch)
     tiers.observer = d.metrics
     return tiers
 

@@ -261,6 +261,35 @@ def test_failing_promotion_fails_only_that_tenant(tmp_path, backbone, monkeypatc
         d.stop(0)
 
 
+def test_request_during_its_eviction_promotes_it_back(tmp_path, backbone, monkeypatch):
+    """A request that arrives while its tenant's weights are being copied out (evicted, parked,
+    not yet in the host tier) starts a promotion: it is answered once the eviction is done, not
+    left parked until some later request of that tenant comes (it used to find the tenant
+    still marked DEVICE, start nothing, and wait; the 64-tenant test then hung 120 s)."""
+    d = make_daemon(tmp_path, backbone, ["a", "b"], device_tenants=1.5, host_tenants=1.5)
+    try:
+        upload(d, backbone, "a", 0, tmp_path)
+        upload(d, backbone, "b", 1, tmp_path)  # a -> host
+        demote = d.tiers._demote
+        inside, go = threading.Event(), threading.Event()
+
+        def slow_demote(tenant, st):
+            if tenant == "b":
+                inside.set()
+                go.wait(30)
+            return demote(tenant, st)
+
+        monkeypatch.setattr(d.tiers, "_demote", slow_demote)
+        (ta,) = d.submit(ADMIN, "a", [Request("a", input_ids=IDS[0], outputs=("logits",))])
+        assert inside.wait(30)  # a's promotion is evicting b: b parked, being copied out
+        (tb,) = d.submit(ADMIN, "b", [Request("b", input_ids=IDS[1], outputs=("logits",))])
+        go.set()
+        check_answer(backbone, "a", 0, IDS[0], ta.result(30))
+        check_answer(backbone, "b", 1, IDS[1], tb.result(30))
+    finally:
+        d.stop(0)
+
+
 def _closed_loop(d: Daemon, pick, stop: threading.Event, out: list, seed: int) -> None:
     """One client: a request, its answer, the next (server-side latency: enqueue to result)."""
     rng = np.random.default_rng(seed)
@@ -291,11 +320,13 @@ def test_64_registered_16_resident_uniform_stream(tmp_path, backbone, per_tenant
     against Hugging Face with that tenant's weights); the hot tenants' p99 with that stream
     beside them is compared with their p99 without it. Rounds alternate (hot only, hot +
     uniform) so slow drifts in the machine's load hit both; each p99 is over all rounds'
-    samples (server side: enqueue to result). On this 2-core machine shared with other jobs
-    (load average 4-8) the ratio measured 1.8-2.7 (median 2.4, seven runs) with the loader's
-    CPU share at 0.5 (2.5-3.9 at 1.0, 3.2-5.1 with plain LRU, which evicted the hot tenants);
-    the bound is 3, not the issue's 2 (see docs/operator.md). Then a restart: the 64 are
-    registered again, on disk, and answer correctly."""
+    samples (server side: enqueue to result). The bound is the issue's 2: on this 2-core
+    machine shared with other jobs (load average 1.5-3.6) the ratio measured 1.04-1.84 over
+    ten runs (median 1.22) once a promotion waits for the gaps between batches step by step
+    and hashes nothing coming from the host tier; the loader as it was (whole promotions at a
+    CPU share of 0.5) measured 1.51-2.35 (median 1.89) in runs alternated with those (see
+    docs/operator.md, "Weight tiers"). Then a restart: the 64 are registered again, on disk,
+    and answer correctly."""
     names = [f"t{i:02d}" for i in range(64)]
     hot = names[:8]
     d = make_daemon(tmp_path, backbone, names, device_tenants=16.5, host_tenants=48.5)
@@ -332,7 +363,7 @@ def test_64_registered_16_resident_uniform_stream(tmp_path, backbone, per_tenant
               f"{len({a[0] for a in answers})} tenants; promotions {promoted}")
         assert len({a[0] for a in answers}) >= 32 and promoted >= 40
         assert len(alone) >= 300 and len(mixed) >= 300
-        assert p99_mixed <= 3.0 * p99_alone
+        assert p99_mixed <= 2.0 * p99_alone
         assert d.engine.weight_bytes <= 16.5 * per_tenant
     finally:
         d.stop(0)

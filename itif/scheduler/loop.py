@@ -193,6 +193,12 @@ class Scheduler:
                 queued_tokens=q.queued_tokens)
 
     @property
+    def in_batch(self) -> bool:
+        """Whether a batch is running now (read without the lock: a hint; the weight tiers'
+        loader waits for the gaps between batches)."""
+        return bool(self._inflight)
+
+    @property
     def running(self) -> bool:
         t = self._thread
         return t is not None and t.is_alive()
