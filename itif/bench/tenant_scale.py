@@ -90,7 +90,7 @@ class ScaleSettings:
     device: str = "cpu"
     dtype: str = "float32"
     cold_tenants: int = 1000  # LoRA tenants registered for the cold measurement (0: none)
-    cold_full: int = 32  # full fine-tunes registered for it, in their own daemon (0: none)
+    cold_full: int = 64  # full fine-tunes registered for it, in their own daemon (0: none)
     cold_device: int = 16  # the device tier holds this many of them (LoRA: beside the base)
     cold_host: int = 32  # the host tier this many
     cold_samples: int = 30  # first responses per source tier (disk, host, resident)
