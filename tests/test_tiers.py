@@ -322,7 +322,7 @@ def test_64_registered_16_resident_uniform_stream(tmp_path, backbone, per_tenant
     uniform) so slow drifts in the machine's load hit both; each p99 is over all rounds'
     samples (server side: enqueue to result). The bound is the issue's 2: on this 2-core
     machine shared with other jobs (load average 1.5-3.6) the ratio measured 1.04-1.84 over
-    ten runs (median 1.22) once a promotion waits for the gaps between batches step by step
+    fifteen runs (median 1.40) once a promotion waits for the gaps between batches step by step
     and hashes nothing coming from the host tier; the loader as it was (whole promotions at a
     CPU share of 0.5) measured 1.51-2.35 (median 1.89) in runs alternated with those (see
     docs/operator.md, "Weight tiers"). Then a restart: the 64 are registered again, on disk,
