@@ -28,15 +28,16 @@ makes the data-file rename the single commit point:
 Four fsyncs per commit, one per file written (data, pending record) and two of ``weights/``
 (the pending record's name before the rename may happen, the rename before the answer), one of
 them after the validation. A validation that refuses the upload withdraws the pending record
-(a crash before that leaves a record whose digest names no file there: start-up drops it).
+(a crash before that leaves a record whose digest names no file there: start-up drops it; or,
+for an upload of the very bytes already stored, rolls it forward, which changes nothing).
 
 A crash leaves one of these states, and :class:`BlobStore` settles it on start-up, before anything
 reads the pair (``_recover``):
 
 * pending record present (crash between 2 and 4, or during a validation that followed 2): hash
-  the data file. If it matches the pending
-  digest the rename in step 3 happened, so roll forward (finish step 4); otherwise step 3 did not
-  happen and the old file is still paired with the old sidecar, so drop the record. Step 2 is
+  the data file. If it matches the pending digest the rename in step 3 happened, so roll
+  forward (finish step 4); otherwise step 3 did not happen and the old file is still paired
+  with the old sidecar, so drop the record. Step 2 is
   durable before step 3 starts, so "new data file, old sidecar" can only exist together with an
   intact pending record naming the new digest; a torn record means step 3 never ran, and as it
   names no digest matching the data file it is dropped.
