@@ -51,120 +51,20 @@ import threading
 import time
 from collections import OrderedDict, deque
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import Enum
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import ItifError, Overloaded, TenantNotFound, Unavailable, shown
-from itif.weights.store import Digests, tensor_key
+from itif.weights.store import Digests
+from itif.weights.tier_state import HostPool, Scheduling, TenantState, Tier, TierObserver, TierView
 
 log = logging.getLogger("itif.tiers")
 
 __all__ = ["Tier", "TierManager", "TierObserver", "TierView"]
 
 _CHUNK = 8  # tensors a demotion copies between two waits for a gap between batches
-
-
-class Tier(Enum):
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    NONE = "none"  # registered without weights
-
-
-class TierObserver(Protocol):
-    def tier_promoted(self, tenant: str, source: str, seconds: float, ok: bool) -> None:
-        """A promotion from ``source`` (host or disk) finished (``ok``) or failed."""
-
-    def tier_evicted(self, tenant: str, to: str) -> None:
-        """A resident tenant was evicted to ``to`` (host or disk)."""
-
-
-class Scheduling(Protocol):  # what the manager needs of ``itif.scheduler.Scheduler``
-    def park(self, tenant: str, parked: bool = True) -> None: ...
-
-    def fail_parked(self, tenant: str, error: BaseException) -> int: ...
-
-
-@dataclass(frozen=True)
-class TierView:
-    """A tenant's place in the tiers (``itif tenants``, health, metrics)."""
-
-    tier: Tier
-    pinned: bool
-    loading: bool
-    busy: int
-    host_bytes: int  # bytes its host-tier copy holds (shared tensors included)
-    promotions: int
-    evictions: int
-    failures: int
-    last_promotion_ms: float
-    error: str
-
-
-class _State:
-    __slots__ = ("tier", "pinned", "busy", "loading", "base", "own", "num_labels", "has_pooler",
-                 "host", "host_keys", "host_bytes", "promotions", "evictions", "failures",
-                 "last_ms", "error")
-
-    def __init__(self, tier: Tier, pinned: bool, base: str | None) -> None:
-        self.tier, self.pinned, self.base = tier, pinned, base
-        self.busy = 0
-        self.loading = False
-        self.own: tuple[str, ...] = ()  # names of its own tensors (not inherited from a base)
-        self.num_labels: int | None = None
-        self.has_pooler = False
-        self.host: dict[str, torch.Tensor] | None = None  # host tier: interned tensors
-        self.host_keys: dict[str, str] = {}  # their content keys (``tensor_key``), kept
-        self.host_bytes = 0
-        self.promotions = self.evictions = self.failures = 0
-        self.last_ms = 0.0
-        self.error = ""
-
-
-class _HostPool:
-    """Host-tier tensors, each distinct tensor held once with a reference count (keyed by
-    ``tensor_key``, confirmed bit for bit)."""
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self.by_key: dict[tuple, list[list]] = {}  # (name, shape, key) -> [[tensor, refs]]
-        self.bytes = 0
-
-    def intern(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, str]:
-        """(the pool's copy of ``t``, its content key): the key is kept by the caller, so
-        neither ``release`` nor the promotion back (``Digests``) hashes the tensor again."""
-        t = t.detach()
-        digest = tensor_key(t)
-        key = (name, tuple(t.shape), digest)
-        for cell in self.by_key.get(key, ()):
-            if cell[0].dtype == t.dtype and torch.equal(cell[0], t.to("cpu")):
-                cell[1] += 1
-                return cell[0], digest
-        if self.pin:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t)
-        else:  # one allocation and copy (empty + copy_ costs two dispatches)
-            host = t.clone(memory_format=torch.contiguous_format)
-        self.by_key.setdefault(key, []).append([host, 1])
-        self.bytes += host.numel() * host.element_size()
-        return host, digest
-
-    def release(self, name: str, t: torch.Tensor, digest: str | None = None) -> None:
-        key = (name, tuple(t.shape), digest if digest is not None else tensor_key(t))
-        cells = self.by_key.get(key, [])
-        for i, cell in enumerate(cells):
-            if cell[0] is t:
-                cell[1] -= 1
-                if not cell[1]:
-                    del cells[i]
-                    self.bytes -= t.numel() * t.element_size()
-                    if not cells:
-                        del self.by_key[key]
-                return
 
 
 class TierManager:
@@ -198,14 +98,14 @@ class TierManager:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._io = threading.RLock()  # held by whatever adds to or removes from the store
-        self._t: dict[str, _State] = {}
+        self._t: dict[str, TenantState] = {}
         # resident tenants in two LRU segments (coldest first): probation (promoted, not used
         # since) and protected (used again while resident); victims come from probation first
         self._prob: OrderedDict[str, None] = OrderedDict()
         self._prot: OrderedDict[str, None] = OrderedDict()
         self._host_lru: OrderedDict[str, None] = OrderedDict()
         self._children: dict[str, int] = {}  # base -> its resident LoRA tenants
-        self._pool = _HostPool(pin=engine.device.type == "cuda")
+        self._pool = HostPool(pin=engine.device.type == "cuda")
         self._pool_lock = threading.Lock()  # after _lock when both are taken
         self._queue: deque[str] = deque()
         self._waited = 0.0  # (the loader) seconds this promotion waited for gaps
@@ -225,7 +125,7 @@ class TierManager:
         with self._lock:
             st = self._t.get(tenant)
             if st is None:
-                st = self._t[tenant] = _State(Tier.DISK if stored else Tier.NONE, pinned, base)
+                st = self._t[tenant] = TenantState(Tier.DISK if stored else Tier.NONE, pinned, base)
             else:
                 st.pinned, st.base = pinned, base
             if st.tier is not Tier.DEVICE:
@@ -338,7 +238,7 @@ class TierManager:
     def installed(self, tenant: str, weights: CanonicalWeights, base: str | None) -> None:
         """(``io()`` held) ``weights`` were just added to the store for ``tenant``."""
         with self._lock:
-            st = self._t.setdefault(tenant, _State(Tier.DEVICE, False, base))
+            st = self._t.setdefault(tenant, TenantState(Tier.DEVICE, False, base))
             self._drop_host(tenant, st)
             self._resident(tenant, st, weights)
 
@@ -494,7 +394,7 @@ class TierManager:
         so its promotion needs the base resident (bases are never evicted under them)."""
         return self._children.get(tenant, 0) > 0
 
-    def _demote(self, tenant: str, st: _State) -> Tier:
+    def _demote(self, tenant: str, st: TenantState) -> Tier:
         """Copy a leaving tenant's own tensors to the host tier when they fit (evicting the
         host tier's coldest); else it falls back to disk."""
         if self.host_budget <= 0:
@@ -548,11 +448,11 @@ class TierManager:
         """Out of the resident segments; whether it was in one."""
         return self._prob.pop(tenant, 0) is None or self._prot.pop(tenant, 0) is None
 
-    def _unchild(self, st: _State) -> None:
+    def _unchild(self, st: TenantState) -> None:
         if st.base is not None and self._children.get(st.base):
             self._children[st.base] -= 1
 
-    def _resident(self, tenant: str, st: _State, weights: CanonicalWeights) -> None:
+    def _resident(self, tenant: str, st: TenantState, weights: CanonicalWeights) -> None:
         if st.base is not None and tenant not in self._prob and tenant not in self._prot:
             self._children[st.base] = self._children.get(st.base, 0) + 1
         st.tier, st.loading = Tier.DEVICE, False
@@ -563,7 +463,7 @@ class TierManager:
             self._prob.move_to_end(tenant)
         self.scheduler.park(tenant, False)
 
-    def _drop_host(self, tenant: str, st: _State) -> None:
+    def _drop_host(self, tenant: str, st: TenantState) -> None:
         if st.host is not None:
             keys = st.host_keys
             with self._pool_lock:
@@ -572,7 +472,7 @@ class TierManager:
         st.host, st.host_bytes, st.host_keys = None, 0, {}
         self._host_lru.pop(tenant, None)
 
-    def _host_weights(self, st: _State, host: dict[str, torch.Tensor],
+    def _host_weights(self, st: TenantState, host: dict[str, torch.Tensor],
                       keys: dict[str, str]) -> tuple[CanonicalWeights, Digests | None]:
         """A host-tier tenant's weights and their store keys, from the keys interning kept
         (the store keys a float tensor of its dtype by the same ``tensor_key``): promoting
