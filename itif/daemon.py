@@ -491,6 +491,8 @@ class Daemon:
             total, exclusive, labels = info.bytes, info.exclusive_bytes, info.num_labels or 0
             if who is not None and not who.admin:
                 exclusive = total
+        elif self.tiers is not None and (sig := self.tiers.signature(tenant)) is not None:
+            labels = sig[0] or 0  # its head wherever its weights are now
         depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0
         tv = self.tiers.view(tenant) if self.tiers is not None else None
         tier = tv.tier.value if tv is not None else ("device" if total else "none")

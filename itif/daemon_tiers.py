@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("itif.daemon")
 
-__all__ = ["build", "device_budget", "queue", "register", "restore", "room_for"]
+__all__ = ["build", "device_budget", "queue", "register", "restore", "room_for", "tenant_info"]
 
 
 def device_budget(backbone) -> int | None:
@@ -146,3 +146,26 @@ class _Room:
 
     def __exit__(self, *exc) -> None:
         self._io.__exit__(*exc)
+
+
+def tenant_info(d: Daemon, tenant: str):
+    """``Engine.tenant_info`` of ``tenant`` wherever its weights are: the engine's when it is
+    resident; else its head and pooler as the tiers saw them, with 0 bytes on the device (KServe
+    metadata and default outputs do not depend on residency). A tenant not seen since the
+    daemon started has its stored file read (verified and validated, not installed) once; a
+    tenant without weights raises the engine's TenantNotFound."""
+    engine = d.engine
+    if d.tiers is None or tenant in engine.store:
+        return engine.tenant_info(tenant)
+    from itif.runtime.engine import TenantInfo  # noqa: PLC0415 - encoder daemons only
+
+    sig = d.tiers.signature(tenant)
+    if sig is None and d.blobs.exists(tenant):
+        d.blobs.verify(tenant)
+        weights = d._load_weights(tenant, d.blobs.path_for(tenant))[0]
+        d.tiers.learn(tenant, weights.num_labels, weights.has_pooler)
+        sig = d.tiers.signature(tenant)
+    if sig is None:
+        return engine.tenant_info(tenant)  # no weights anywhere: the engine's own error
+    return TenantInfo(tenant, sig[0], sig[1], 0, 0)
+

@@ -530,3 +530,42 @@ def test_itif_serve_with_tiers(tmp_path):
         assert 'itif_tier_promotions_total{result="ok",source="disk"} 5.0' in text
     finally:
         d.stop()
+
+
+def test_kserve_metadata_and_default_outputs_do_not_depend_on_the_tier(tmp_path, backbone):
+    """A tenant on disk (a restart registers it without reading it) or on the host tier: KServe
+    metadata and config name its logits output as for a resident tenant, an inference that asks
+    for no output gets logits (the engine's default for a tenant with a head), and its view
+    reports its labels; the metadata read its file once and installed nothing."""
+    import asyncio  # noqa: PLC0415
+
+    from itif.server.kserve_core import KServeCore  # noqa: PLC0415
+
+    d = make_daemon(tmp_path, backbone, ["a", "b"], device_tenants=1.5, host_tenants=1.5)
+    try:
+        upload(d, backbone, "a", 0, tmp_path)
+        resident = KServeCore(d).model_metadata(ADMIN, "a")
+        upload(d, backbone, "b", 1, tmp_path)  # a -> host
+        assert tier(d, "a") is Tier.HOST
+        core = KServeCore(d)
+        assert core.model_metadata(ADMIN, "a") == resident
+        assert d.tenant_view("a").num_labels == 3
+    finally:
+        d.stop(0)
+    d = make_daemon(tmp_path, backbone, ["a", "b"], device_tenants=1.5, host_tenants=1.5)
+    try:
+        core = KServeCore(d)
+        assert tier(d, "a") is Tier.DISK and d.tiers.signature("a") is None
+        meta = core.model_metadata(ADMIN, "a")
+        assert meta == resident and [o["name"] for o in meta["outputs"]][:1] == ["logits"]
+        assert tier(d, "a") is Tier.DISK and d.engine.weight_bytes == 0  # read, not installed
+        assert d.tenant_view("a").num_labels == 3
+        config = core.model_config(ADMIN, "a")
+        assert config["output"][0] == {"name": "logits", "data_type": "TYPE_FP32", "dims": [3]}
+        ids = np.array([IDS[0]], np.int64)
+        assert tier(d, "b") is Tier.DISK and d.tiers.signature("b") is None
+        outs = asyncio.run(core.infer(ADMIN, "b", "", {"input_ids": ids}, []))
+        assert [name for name, _ in outs] == ["logits"]
+        check_answer(backbone, "b", 1, IDS[0], Result("b", logits=outs[0][1][0]))
+    finally:
+        d.stop(0)

@@ -193,8 +193,12 @@ def estimate_reply_bytes(daemon: Any, tenant: str, requests: list, *, padded_row
     engine = daemon.engine
     try:
         labels = engine.tenant_info(tenant).num_labels or 0
-    except Exception:  # no weights: the submit refuses the call anyway
-        return _MESSAGE_OVERHEAD
+    except Exception:  # not resident: its head as the tiers saw it; no weights: refused anyway
+        tiers = getattr(daemon, "tiers", None)
+        sig = tiers.signature(tenant) if tiers is not None else None
+        if sig is None and (tiers is None or not daemon.blobs.exists(tenant)):
+            return _MESSAGE_OVERHEAD
+        labels = (sig[0] or 0) if sig is not None else 0  # not seen this run: as if headless
     hidden = engine.spec.hidden
     tokens = []
     for r in requests:

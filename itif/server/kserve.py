@@ -29,6 +29,7 @@ always go back as ``raw_output_contents``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -123,12 +124,14 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
 
     @rpc
     async def ModelMetadata(self, request, context):
-        meta = self.core.model_metadata(self._who(context), request.name, request.version)
+        meta = await asyncio.to_thread(self.core.model_metadata, self._who(context), request.name,
+                                       request.version)  # may read a cold tenant's file once
         return _parse(meta, pb.ModelMetadataResponse())
 
     @rpc
     async def ModelConfig(self, request, context):
-        config = self.core.model_config(self._who(context), request.name, request.version)
+        config = await asyncio.to_thread(self.core.model_config, self._who(context), request.name,
+                                         request.version)
         return pb.ModelConfigResponse(config=_parse(config, mc.ModelConfig()))
 
     @rpc

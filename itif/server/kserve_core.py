@@ -24,6 +24,7 @@ from typing import Any, Collection, Iterable, Mapping, Sequence
 import numpy as np
 
 import itif
+from itif import daemon_tiers
 from itif.daemon import Daemon, Identity, State, TenantView
 from itif.errors import InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable
 from itif.metrics import TenantCallStats
@@ -172,9 +173,11 @@ def mask_lengths(mask: np.ndarray) -> np.ndarray:
     return lengths
 
 
-def gather(results: Sequence[Result], outs: Sequence[str]) -> list[tuple[str, np.ndarray]]:
+def gather(results: Sequence[Result], outs: Sequence[str] | None) -> list[tuple[str, np.ndarray]]:
     """The call's output tensors (FP32, batch first): ``last_hidden_state`` rows zero-padded to
-    the longest row."""
+    the longest row. ``outs`` None: the outputs the engine chose (the same for every row)."""
+    if outs is None:
+        outs = tuple(results[0].as_dict())
     tensors = []
     for o in outs:
         if o == "last_hidden_state":
@@ -217,7 +220,7 @@ class KServeCore:
             why = f": {view.error}" if view.error else ""
             raise NoWeights(f"model {name!r} is not loaded ({view.state.name}){why}; load it with "
                             "load_model(name, files={'file:model.safetensors': ...})")
-        return view, self.daemon.engine.tenant_info(name)
+        return view, daemon_tiers.tenant_info(self.daemon, name)
 
     def signature(self, info):
         """(inputs, outputs): (name, datatype, dims without the batch dimension[, optional])."""
@@ -403,9 +406,9 @@ class KServeCore:
                                      "supported; ask for logits")
             if o not in outs:
                 outs.append(o)
-        if not outs:
-            outs = ["logits" if view.num_labels else "pooled"]
-        outs = tuple(outs)
+        # None: the engine's default (logits with a head, else pooled), decided where the
+        # weights are read, so it cannot depend on which tier holds them now.
+        outs = tuple(outs) or None
 
         if not spec.is_text:
             if "pixel_values" not in tensors:

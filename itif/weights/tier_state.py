@@ -53,7 +53,7 @@ class TierView:
 
 
 class TenantState:
-    __slots__ = ("tier", "pinned", "busy", "loading", "base", "own", "num_labels", "has_pooler",
+    __slots__ = ("tier", "pinned", "busy", "loading", "base", "own", "signed", "num_labels", "has_pooler",
                  "host", "host_keys", "host_bytes", "promotions", "evictions", "failures",
                  "last_ms", "error")
 
@@ -62,6 +62,7 @@ class TenantState:
         self.busy = 0
         self.loading = False
         self.own: tuple[str, ...] = ()  # names of its own tensors (not inherited from a base)
+        self.signed = False  # num_labels / has_pooler known (from weights seen this run)
         self.num_labels: int | None = None
         self.has_pooler = False
         self.host: dict[str, torch.Tensor] | None = None  # host tier: interned tensors

@@ -131,6 +131,20 @@ class TierManager:
             if st.tier is not Tier.DEVICE:
                 self.scheduler.park(tenant, True)
 
+    def signature(self, tenant: str) -> tuple[int | None, bool] | None:
+        """(num_labels, has_pooler) of ``tenant``'s weights when this run has seen them (they
+        were resident once, or ``learn`` was told), else None; whatever tier holds them now."""
+        with self._lock:
+            st = self._t.get(tenant)
+            return (st.num_labels, st.has_pooler) if st is not None and st.signed else None
+
+    def learn(self, tenant: str, num_labels: int | None, has_pooler: bool) -> None:
+        """Record ``tenant``'s signature, read from its stored weights without installing them."""
+        with self._lock:
+            st = self._t.get(tenant)
+            if st is not None and not st.signed:
+                st.num_labels, st.has_pooler, st.signed = num_labels, has_pooler, True
+
     def set_pinned(self, tenant: str, pinned: bool) -> None:
         with self._lock:
             st = self._t.get(tenant)
@@ -457,7 +471,7 @@ class TierManager:
             self._children[st.base] = self._children.get(st.base, 0) + 1
         st.tier, st.loading = Tier.DEVICE, False
         st.own = tuple(weights.tensors)
-        st.num_labels, st.has_pooler = weights.num_labels, weights.has_pooler
+        st.num_labels, st.has_pooler, st.signed = weights.num_labels, weights.has_pooler, True
         if tenant not in self._prot:
             self._prob[tenant] = None
             self._prob.move_to_end(tenant)

@@ -181,11 +181,13 @@ class KServeRest:
 
     @endpoint("kserve", "ModelMetadata", error)
     async def model_metadata(self, request: Request) -> Response:
-        return _ok(self.core.model_metadata(self._who(request), *_name_version(request)))
+        return _ok(await asyncio.to_thread(self.core.model_metadata, self._who(request),
+                                           *_name_version(request)))
 
     @endpoint("kserve", "ModelConfig", error)
     async def model_config(self, request: Request) -> Response:
-        return _ok(self.core.model_config(self._who(request), *_name_version(request)))
+        return _ok(await asyncio.to_thread(self.core.model_config, self._who(request),
+                                           *_name_version(request)))
 
     @endpoint("kserve", "ModelStatistics", error)
     async def statistics(self, request: Request) -> Response:
