@@ -32,8 +32,9 @@ import numpy as np
 import pytest
 import torch
 
-from itif.bench.tenant_scale import (COLD_SOURCES, Kind, ScaleSettings, check_sample, run_cold,
-                                     rss_bytes, store_bytes, tenant_name)
+from itif.bench.tenant_cold import run_cold
+from itif.bench.tenant_scale import (COLD_SOURCES, Kind, ScaleSettings, check_sample, rss_bytes,
+                                     store_bytes, tenant_name)
 from itif.runtime.engine import Engine
 from itif.backbones.spec import load_spec
 
