@@ -192,7 +192,11 @@ def _tenants(plt, rows, device, strat, stem):
     kinds = list(dict.fromkeys(r["kind"] for r in pts))
     if not kinds:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    cold = [r for r in rows if r.get("suite") == "tenants" and r.get("status") == "cold"]
+    fig, axes = plt.subplots(1, 3 if cold else 2, figsize=(15 if cold else 10, 4))
+    ax1, ax2 = axes[0], axes[1]
+    if cold:
+        _cold_panel(axes[2], cold)
     for i, kind in enumerate(kinds):
         mine = sorted((r["tenants"], r) for r in pts if r["kind"] == kind)
         xs = [t for t, _ in mine]
@@ -214,9 +218,29 @@ def _tenants(plt, rows, device, strat, stem):
     ax2.set_ylabel("RSS growth / (base + tenants' own bytes)")
     ax2.set_ylim(bottom=0)
     ax2.set_title("resident memory vs the store's accounting", fontsize=9)
+    for ax in axes[2:]:
+        ax.legend(fontsize=6)
     fig.suptitle(f"{pts[0]['model']} tenants, {device}", fontsize=10)
     fig.tight_layout()
     path = Path(f"{stem}-tenants.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _cold_panel(ax, cold: list[dict]) -> None:
+    """First-response latency by the tier the tenant's weights came from (bars: p50; x: p99),
+    one group per cold row (its kind and registered tenants)."""
+    sources = ("disk", "host", "device")
+    width = 0.8 / len(cold)
+    for k, r in enumerate(cold):
+        xs = [i + k * width for i in range(len(sources))]
+        first = r["first_response"]
+        ax.bar(xs, [first[s]["p50_ms"] for s in sources], width, color=f"C{k}",
+               label=f"{r['kind']} ({r['tenants']} registered): p50")
+        ax.plot(xs, [first[s]["p99_ms"] for s in sources], "x", color="k",
+                label="p99" if k == 0 else None)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sources))],
+                  ["from disk", "from host", "resident"])
+    ax.set_ylabel("submit to answer (ms)")
+    ax.set_title("first response by the tier it came from", fontsize=9)
