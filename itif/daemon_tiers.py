@@ -148,12 +148,13 @@ class _Room:
         self._io.__exit__(*exc)
 
 
-def tenant_info(d: Daemon, tenant: str):
+def tenant_info(d: Daemon, tenant: str, read: bool = True):
     """``Engine.tenant_info`` of ``tenant`` wherever its weights are: the engine's when it is
     resident; else its head and pooler as the tiers saw them, with 0 bytes on the device (KServe
-    metadata and default outputs do not depend on residency). A tenant not seen since the
-    daemon started has its stored file read (verified and validated, not installed) once; a
-    tenant without weights raises the engine's TenantNotFound."""
+    metadata, default outputs and reply reservations do not depend on residency). A stored
+    tenant not seen since the daemon started has its file read (verified and validated, not
+    installed) once when ``read``, else None is returned; a tenant without weights raises the
+    engine's TenantNotFound."""
     engine = d.engine
     if d.tiers is None or tenant in engine.store:
         return engine.tenant_info(tenant)
@@ -161,6 +162,8 @@ def tenant_info(d: Daemon, tenant: str):
 
     sig = d.tiers.signature(tenant)
     if sig is None and d.blobs.exists(tenant):
+        if not read:
+            return None
         d.blobs.verify(tenant)
         weights = d._load_weights(tenant, d.blobs.path_for(tenant))[0]
         d.tiers.learn(tenant, weights.num_labels, weights.has_pooler)
@@ -168,4 +171,3 @@ def tenant_info(d: Daemon, tenant: str):
     if sig is None:
         return engine.tenant_info(tenant)  # no weights anywhere: the engine's own error
     return TenantInfo(tenant, sig[0], sig[1], 0, 0)
-

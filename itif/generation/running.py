@@ -205,7 +205,7 @@ class RunningBatch:
                 cross = CrossGroup.build(SeqGroup.build(starts, counts, self.device),
                                          self.src_loc.index_select(0, ro)[:, :S], self.src_len[rorder],
                                          self.spec.dec_layers, 2 * self.spec.hidden,
-                                         torch.empty(0, dtype=self.dtype).element_size())
+                                         self.dtype.itemsize)
             self._fwd = (torch.as_tensor(perm, device=self.device), P, cross)
         return self._fwd
 

@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import grpc
 
+from itif import daemon_tiers
 from itif.errors import Overloaded
 from itif.server.handlers import wrap_handler
 
@@ -192,13 +193,10 @@ def estimate_reply_bytes(daemon: Any, tenant: str, requests: list, *, padded_row
     padded to the longest (KServe)."""
     engine = daemon.engine
     try:
-        labels = engine.tenant_info(tenant).num_labels or 0
-    except Exception:  # not resident: its head as the tiers saw it; no weights: refused anyway
-        tiers = getattr(daemon, "tiers", None)
-        sig = tiers.signature(tenant) if tiers is not None else None
-        if sig is None and (tiers is None or not daemon.blobs.exists(tenant)):
-            return _MESSAGE_OVERHEAD
-        labels = (sig[0] or 0) if sig is not None else 0  # not seen this run: as if headless
+        info = daemon_tiers.tenant_info(daemon, tenant, read=False)
+    except Exception:  # no weights: the submit refuses the call anyway
+        return _MESSAGE_OVERHEAD
+    labels = (info.num_labels or 0) if info is not None else 0  # None: stored, not seen yet
     hidden = engine.spec.hidden
     tokens = []
     for r in requests:

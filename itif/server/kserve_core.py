@@ -388,7 +388,7 @@ class KServeCore:
         if name in seen:
             raise InvalidRequest(f"input {name!r} is given twice")
 
-    def requests(self, model_name: str, view: TenantView, tensors: Mapping[str, np.ndarray],
+    def requests(self, model_name: str, tensors: Mapping[str, np.ndarray],
                  outputs: Sequence[str], classification: Collection[str] = (),
                  ) -> tuple[list[Request], tuple[str, ...]]:
         """The itif requests of one call (one per row) and the outputs it asked for, in order.
@@ -469,11 +469,11 @@ class KServeCore:
                     classification: Collection[str] = (), params: Mapping[str, Any] = {},
                     remaining: float | None = None) -> list[tuple[str, np.ndarray]]:
         """Queue every row of the call at once (all-or-nothing); the output tensors."""
-        view = self.model(who, name, version)
+        self.model(who, name, version)  # unknown, invisible or wrong version: refused here
         for key in _SEQUENCE_PARAMS:
             if params.get(key):
                 raise InvalidRequest(f"parameter {key!r}: itif models are not sequence models")
-        reqs, outs = self.requests(name, view, tensors, outputs, classification)
+        reqs, outs = self.requests(name, tensors, outputs, classification)
         results = await await_tickets(self.daemon, who, name, reqs,
                                       self.deadline(params, remaining))
         return gather(results, outs)
