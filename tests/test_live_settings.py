@@ -71,6 +71,7 @@ LIVE = {
     # tests/test_delta.py shows a refusal above it)
     "tenant.max_error": (0.5, lambda d: d.config.tenant("a").error_limit == 0.5),
     "server.max_inflight_calls": (5, lambda d: _admitted(d, "") == 5),
+    "server.max_active_calls": (2, lambda d: _through_gate(d, "a") == 2),
     "server.max_pending_reply_bytes": (4096, lambda d: not _reply_fits(d, 3000, 2000)),
     # what Daemon.submit_generate checks each request against (tests/test_generate_daemon.py
     # shows a reload refusing and admitting requests on a decoder daemon)
@@ -128,6 +129,25 @@ def _too_long_refused(d: InProcess, n: int) -> bool:
     except InvalidRequest as e:
         return "max_seq_len" in str(e)
     return False
+
+
+def _through_gate(d: InProcess, tenant: str, tries: int = 8) -> int:
+    """Calls of ``tenant`` a fresh admission's fair gate lets through before one waits."""
+    import asyncio  # noqa: PLC0415
+
+    from itif.server.admission import Admission  # noqa: PLC0415
+
+    gate = Admission(d).gate
+
+    async def count() -> int:
+        for n in range(tries):
+            try:
+                await asyncio.wait_for(gate.enter(tenant), 0.05)
+            except asyncio.TimeoutError:
+                return n
+        return tries
+
+    return asyncio.run(count())
 
 
 def _admitted(d: InProcess, tenant: str, tries: int = 8) -> int:

@@ -74,6 +74,7 @@ class ServeDaemon:
     max_wait_ms: float
     latency_sizing: bool = False
     proc: subprocess.Popen | None = None
+    server_extra: tuple[tuple[str, object], ...] = ()  # more ``server:`` keys (bench/serve_burst.py)
 
     @property
     def addr(self) -> str:
@@ -87,6 +88,7 @@ class ServeDaemon:
                  # an open-loop sweep past saturation holds thousands of calls on one channel:
                  # the sweep measures the queue, so the daemon's overload guards stay out of it
                  "  max_inflight_calls: 1000000", "  max_streams_per_connection: 1000000",
+                 *(f"  {k}: {v}" for k, v in self.server_extra),
                  "backbone:",
                  f"  config: {self.model}", f"  device: {self.device}", f"  dtype: {self.dtype}",
                  "scheduler:", f"  max_wait_ms: {self.max_wait_ms}",

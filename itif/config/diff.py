@@ -21,7 +21,8 @@ __all__ = ["ConfigDiff", "diff_configs"]
 _RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "http_listen", "max_message_bytes",
                         "tls", "max_pending_calls", "max_streams_per_connection")
 _LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s",
-                     "max_inflight_calls", "max_pending_reply_bytes", "max_new_tokens")
+                     "max_inflight_calls", "max_active_calls", "max_pending_reply_bytes",
+                     "max_new_tokens")
 
 # tenant keys fixed for the tenant's life (what its stored weights are depends on them)
 _FIXED_TENANT_KEYS = ("base", "compress")

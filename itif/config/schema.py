@@ -72,6 +72,11 @@ class ServerConfig:
     #: Calls the server holds at once, all callers together (queued, running, or whose reply
     #: is being sent); one more answers RESOURCE_EXHAUSTED before its request is parsed.
     max_inflight_calls: int = setting(F.integer, 4096, lo=1, hi=1_000_000)
+    #: Calls the server works on at once (parsed, queued, running, answered); past it, a
+    #: tenant over its fair share of this number waits before its request is parsed, so a
+    #: flooding tenant cannot fill the event loop in front of the others
+    #: (``itif.server.fairgate``). 0: no such limit.
+    max_active_calls: int = setting(F.integer, 0, lo=0, hi=1_000_000)
     #: Calls gRPC may hold received but not yet taken by the server (a burst waits there for
     #: the event loop); past it gRPC itself cancels new calls (CANCELLED, not counted).
     max_pending_calls: int = setting(F.integer, 65_536, lo=1, hi=1_000_000)

@@ -11,6 +11,9 @@ does, in this order, for every call of the itif and KServe APIs:
    refusal is counted like any call (``itif_requests_total{code="RESOURCE_EXHAUSTED"}``). The
    call counts as in flight until gRPC reports it finished (its reply delivered, or the call
    cancelled), not when its handler returns;
+   Then the **fair gate** (``server.max_active_calls``, off by default;
+   :mod:`itif.server.fairgate`): past that many calls being worked on, a tenant over its fair
+   share of them waits here, before anything else is spent on its call;
 2. **parse** the request (a message that does not parse: INVALID_ARGUMENT);
 3. the handler, which before queueing any work **reserves its reply**
    (:func:`reserve_reply`): the reply's size is known from the request (rows, tokens,
@@ -26,7 +29,8 @@ does, in this order, for every call of the itif and KServe APIs:
 
 What admission cannot reorder: gRPC hands the server the calls it has received in arrival
 order, one per turn of the event loop, whatever their tenant. Under a flood, another tenant's
-call waits behind the calls that arrived before it (each refused at about a millisecond of the
+call waits behind the calls that arrived before it (the fair gate shortens that line by slowing
+a closed-loop flood to its share) (each refused at about a millisecond of the
 loop's time on a 2-core machine, most of it gRPC's own per-call work); admission makes each of
 them cheap, it cannot skip them. ``server.max_pending_calls`` keeps gRPC from cancelling calls
 (of every tenant, uncounted) past its default of 1,000 waiting.
@@ -46,6 +50,7 @@ import grpc
 
 from itif import daemon_tiers
 from itif.errors import Overloaded
+from itif.server.fairgate import FairGate
 from itif.server.handlers import wrap_handler
 
 log = logging.getLogger("itif.server")
@@ -64,12 +69,13 @@ _TENSOR_OVERHEAD, _MESSAGE_OVERHEAD = 48, 96
 class Slot:
     """One admitted call: what it holds until gRPC reports it finished."""
 
-    __slots__ = ("admission", "tenant", "peer", "reply_bytes", "released")
+    __slots__ = ("admission", "tenant", "peer", "reply_bytes", "released", "gated")
 
     def __init__(self, admission: Admission, tenant: str, peer: str) -> None:
         self.admission, self.tenant, self.peer = admission, tenant, peer
         self.reply_bytes = 0
         self.released = False
+        self.gated = False  # passed the fair gate (Admission.gate): leaves it when finished
 
     def release(self, _context: Any = None) -> None:
         self.admission._release(self)
@@ -89,6 +95,7 @@ class Admission:
         self._limits_of: Any = None
         self._limits: dict[str, int] = {}
         self._trim = _Trimmer()
+        self.gate = FairGate(lambda: self.daemon.config.server.max_active_calls)
 
     # ---- calls ---------------------------------------------------------------------------
     def _tenant_limit(self, tenant: str) -> int | None:
@@ -122,6 +129,7 @@ class Admission:
             if slot.released:
                 return
             slot.released = True
+            gated, slot.gated = slot.gated, False
             self.total -= 1
             left = self.calls.get(slot.tenant, 1) - 1
             if left:
@@ -133,8 +141,17 @@ class Admission:
                 _sub(self.reply_by_tenant, slot.tenant, freed)
                 _sub(self.reply_by_peer, slot.peer, freed)
                 slot.reply_bytes = 0
+        if gated:
+            self.gate.leave(slot.tenant)
         if freed >= _THREAD_SERIALIZE_BYTES:
             self._trim.soon()
+
+    def _mark_gated(self, slot: Slot) -> bool:
+        with self._lock:
+            if slot.released:
+                return False
+            slot.gated = True
+            return True
 
     # ---- reply bytes ---------------------------------------------------------------------
     def reserve(self, slot: Slot, nbytes: int) -> None:
@@ -172,6 +189,9 @@ class Admission:
                     metrics.note_tenant(tenant)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             context.add_done_callback(slot.release)  # when gRPC has finished the call
+            await self.gate.enter(tenant)
+            if not self._mark_gated(slot):  # finished (cancelled) while it waited
+                self.gate.leave(tenant)
             _SLOT.set(slot)
             if streamed:
                 return _parsed_stream(raw, parse, context)
