@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,12 +20,30 @@ CHUNK = 1 << 20  # bytes read at a time while hashing
 UPLOAD_CHUNK = 256 << 10
 
 
+#: gRPC retries these calls when they fail UNAVAILABLE: a stream the server refused before it
+#: started (one connection with more calls at once than the server's
+#: ``max_streams_per_connection``: gRPC's client should queue them, but the two ends count a
+#: finishing stream differently and the server refuses some), or a daemon that is stopping.
+#: Up to 5 attempts, with a random wait under 20, 60, 180 and 540 ms before each retry. Only
+#: calls that change nothing on the server are retried (not uploads or deletes); a streamed
+#: Generate only before its first token arrives. Other clients can use the same service config
+#: (docs/ecosystem.md).
+RETRIED_METHODS = (("itif.v1.Itif", "Infer"), ("itif.v1.Itif", "InferBatch"),
+                   ("itif.v1.Itif", "Generate"), ("itif.v1.Itif", "GetTenant"),
+                   ("itif.v1.Itif", "ListTenants"), ("grpc.health.v1.Health", "Check"))
+SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": s, "method": m} for s, m in RETRIED_METHODS],
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.02s", "maxBackoff": "1s",
+                    "backoffMultiplier": 3, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+
+
 class Client:
     def __init__(self, address: str, token: str, *, root_certificates: bytes | None = None,
                  private_key: bytes | None = None, certificate_chain: bytes | None = None,
                  max_message_bytes: int = 64 * 2**20) -> None:
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
             self.channel = grpc.secure_channel(address, creds, options=options)

@@ -82,10 +82,6 @@ def make_tenants(base: dict[str, torch.Tensor], n: int, out: Path) -> dict[str, 
 
 def _write_config(path: Path, port: int, backbone: Path, tokens: dict[str, str], admin: str) -> None:
     lines = ["server:", f"  listen: 127.0.0.1:{port}", "  data_dir: ./var",
-             # 64 concurrent calls share one connection (gRPC pools channels to one address);
-             # at the default limit of 100 streams some were refused (RST_STREAM 7) in 7 of 9
-             # runs, apparently because the server counts a stream until it has fully closed
-             "  max_streams_per_connection: 1000",
              f"  admin_token_sha256: {hash_token(admin)}", "backbone:", f"  config: {backbone}",
              "  device: cpu", "  dtype: float32", "scheduler:", "  max_wait_ms: 2", "tenants:"]
     for name, tok in tokens.items():

@@ -154,6 +154,29 @@ def test_quiet_tenant_p99_under_a_256_call_flood(d, tmp_path):
     assert ratio <= 12.0, rounds
 
 
+# ---- many calls at once on one connection ----------------------------------------------------
+def test_the_client_queues_calls_over_the_stream_limit_instead_of_failing(d):
+    """400 Infer calls at once on one ``itif.client.Client`` (one connection) against a server
+    allowing 16 streams per connection. gRPC refuses the streams over the limit (RST_STREAM
+    7, UNAVAILABLE; on a plain channel 130-260 of 400 failed so at the default 100 streams, and
+    the README's ``itif demo`` with it): the client's retry policy
+    (``itif.client.SERVICE_CONFIG``) sends them again, so every call answers OK."""
+    futs = []
+    with d.client(TOKENS["reader"]) as c:
+        msg = itif_pb2.InferRequest(tenant="reader", input=itif_pb2.InferInput(
+            input_ids=itif_pb2.TokenIds(ids=list(range(1, 17)))))
+        for _ in range(2):
+            futs = [c.stub.Infer.future(msg, metadata=c.metadata, timeout=60) for _ in range(400)]
+            codes = Counter()
+            for f in futs:
+                try:
+                    f.result()
+                    codes["OK"] += 1
+                except grpc.RpcError as e:
+                    codes[e.code().name] += 1
+            assert codes == Counter({"OK": 400}), codes
+
+
 # ---- 5: a slow reader -------------------------------------------------------------------------
 def test_unread_replies_are_bounded_and_freed(d):
     """Four HTTP/2 connections send 15 InferBatch calls each (24 rows of last_hidden_state:
