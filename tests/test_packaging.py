@@ -27,6 +27,7 @@ from itif.ops import cuda_loader
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))
+CPU_KERNELS = sorted(p.name for p in (ROOT / "kernels").glob("*.cpp"))
 
 
 def _copy_source(dst: Path) -> Path:
@@ -67,6 +68,8 @@ def test_kernels_are_package_data_of_the_wheel(wheel):
         for name in KERNELS:  # the files themselves, not links
             assert z.read(f"itif/kernels/{name}") == (ROOT / "kernels" / name).read_bytes()
         assert "itif/ops/cuda_loader.py" in names
+        for name in CPU_KERNELS:  # the CPU GEMM's source (itif.runtime.cpu_gemm builds it)
+            assert z.read(f"itif/kernels/{name}") == (ROOT / "kernels" / name).read_bytes()
 
 
 def test_installed_copy_finds_its_kernels(wheel, tmp_path):

@@ -31,7 +31,7 @@ from itif.batching.strategies import DEFAULT_STRATEGY, plan
 from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
-from itif.runtime import forward
+from itif.runtime import cpu_gemm, forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.graphs import GraphCache
 from itif.weights import delta
@@ -82,6 +82,8 @@ class Engine:
         self.max_seq_len = min(max_seq_len or self.spec.seq_len_max, self.spec.seq_len_max)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            cpu_gemm.ensure()  # small batches' few-rows GEMMs (built now, not mid-serving)
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
         self.strategy = strategy
         self.tokenizer = _load_tokenizer(self.spec.source_dir)

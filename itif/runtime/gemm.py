@@ -24,10 +24,13 @@ a bias add is one op whatever the tenant count.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from itif.runtime import cpu_gemm
 
 BACKENDS = ("mm", "bmm", "grouped_mm", "loop")
 GROUPED_MAX_EMPTY = 4  # grouped_mm only when the slot range is at most this many x the segments
@@ -60,6 +63,7 @@ class GemmPlan:
     lo: int = 0  # grouped_mm: slot range
     hi: int = -1
     offs: tuple[int, ...] = ()
+    max_rows: int = 0  # the longest segment (picks the CPU few-rows kernel, ``cpu_gemm``)
 
     @property
     def launches(self) -> int:
@@ -129,6 +133,8 @@ def plan_gemm(segs: Segments, rows: int, device: torch.device | None = None,
         ends[idx] = np.asarray(segs.end) - np.asarray(segs.start)
         options["grouped_mm"] = GemmPlan("grouped_mm", segs, rows, lo=lo, hi=hi,
                                          offs=tuple(np.cumsum(ends).tolist()))
+    longest = max(e - s for s, e in zip(segs.start, segs.end))
+    options = {k: dataclasses.replace(v, max_rows=longest) for k, v in options.items()}
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown GEMM backend {backend!r}; choose from {BACKENDS}")
@@ -163,6 +169,14 @@ def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tenso
     an int32 tensor on x's device (grouped_mm only). Returns [rows, N] (``out`` if given).
     """
     rows, N = x.shape[0], w.shape[1]
+    if cpu_gemm.MIN_ROWS <= plan.max_rows <= cpu_gemm.MAX_ROWS and cpu_gemm.usable(x, w):
+        dst = out if out is not None and out.is_contiguous() else torch.empty(
+            rows, N, dtype=x.dtype, device=x.device)
+        cpu_gemm.seg_gemm(x, w, plan.segs.start, plan.segs.end, plan.segs.slot, dst)
+        if out is not None and dst is not out:
+            out.copy_(dst)
+            return out
+        return dst
     b = plan.backend
     if b == "grouped_mm":
         y = torch._grouped_mm(x, w[plan.lo : plan.hi + 1].transpose(1, 2), offs=offs)
