@@ -17,6 +17,10 @@ buffer in place (views, never a gathered copy):
 | ``grouped_mm`` | strictly increasing slots, any lengths: ``torch._grouped_mm`` over the slot range, unused slots as empty groups (offsets are precomputed, so nothing is read on the host) | 1 |
 | ``loop`` | anything else: one ``torch.mm`` per segment | segments |
 
+On the CPU in float32, a product whose longest segment has ``cpu_gemm.MIN_ROWS`` to
+``cpu_gemm.MAX_ROWS`` rows goes to itif's own kernel instead (``itif.runtime.cpu_gemm``: every
+segment in one call, the weights read in place), whatever the plan's backend.
+
 The same plan drives the per-row parameters of the memory-bound ops on the CPU reference
 (``broadcast_rows``): ``mm`` and ``bmm`` plans broadcast a parameter over its rows as a view, so
 a bias add is one op whatever the tenant count.
