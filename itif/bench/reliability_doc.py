@@ -68,6 +68,11 @@ PROMISES = {
     28: "Acknowledged = durable under races: upload vs delete vs config removal agree on disk",
     29: "Nothing a tenant is told depends on other tenants' weights (sharing, budget checks)",
     30: "Weights finite on disk but overflowing the serving dtype or the forward: refused",
+    31: "Overload confined to its tenant: a 3,000-call burst, no CANCELLED, counted exactly",
+    32: "Noisy neighbour (256 calls in flight): quiet all OK, its p99 bounded vs idle",
+    33: "Memory bounded under slow readers: unread replies capped, freed on disconnect",
+    34: "Reply over max_message_bytes: refused before it runs, counted, no traceback",
+    35: "More calls than a connection's streams: itif's client retries, every call OK",
 }
 
 
@@ -160,8 +165,8 @@ def generate(doc_text: str, record: Path) -> str:
 
 def suite_files() -> list[str]:
     """The reliability test files (those with ``@promise`` tests), repo-relative."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_reliability_*.py")
-                  if "@promise(" in p.read_text())
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if "\n@promise(" in p.read_text())
 
 
 def run(record: Path, pytest_args: list[str]) -> int:
