@@ -272,6 +272,43 @@ def quiet_calls(c, seconds: float, period: float = 0.05, stop=None):
     return lat, codes
 
 
+def flood_rounds(d, quiet_token: str, noisy_token: str, folder: Path, rounds: int = 3,
+                 seconds: float = 2.5) -> list[dict]:
+    """Rounds of an idle window and a flood window (tenant noisy keeps 256 Infer calls in
+    flight from a ``flood`` helper process) of quiet's calls every 50 ms, on daemon ``d``
+    (``tests.daemon_harness.Daemon``). Each round: quiet's p99 idle and flooded, and the
+    flood's codes in the flooded window. Raises AssertionError when a quiet call is not OK or
+    the flood did not run."""
+    from tests.reliability_util import wait_until  # noqa: PLC0415
+
+    folder.mkdir(parents=True, exist_ok=True)
+    p = helper("flood", d.addr, noisy_token, "noisy", 256, folder)
+    out = []
+    try:
+        with d.client(quiet_token) as c:
+            quiet_calls(c, 0.5)
+            wait_until(lambda: (folder / "counts.json").exists(), 60, what="flood process up")
+            for _ in range(rounds):
+                idle, idle_codes = quiet_calls(c, seconds)
+                (folder / "on").touch()
+                time.sleep(0.7)
+                c0 = Counter(json.loads((folder / "counts.json").read_text()))
+                loaded, loaded_codes = quiet_calls(c, seconds)
+                c1 = Counter(json.loads((folder / "counts.json").read_text()))
+                (folder / "on").unlink()
+                time.sleep(0.5)
+                assert set(idle_codes) == {"OK"} and set(loaded_codes) == {"OK"}, (
+                    idle_codes, loaded_codes)
+                flood = c1 - c0
+                assert sum(flood.values()) > 10 * len(loaded), flood  # the flood did run
+                out.append({"idle p99": pct(idle, 99), "flood p99": pct(loaded, 99),
+                            "flood codes": dict(flood)})
+    finally:
+        p.kill()
+        p.wait()
+    return out
+
+
 def pct(values, q: float) -> float:
     if not values:
         return float("nan")

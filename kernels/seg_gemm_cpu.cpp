@@ -39,40 +39,23 @@ void block16(const float* xT, const float* w, int64_t K, int64_t n0, int64_t n1,
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
            a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
     const float* xp = xT;
+// one weight row j: its element k broadcast against the 16 rows (two halves of 8)
+#define ITIF_FMA_ROW(j)                              \
+  b = _mm256_broadcast_ss(w##j + k);                 \
+  a##j##0 = _mm256_fmadd_ps(b, x0, a##j##0);         \
+  a##j##1 = _mm256_fmadd_ps(b, x1, a##j##1);
+#define ITIF_STORE_ROW(j)                            \
+  _mm256_store_ps(tmp[j], a##j##0);                  \
+  _mm256_store_ps(tmp[j] + 8, a##j##1);
     for (int64_t k = 0; k < K; ++k, xp += 16) {
       const __m256 x0 = _mm256_load_ps(xp), x1 = _mm256_load_ps(xp + 8);
       __m256 b;
-      b = _mm256_broadcast_ss(w0 + k);
-      a00 = _mm256_fmadd_ps(b, x0, a00);
-      a01 = _mm256_fmadd_ps(b, x1, a01);
-      b = _mm256_broadcast_ss(w1 + k);
-      a10 = _mm256_fmadd_ps(b, x0, a10);
-      a11 = _mm256_fmadd_ps(b, x1, a11);
-      b = _mm256_broadcast_ss(w2 + k);
-      a20 = _mm256_fmadd_ps(b, x0, a20);
-      a21 = _mm256_fmadd_ps(b, x1, a21);
-      b = _mm256_broadcast_ss(w3 + k);
-      a30 = _mm256_fmadd_ps(b, x0, a30);
-      a31 = _mm256_fmadd_ps(b, x1, a31);
-      b = _mm256_broadcast_ss(w4 + k);
-      a40 = _mm256_fmadd_ps(b, x0, a40);
-      a41 = _mm256_fmadd_ps(b, x1, a41);
-      b = _mm256_broadcast_ss(w5 + k);
-      a50 = _mm256_fmadd_ps(b, x0, a50);
-      a51 = _mm256_fmadd_ps(b, x1, a51);
+      ITIF_FMA_ROW(0) ITIF_FMA_ROW(1) ITIF_FMA_ROW(2) ITIF_FMA_ROW(3) ITIF_FMA_ROW(4) ITIF_FMA_ROW(5)
     }
-    _mm256_store_ps(tmp[0], a00);
-    _mm256_store_ps(tmp[0] + 8, a01);
-    _mm256_store_ps(tmp[1], a10);
-    _mm256_store_ps(tmp[1] + 8, a11);
-    _mm256_store_ps(tmp[2], a20);
-    _mm256_store_ps(tmp[2] + 8, a21);
-    _mm256_store_ps(tmp[3], a30);
-    _mm256_store_ps(tmp[3] + 8, a31);
-    _mm256_store_ps(tmp[4], a40);
-    _mm256_store_ps(tmp[4] + 8, a41);
-    _mm256_store_ps(tmp[5], a50);
-    _mm256_store_ps(tmp[5] + 8, a51);
+    ITIF_STORE_ROW(0) ITIF_STORE_ROW(1) ITIF_STORE_ROW(2) ITIF_STORE_ROW(3) ITIF_STORE_ROW(4)
+    ITIF_STORE_ROW(5)
+#undef ITIF_FMA_ROW
+#undef ITIF_STORE_ROW
     for (int64_t r = 0; r < rows; ++r) {
       float* yr = y + r * ldy + n;
       for (int j = 0; j < nb; ++j) yr[j] = tmp[j][r];

@@ -25,7 +25,7 @@ import pytest
 
 from itif.server._proto.itif.v1 import itif_pb2
 from tests.reliability_util import rel  # noqa: F401 - the fixture, used by name
-from bench.hostile_load import SlowReader, big_batch_raw, helper, quiet_calls
+from bench.hostile_load import SlowReader, big_batch_raw, flood_rounds, helper, quiet_calls
 from tests.reliability_util import (
     Daemon,
     free_port,
@@ -130,33 +130,7 @@ def test_quiet_tenant_p99_under_a_256_call_flood(d, tmp_path, rel):
     in the server and the rest of its flood is refused by gRPC itself: quiet's calls are all OK
     and the median over the rounds of p99(flood)/p99(idle) is at most 12 (2.5 measured on a
     2-core machine whose other core runs the flood)."""
-    folder = tmp_path / "flood"
-    folder.mkdir()
-    p = helper("flood", d.addr, TOKENS["noisy"], "noisy", 256, folder)
-    rounds = []
-    try:
-        with d.client(TOKENS["quiet"]) as c:
-            quiet_calls(c, 0.5)
-            wait_until(lambda: (folder / "counts.json").exists(), 60, what="flood process up")
-            for _ in range(3):
-                idle, idle_codes = quiet_calls(c, 2.5)
-                (folder / "on").touch()
-                time.sleep(0.7)
-                c0 = Counter(json.loads((folder / "counts.json").read_text()))
-                loaded, loaded_codes = quiet_calls(c, 2.5)
-                c1 = Counter(json.loads((folder / "counts.json").read_text()))
-                (folder / "on").unlink()
-                time.sleep(0.5)
-                assert set(idle_codes) == {"OK"} and set(loaded_codes) == {"OK"}, (
-                    idle_codes, loaded_codes)
-                flood = c1 - c0
-                assert sum(flood.values()) > 10 * len(loaded), flood  # the flood did run
-                rounds.append({"idle p99": float(np.percentile(idle, 99)),
-                               "flood p99": float(np.percentile(loaded, 99)),
-                               "flood codes": dict(flood)})
-    finally:
-        p.kill()
-        p.wait()
+    rounds = flood_rounds(d, TOKENS["quiet"], TOKENS["noisy"], tmp_path / "flood")
     ratio = float(np.median([r["flood p99"] / r["idle p99"] for r in rounds]))
     rel.inputs += sum(sum(r["flood codes"].values()) for r in rounds)
     rel.notes["rounds (16 streams per connection, gate off)"] = [
