@@ -33,14 +33,24 @@ from itif.batching.batchcost import (
     structure_of_layout,
 )
 from itif.batching.layout import SINGLE_GEMM, build_layout, layout_packed, layout_pad_to_max
+from itif.runtime import cpu_gemm
 
 TENANTS = 32
 ABS_BOUND = 0.60
 REL_BOUND = 0.15
 
 
+@pytest.fixture(scope="module", autouse=True)
+def mkl_only():
+    """The tests below are about MKL's backends (grouped_mm, bmm, loop): the CPU few-rows kernel
+    would take these 4-16-row segments, so it stays off in this thread, except where a test
+    turns it back on (``test_the_cpu_kernel_is_priced_as_it_runs``)."""
+    with cpu_gemm.suspended():
+        yield
+
+
 @pytest.fixture(scope="module")
-def setup():
+def setup(mkl_only):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -238,3 +248,33 @@ def test_attention_beyond_the_grid_is_priced_superlinearly(setup):
     detail = dict(measured_growth=grown, predicted_growth=predicted, best_ms=best)
     assert grown > 2.6, detail  # proportional pricing (2x) would be more than 23 % off
     assert abs(predicted / grown - 1) < 0.25, detail
+
+
+def test_the_cpu_kernel_is_priced_as_it_runs(setup):
+    """With the CPU few-rows kernel on (the default on an AVX2 CPU, ``itif.runtime.cpu_gemm``),
+    every GEMM of the three layouts runs in it (segments of 4-16 rows, one call each, whatever
+    the plan's backend): a model calibrated with the kernel prices them there, and predicts
+    each layout within REL_BOUND after the common drift (a failed attempt re-calibrates, at most
+    three times, as above)."""
+    assert cpu_gemm.ensure(), cpu_gemm.state["why_not"]
+    eng, _, reqs, layouts = setup
+    attempts = []
+    with cpu_gemm.suspended(False):
+        while not (attempts and attempts[-1]["ok"]) and len(attempts) < 3:
+            model = BatchCostModel.profile(eng, passes=2)
+            assert "kernel" in model.t
+            parts = {k: model.components(structure_of_batch(prepare_for(eng, reqs, lay)))
+                     for k, lay in layouts.items()}
+            for k, c in parts.items():  # all of the GEMM time on the kernel
+                assert c["gemm_cpu_kernel"] > 0, (k, c)
+                assert c["gemm_mm"] == c["gemm_bmm"] == c["gemm_grouped_mm"] == c["gemm_loop"] == 0.0, (
+                    k, c)
+            measured = _measure(eng, reqs, layouts)
+            pred = {k: model.predict_batch(lay, prepare_for(eng, reqs, lay), key=())
+                    for k, lay in layouts.items()}
+            drift = _drift(pred, measured)
+            err = {k: pred[k] / measured[k] / drift - 1 for k in layouts}
+            attempts.append(dict(ok=(1 / (1 + ABS_BOUND) <= drift <= 1 + ABS_BOUND
+                                     and all(abs(e) <= REL_BOUND for e in err.values())),
+                                 measured=measured, predicted=pred, drift=drift, err=err))
+    assert attempts[-1]["ok"], attempts

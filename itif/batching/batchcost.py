@@ -56,6 +56,7 @@ from itif.batching.batchmeasure import (  # clock, measure_forward: re-exported
 )
 from itif.batching.costmodel import _axis, _interp
 from itif.batching.layout import Layout
+from itif.runtime import cpu_gemm
 from itif.runtime.gemm import (
     GemmPlan,
     grouped_mm_supported,
@@ -65,7 +66,7 @@ from itif.runtime.gemm import (
     tenant_runs,
 )
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the CPU kernel's table
 KINDS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 MODES = ("view", "seg2", "seg4", "gather")  # per-row parameters of the memory-bound ops
 
@@ -75,6 +76,8 @@ _GRP_SEGS = (2, 4, 16, 64)
 _ATT_LENS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512: BERT's longest sequence
 _ATT_NS = (1, 8, 32)
 _MEM_ROWS = (16, 128, 1024, 8192)
+_KERN_SEGS = (1, 2, 4, 16, 64)  # the CPU kernel (cpu_gemm): segments of distinct weights ...
+_KERN_Q = (1, 2, 4)  # ... of this many chunks of 16 rows each
 
 
 def _lin1(grid: np.ndarray, table: np.ndarray, x: float) -> float:
@@ -192,11 +195,21 @@ class BatchCostModel:
             self._loop_extra[kind] = max(0.0, float(np.median(extra))) if extra else 0.0
         self._ratio: dict = {}
         self._lock = threading.Lock()
+        self._dev = torch.device(meta["device"])
+        self._dtype = getattr(torch, meta["dtype"])
+
+    def _on_kernel(self, plan: GemmPlan) -> bool:
+        """Whether ``run_gemm`` sends ``plan`` to the CPU kernel (and this model timed it)."""
+        return "kernel" in self.t and cpu_gemm.applies(plan.max_rows, self._dev, self._dtype)
 
     # -- components ---------------------------------------------------------------------------
 
     def gemm_ms(self, kind: str, plan: GemmPlan) -> float:
         g = self.grids
+        if self._on_kernel(plan):  # one call, whatever the backend: per segment and chunk
+            n = len(plan.segs)
+            q = cpu_gemm.chunks(plan.segs.start, plan.segs.end) / n
+            return _lin2(g["kern_segs"], g["kern_q"], self.t["kernel"][kind], n, q)
         if plan.backend == "mm":
             return _lin1(g["mm_rows"], self.t["mm"][kind], plan.rows)
         if plan.backend == "loop":  # one torch.mm per segment, each on slices of x and out
@@ -236,17 +249,18 @@ class BatchCostModel:
 
     def components(self, s: Structure) -> dict[str, float]:
         """Predicted ms per part of one forward of structure ``s`` (before online correction)."""
-        gemm = {"mm": 0.0, "bmm": 0.0, "grouped_mm": 0.0, "loop": 0.0}
+        gemm = {"mm": 0.0, "bmm": 0.0, "grouped_mm": 0.0, "loop": 0.0, "cpu_kernel": 0.0}
         mem = attn = 0.0
         attn_one = sum(self.attn_ms(a) for a in s.attn)
         for d in s.layer_plans:
             for k in KINDS:
-                gemm[d[k].backend] += self.gemm_ms(k, d[k])
+                name = "cpu_kernel" if self._on_kernel(d[k]) else d[k].backend
+                gemm[name] += self.gemm_ms(k, d[k])
             mem += self._rowwise("mem", d["bias"], s.rows)
             attn += attn_one
         emb = self._rowwise("emb", s.emb_plan, s.rows)
         heads = self.gemm_ms("attn_out", s.pooler) if s.pooler is not None else 0.0
-        over = float(np.dot(self.t["overhead"], _overhead_features(s)))
+        over = float(np.dot(self.t["overhead"], _overhead_features(s, self._on_kernel)))
         out = {f"gemm_{k}": v for k, v in gemm.items()}
         out.update(attention=attn, memory_ops=mem, embeddings=emb, heads=heads, overhead=over)
         return out
@@ -318,7 +332,8 @@ class BatchCostModel:
         spec = engine.spec
         dev = torch.device(engine.device)
         key = (f"batch-{_device_name(dev)}-{spec.family}-h{spec.hidden}-i{spec.intermediate}"
-               f"-a{spec.heads}-l{spec.layers}-v{spec.vocab_size}-{engine.dtype}")
+               f"-a{spec.heads}-l{spec.layers}-v{spec.vocab_size}-{engine.dtype}"
+               + ("-cpukernel" if cpu_gemm.applies(cpu_gemm.CHUNK, dev, engine.dtype) else ""))
         if cache_dir is None:  # next to costmodel's profiles
             root = os.environ.get("ITIF_CACHE_DIR") or Path.home() / ".cache" / "itif"
             cache_dir = Path(root) / "costmodel"
@@ -363,7 +378,11 @@ class BatchCostModel:
             nmax = int(grp_segs[-1])
             # where torch._grouped_mm cannot run, plan_gemm never picks it: price it as a loop
             grouped_ok = grouped_mm_supported(dev, dtype)
-            with torch.inference_mode():
+            kernel = cpu_gemm.applies(cpu_gemm.CHUNK, dev, dtype)
+            if kernel:
+                t["kernel"] = {}
+            # MKL's backends on their own (the kernel would take their few-rows grid points)
+            with torch.inference_mode(), cpu_gemm.suspended():
                 for kind, (N, K) in shapes.items():
                     w = torch.randn(nmax, N, K, **kw)
                     xs = torch.randn(int(max(mm_rows.max(), grp_rows.max())), K, **kw)
@@ -384,6 +403,11 @@ class BatchCostModel:
                     t["grouped"][kind] = t["loop"][kind] if not grouped_ok else [
                         [measure_ms(one(_segs_plan(int(r), int(g), "grouped_mm")))
                          for r in grp_rows] for g in grp_segs]
+                    if kernel:  # the kernel: g segments of distinct weights, 16 q rows each
+                        with cpu_gemm.suspended(False):
+                            t["kernel"][kind] = [
+                                [measure_ms(one(_segs_plan(cpu_gemm.CHUNK * q * g, g, "loop")))
+                                 for q in _KERN_Q] for g in _KERN_SEGS]
                 # attention, one group per call
                 for variant in ("view", "view_masked", "gather"):
                     tab = []
@@ -458,7 +482,8 @@ class BatchCostModel:
                 "dtype": str(dtype).removeprefix("torch."),
                 "grids": {"mm_rows": list(_MM_ROWS), "grp_rows": list(_GRP_ROWS),
                           "grp_segs": list(_GRP_SEGS), "att_lens": list(_ATT_LENS),
-                          "att_ns": list(_ATT_NS), "mem_rows": list(_MEM_ROWS)}}
+                          "att_ns": list(_ATT_NS), "mem_rows": list(_MEM_ROWS),
+                          "kern_segs": list(_KERN_SEGS), "kern_q": list(_KERN_Q)}}
         t["overhead"] = [0.0] * 5
         model = cls(meta, t)
         if fit_overhead:
@@ -493,7 +518,7 @@ class BatchCostModel:
                            _round_robin(tenant_of, lengths)):
                 total = measure_layout(eng, reqs, layout, repeats=3)
                 st = structure_of_batch(prepare_for(eng, reqs, layout))
-                X.append(_overhead_features(st))
+                X.append(_overhead_features(st, self._on_kernel))
                 y.append(total - self.raw(st))
                 w.append(1.0 / total)  # weights: relative errors count, not milliseconds
         W = np.asarray(w)[:, None]
@@ -504,15 +529,18 @@ class BatchCostModel:
         return [float(c) for c in coef]
 
 
-def _overhead_features(s: Structure) -> list[float]:
+def _overhead_features(s: Structure, on_kernel=lambda plan: False) -> list[float]:
     """What the fitted remainder scales with: 1, rows, requests, ``loop`` launches, and
     ``grouped_mm`` groups. The last two: one tenant's GEMM inside a forward costs more (cold
     activations, that tenant's weights) than back to back in calibration; about 2-3 us per
-    launch on a CPU, where ``torch._grouped_mm`` runs one mm per group."""
+    launch on a CPU, where ``torch._grouped_mm`` runs one mm per group. A plan the CPU kernel
+    runs (``on_kernel``) is one call, whatever its backend."""
     loops = groups = 0
     for d in s.layer_plans:
         for k in KINDS:
             p = d[k]
+            if on_kernel(p):
+                continue
             if p.backend == "loop":
                 loops += len(p.segs)
             elif p.backend == "grouped_mm":
@@ -553,7 +581,7 @@ def _suffix_min(table) -> list:
 
 def _repair(t: dict) -> dict:
     out = dict(t)
-    for name in ("mm", "bmm", "grouped", "loop", "attn", "mem", "emb"):
+    for name in ("mm", "bmm", "grouped", "loop", "kernel", "attn", "mem", "emb"):
         if name in t:
             out[name] = {k: _suffix_min(v) for k, v in t[name].items()}
     return out

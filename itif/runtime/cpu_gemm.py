@@ -1,7 +1,7 @@
 """The CPU's few-rows GEMM (``kernels/seg_gemm_cpu.cpp``): build once, use where it is faster.
 
-``run_gemm`` (``itif.runtime.gemm``) sends a float32 CPU GEMM here when its longest segment has
-:data:`MIN_ROWS` to :data:`MAX_ROWS` rows (a decode step, short requests): per segment, ``y[s:e] = x[s:e] @
+``run_gemm`` (``itif.runtime.gemm``) sends a float32 CPU GEMM here when its longest segment
+has :data:`MIN_ROWS` to :data:`MAX_ROWS` rows (a decode step, short requests): per segment, ``y[s:e] = x[s:e] @
 w[slot].T`` with the weights read in place, as the other backends do. Measured on the 2-core
 AMD EPYC (AVX2) these sessions run on, a marian-decoding decode step's GEMMs (8 tenants x 16
 rows, 6 layers; ``bench/cpu_gemm.py``): 46-48 ms against 71-74 ms for MKL's ``bmm``.
@@ -16,6 +16,7 @@ logged once and kept in :data:`state`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -33,7 +34,11 @@ log = logging.getLogger("itif.runtime")
 MIN_ROWS = 4
 MAX_ROWS = 64
 
+#: Rows of x the kernel takes at once (one chunk); a segment of r rows is ceil(r / 16) chunks.
+CHUNK = 16
+
 _lock = threading.Lock()
+_local = threading.local()
 state: dict = {"module": None, "why_not": None, "build_s": None}
 
 
@@ -63,7 +68,8 @@ def ensure() -> bool:
         if os.environ.get("ITIF_CPU_GEMM", "1") == "0":
             state["why_not"] = "disabled by ITIF_CPU_GEMM=0"
         elif not _cpu_has_avx2_fma():
-            state["why_not"] = f"this CPU has no AVX2/FMA ({torch.backends.cpu.get_cpu_capability()})"
+            cap = torch.backends.cpu.get_cpu_capability()
+            state["why_not"] = f"this CPU has no AVX2/FMA ({cap})"
         else:
             t0 = time.perf_counter()
             try:
@@ -86,10 +92,36 @@ def ensure() -> bool:
         return state["module"] is not None
 
 
+@contextlib.contextmanager
+def suspended(off: bool = True):
+    """In this thread only, every product stays on MKL (the cost model calibrates MKL's
+    backends on their own this way; forwards on other threads are unaffected).
+    ``suspended(False)`` lets the kernel run again inside a suspended stretch."""
+    old = getattr(_local, "off", False)
+    _local.off = off
+    try:
+        yield
+    finally:
+        _local.off = old
+
+
+def applies(max_rows: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``run_gemm`` sends a plan whose longest segment has ``max_rows`` rows here (the
+    one rule, for the runtime and the cost model alike)."""
+    return (state["module"] is not None and not getattr(_local, "off", False)
+            and device.type == "cpu" and dtype == torch.float32
+            and MIN_ROWS <= max_rows <= MAX_ROWS)
+
+
+def chunks(start, end) -> int:
+    """Chunks of :data:`CHUNK` rows the kernel runs for these segments."""
+    return sum(-(-(e - s) // CHUNK) for s, e in zip(start, end))
+
+
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether this product can go to the kernel (it is built, and the operands suit it)."""
-    return (state["module"] is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and w.dtype == torch.float32 and x.is_contiguous() and w.is_contiguous())
+    """Whether these operands suit the kernel (with :func:`applies`: whether it runs them)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+            and x.is_contiguous() and w.is_contiguous())
 
 
 def seg_gemm(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tensor) -> torch.Tensor:
@@ -98,4 +130,5 @@ def seg_gemm(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tens
     return out
 
 
-__all__ = ["MAX_ROWS", "MIN_ROWS", "ensure", "seg_gemm", "state", "usable"]
+__all__ = ["CHUNK", "MAX_ROWS", "MIN_ROWS", "applies", "chunks", "ensure", "seg_gemm", "state",
+           "suspended", "usable"]

@@ -173,7 +173,7 @@ def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tenso
     an int32 tensor on x's device (grouped_mm only). Returns [rows, N] (``out`` if given).
     """
     rows, N = x.shape[0], w.shape[1]
-    if cpu_gemm.MIN_ROWS <= plan.max_rows <= cpu_gemm.MAX_ROWS and cpu_gemm.usable(x, w):
+    if cpu_gemm.applies(plan.max_rows, x.device, x.dtype) and cpu_gemm.usable(x, w):
         dst = out if out is not None and out.is_contiguous() else torch.empty(
             rows, N, dtype=x.dtype, device=x.device)
         cpu_gemm.seg_gemm(x, w, plan.segs.start, plan.segs.end, plan.segs.slot, dst)
