@@ -309,6 +309,19 @@ def flood_rounds(d, quiet_token: str, noisy_token: str, folder: Path, rounds: in
     return out
 
 
+def flood_ratio(rounds: list[dict], rel=None, label: str = "rounds") -> float:
+    """The median over ``rounds`` (:func:`flood_rounds`) of p99 flooded / p99 idle; with
+    ``rel`` (the reliability record's tally), the rounds and the ratio go into its notes."""
+    import numpy as np  # noqa: PLC0415
+
+    ratio = float(np.median([r["flood p99"] / r["idle p99"] for r in rounds]))
+    if rel is not None:
+        rel.inputs += sum(sum(r["flood codes"].values()) for r in rounds)
+        rel.notes[label] = rounds
+        rel.notes["p99 flood/idle, median of rounds"] = round(ratio, 2)
+    return ratio
+
+
 def pct(values, q: float) -> float:
     if not values:
         return float("nan")

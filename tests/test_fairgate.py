@@ -193,7 +193,7 @@ def test_a_gated_daemon_keeps_the_quiet_tenant_fast_under_a_flood(tmp_path, rel)
     (closed loop) while quiet calls every 50 ms. Quiet: every call OK, and the median over three
     rounds of p99(flood)/p99(idle) at most 10 (measured 2.0-2.4 on a quiet 2-core machine, 6.0
     right after test_overload's floods; 16-30 with the gate off, as the default leaves it)."""
-    from bench.hostile_load import flood_rounds  # noqa: PLC0415
+    from bench.hostile_load import flood_ratio, flood_rounds  # noqa: PLC0415
 
     d = Daemon(tmp_path / "d", dict(TOKENS), scheduler={"max_wait_ms": 2},
                server_extra={"max_active_calls": 4})
@@ -206,9 +206,5 @@ def test_a_gated_daemon_keeps_the_quiet_tenant_fast_under_a_flood(tmp_path, rel)
     finally:
         d.stop()
     assert all(r["flood codes"].get("OK", 0) >= 100 for r in rounds), rounds  # served, gated
-    ratio = float(np.median([r["flood p99"] / r["idle p99"] for r in rounds]))
-    rel.inputs += sum(sum(r["flood codes"].values()) for r in rounds)
-    rel.notes["rounds (default settings, max_active_calls 4)"] = [
-        {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()} for r in rounds]
-    rel.notes["p99 flood/idle, median of rounds"] = round(ratio, 2)
+    ratio = flood_ratio(rounds, rel, "rounds (default settings, max_active_calls 4)")
     assert ratio <= 10.0, rounds

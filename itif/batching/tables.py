@@ -1,0 +1,69 @@
+"""Cost tables of the whole-batch cost model (``itif.batching.batchcost``): interpolation over
+the calibration grids, the repair of measured tables, and the small non-negative least squares
+of its overhead fit."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from itif.batching.costmodel import _axis, _interp
+
+
+def _lin1(grid: np.ndarray, table: np.ndarray, x: float) -> float:
+    """Piecewise linear in raw x, clamped below, proportional above the grid."""
+    ax = _axis(grid, np.asarray([x], np.float64))
+    return float(_interp(np.asarray(table), [ax])[0])
+
+
+def _lin2(g0: np.ndarray, g1: np.ndarray, table: np.ndarray, x0: float, x1: float) -> float:
+    axes = [_axis(g0, np.asarray([x0], np.float64)), _axis(g1, np.asarray([x1], np.float64))]
+    return float(_interp(np.asarray(table), axes)[0])
+
+
+def _segs2(g0: np.ndarray, g1: np.ndarray, table: np.ndarray, segs: float, rows: float) -> float:
+    """Like ``_lin2`` over (segments, rows), but linear (not proportional) beyond the last
+    segment count: more segments over the same rows add per-segment work, not more rows."""
+    top = float(g0[-1])
+    if segs <= top:
+        return _lin2(g0, g1, table, segs, rows)
+    a, b = (_lin1(g1, np.asarray(table)[i], rows) for i in (-2, -1))
+    return b + (b - a) * (segs - top) / (top - float(g0[-2]))
+
+
+def _elementwise_min(a, b):
+    if isinstance(a, dict):
+        return {k: _elementwise_min(a[k], b[k]) for k in a}
+    return np.minimum(np.asarray(a, np.float64), np.asarray(b, np.float64)).tolist()
+
+
+def _suffix_min(table) -> list:
+    """Each point becomes the cheapest of itself and every larger point, along every axis:
+    stalls only add time, and a bigger shape never costs less (``costmodel``'s repair)."""
+    a = np.asarray(table, np.float64)
+    for axis in range(a.ndim):
+        a = np.flip(np.minimum.accumulate(np.flip(a, axis), axis=axis), axis)
+    return a.tolist()
+
+
+def _repair(t: dict) -> dict:
+    out = dict(t)
+    for name in ("mm", "bmm", "grouped", "loop", "kernel", "attn", "mem", "emb"):
+        if name in t:
+            out[name] = {k: _suffix_min(v) for k, v in t[name].items()}
+    return out
+
+
+def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (tiny problems: active-set by enumeration)."""
+    best, best_err = np.zeros(X.shape[1]), float(np.sum(y ** 2))
+    for mask in range(1, 1 << X.shape[1]):
+        cols = [j for j in range(X.shape[1]) if mask >> j & 1]
+        c, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+        if np.any(c < 0):
+            continue
+        full = np.zeros(X.shape[1])
+        full[cols] = c
+        err = float(np.sum((X @ full - y) ** 2))
+        if err < best_err:
+            best, best_err = full, err
+    return best
