@@ -89,8 +89,7 @@ class GenEngine:
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.max_new_tokens_limit = max_new_tokens_limit
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            cpu_gemm.ensure()  # decode steps' few-rows GEMMs (built now, not mid-generation)
+        cpu_gemm.ensure_for(self.device, self.dtype)  # decode steps' few-rows GEMMs, built now
         self.store = WeightStore(self.device, self.dtype)
         if kv_cache_bytes is None:  # room for 64 sequences of the backbone's full length
             elem = torch.empty((), dtype=self.dtype).element_size()

@@ -1,8 +1,9 @@
 """The CPU's few-rows GEMM (``kernels/seg_gemm_cpu.cpp``): build once, use where it is faster.
 
-``run_gemm`` (``itif.runtime.gemm``) sends a float32 CPU GEMM here when its longest segment
-has :data:`MIN_ROWS` to :data:`MAX_ROWS` rows (a decode step, short requests): per segment, ``y[s:e] = x[s:e] @
-w[slot].T`` with the weights read in place, as the other backends do. Measured on the 2-core
+``run_gemm`` (``itif.runtime.gemm``) sends a float32 CPU GEMM here when its longest
+segment has :data:`MIN_ROWS` to :data:`MAX_ROWS` rows (a decode step, short requests): per
+segment, ``y[s:e] = x[s:e] @ w[slot].T`` with the weights read in place, as the other
+backends do. Measured on the 2-core
 AMD EPYC (AVX2) these sessions run on, a marian-decoding decode step's GEMMs (8 tenants x 16
 rows, 6 layers; ``bench/cpu_gemm.py``): 46-48 ms against 71-74 ms for MKL's ``bmm``.
 
@@ -105,12 +106,21 @@ def suspended(off: bool = True):
         _local.off = old
 
 
+def _suits(device: torch.device, dtype: torch.dtype) -> bool:
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
+def ensure_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`ensure` for an engine on ``device`` in ``dtype``: built now (not mid-run) when
+    its products can go to the kernel; False (nothing built) otherwise."""
+    return _suits(device, dtype) and ensure()
+
+
 def applies(max_rows: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``run_gemm`` sends a plan whose longest segment has ``max_rows`` rows here (the
     one rule, for the runtime and the cost model alike)."""
     return (state["module"] is not None and not getattr(_local, "off", False)
-            and device.type == "cpu" and dtype == torch.float32
-            and MIN_ROWS <= max_rows <= MAX_ROWS)
+            and _suits(device, dtype) and MIN_ROWS <= max_rows <= MAX_ROWS)
 
 
 def chunks(start, end) -> int:
@@ -130,5 +140,5 @@ def seg_gemm(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tens
     return out
 
 
-__all__ = ["CHUNK", "MAX_ROWS", "MIN_ROWS", "applies", "chunks", "ensure", "seg_gemm", "state",
-           "suspended", "usable"]
+__all__ = ["CHUNK", "MAX_ROWS", "MIN_ROWS", "applies", "chunks", "ensure", "ensure_for", "seg_gemm",
+           "state", "suspended", "usable"]

@@ -82,8 +82,7 @@ class Engine:
         self.max_seq_len = min(max_seq_len or self.spec.seq_len_max, self.spec.seq_len_max)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            cpu_gemm.ensure()  # small batches' few-rows GEMMs (built now, not mid-serving)
+        cpu_gemm.ensure_for(self.device, self.dtype)  # small batches' few-rows GEMMs, built now
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
         self.strategy = strategy
         self.tokenizer = _load_tokenizer(self.spec.source_dir)
