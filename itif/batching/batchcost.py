@@ -56,6 +56,7 @@ from itif.batching.batchmeasure import (  # clock, measure_forward: re-exported
 )
 from itif.batching.layout import Layout
 from itif.batching.tables import _elementwise_min, _lin1, _lin2, _nnls, _repair, _segs2
+from itif.platform import host_malloc
 from itif.runtime import cpu_gemm
 from itif.runtime.gemm import (
     GemmPlan,
@@ -312,7 +313,8 @@ class BatchCostModel:
         dev = torch.device(engine.device)
         key = (f"batch-{_device_name(dev)}-{spec.family}-h{spec.hidden}-i{spec.intermediate}"
                f"-a{spec.heads}-l{spec.layers}-v{spec.vocab_size}-{engine.dtype}"
-               + ("-cpukernel" if cpu_gemm.applies(cpu_gemm.CHUNK, dev, engine.dtype) else ""))
+               + ("-cpukernel" if cpu_gemm.applies(cpu_gemm.CHUNK, dev, engine.dtype) else "")
+               + ("-hostmalloc" if dev.type == "cpu" and host_malloc() == "tuned" else ""))
         if cache_dir is None:  # next to costmodel's profiles
             root = os.environ.get("ITIF_CACHE_DIR") or Path.home() / ".cache" / "itif"
             cache_dir = Path(root) / "costmodel"

@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from itif.bench.roofline import COPY_BYTES_CPU_QUICK  # noqa: PLC0415
     from itif.bench.tenants import parse_fine_tune  # noqa: PLC0415
     from itif.errors import InvalidRequest  # noqa: PLC0415
-    from itif.platform import resolve_device, resolve_dtype  # noqa: PLC0415
+    from itif.platform import resolve_device, resolve_dtype, tune_host_malloc  # noqa: PLC0415
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("bench: %(message)s"))
@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     quick = args.quick
     device = resolve_device(args.device)
+    tune_host_malloc(device)  # before any baseline: every system runs under one allocator
     dtype = resolve_dtype(args.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     gpu = device.type == "cuda"

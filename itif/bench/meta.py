@@ -11,7 +11,7 @@ from importlib import metadata
 
 import torch
 
-from itif.platform import device_name
+from itif.platform import device_name, host_malloc
 
 
 def _version(pkg: str) -> str | None:
@@ -47,7 +47,8 @@ def collect_meta(device: torch.device, dtype: torch.dtype, peak, args, settings:
                       torch=torch.__version__, cuda=torch.version.cuda,
                       transformers=_version("transformers"), numpy=_version("numpy"),
                       grpcio=_version("grpcio"), cupy=_version("cupy-cuda12x")),
-        platform=platform.platform(), peak=peak.as_dict(), settings=settings)
+        platform=platform.platform(), peak=peak.as_dict(), settings=settings,
+        host_malloc=host_malloc())
     if device.type == "cuda":
         meta["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return meta

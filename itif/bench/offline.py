@@ -52,7 +52,7 @@ from itif.bench.systems import (
 )
 from itif.bench.tenants import hf_model, load_hf_weights, tenant_bytes, tenant_weights
 from itif.bench.workloads import Workload, make_requests, tenant_names
-from itif.platform import cupy_module, device_name, resolve_device, resolve_dtype
+from itif.platform import cupy_module, device_name, resolve_device, resolve_dtype, tune_host_malloc
 from itif.runtime.engine import Engine
 
 log = logging.getLogger("itif.bench")
@@ -245,6 +245,7 @@ def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: Offlin
     """Rows of every workload of one (model, tenants) group, every system."""
     spec = load_spec(model)
     device = resolve_device(opt.device)
+    tune_host_malloc(device)  # before the HF baselines, as the engines do
     dtype = resolve_dtype(opt.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     elem = torch.empty((), dtype=dtype).element_size()

@@ -40,6 +40,7 @@ from itif.generation.api import GenerateRequest, Generation, GenerationDefaults,
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.running import Admission, RunningBatch
 from itif.generation.spec import DecoderSpec, defaults_from_dir, load_decoder_spec
+from itif.platform import tune_host_malloc
 from itif.runtime import cpu_gemm
 from itif.weights.store import WeightStore
 
@@ -90,6 +91,7 @@ class GenEngine:
         self.dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.max_new_tokens_limit = max_new_tokens_limit
         cpu_gemm.ensure_for(self.device, self.dtype)  # decode steps' few-rows GEMMs, built now
+        tune_host_malloc(self.device)
         self.store = WeightStore(self.device, self.dtype)
         if kv_cache_bytes is None:  # room for 64 sequences of the backbone's full length
             elem = torch.empty((), dtype=self.dtype).element_size()

@@ -29,7 +29,7 @@ from itif.backbones.spec import BackboneSpec, load_spec
 from itif.batching.layout import Layout
 from itif.batching.strategies import DEFAULT_STRATEGY, plan
 from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound, shown
-from itif.platform import resolve_device, resolve_dtype
+from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
 from itif.runtime import cpu_gemm, forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
@@ -83,6 +83,7 @@ class Engine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         cpu_gemm.ensure_for(self.device, self.dtype)  # small batches' few-rows GEMMs, built now
+        tune_host_malloc(self.device)  # large batches' activations: no page faults per forward
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
         self.strategy = strategy
         self.tokenizer = _load_tokenizer(self.spec.source_dir)
