@@ -14,16 +14,23 @@ def render(paths: list[str]) -> str:
     for p in paths:
         r = json.load(open(p))
         out += [f"**{r['workload']}**, {r['requests']} requests over {r['tenants']} tenants, "
-                f"{r['backbone']}, {r['device']} (`{p}`)", "",
+                f"{r['backbone']}, {r['device']}, {r.get('date', '')} (`{p}`)", "",
                 "| strategy | padded tokens | useful tokens | predicted ms | measured ms | "
-                "vs pad_to_max | plan us/request | GEMM calls |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "error | vs pad_to_max | plan us/request | GEMM calls |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         base = r["strategies"]["pad_to_max"]["measured_ms"]
         for name, s in r["strategies"].items():
+            err = s["predicted_ms"] / s["measured_ms"] - 1
             out.append(f"| {name} | {s['padded_tokens']} | {s['useful_tokens']} | "
-                       f"{s['predicted_ms']:.0f} | {s['measured_ms']:.0f} | "
+                       f"{s['predicted_ms']:.0f} | {s['measured_ms']:.0f} | {err:+.1%} | "
                        f"{base / s['measured_ms']:.2f}x | {s['plan_us_per_request']:.2f} | "
                        f"{s['gemm_calls']} |")
+        pred = r.get("prediction")
+        if pred:  # ranking pairs the prediction orders against a clear (> 5 %) measured gap
+            pairs = pred["discordant_pairs"]
+            out += ["", "Ranking implied by the predictions: "
+                    + ("agrees with the measured one." if not pairs else
+                       "disagrees on " + ", ".join(f"{a} < {b}" for a, b in pairs) + ".")]
         out.append("")
     return "\n".join(out)
 

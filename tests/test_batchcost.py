@@ -278,3 +278,22 @@ def test_the_cpu_kernel_is_priced_as_it_runs(setup):
                                      and all(abs(e) <= REL_BOUND for e in err.values())),
                                  measured=measured, predicted=pred, drift=drift, err=err))
     assert attempts[-1]["ok"], attempts
+
+
+def test_the_overhead_fit_caps_what_it_charges_a_launch():
+    from itif.batching.batchcost import _LAUNCH_CAP_MS, _overhead_coefficients
+
+    rng = np.random.default_rng(0)
+    n = 30
+    rows, reqs = rng.integers(100, 5000, n), rng.integers(4, 128, n)
+    loops, groups = rng.integers(0, 3000, n), rng.integers(0, 100, n)
+    X = np.stack([np.ones(n), rows, reqs, loops, groups], axis=1).astype(float)
+    w = np.full(n, 1.0)
+    # a plausible remainder: 2 ms fixed, 2 us a launch -- recovered as it is
+    quiet = _overhead_coefficients(X, 2.0 + 0.002 * loops, w)
+    assert quiet[0] == pytest.approx(2.0, abs=1e-6) and quiet[3] == pytest.approx(0.002, abs=1e-6)
+    # drift that happens to follow the launch count: 150 us a launch is not believed; the
+    # launch term stops at the cap and the other terms take up what they can
+    drift = _overhead_coefficients(X, 5.0 + 0.15 * loops, w)
+    assert drift[3] == pytest.approx(_LAUNCH_CAP_MS) and drift[4] <= _LAUNCH_CAP_MS
+    assert all(c >= 0 for c in drift) and drift[0] > 5.0
