@@ -39,8 +39,6 @@ them cheap, it cannot skip them. ``server.max_pending_calls`` keeps gRPC from ca
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import threading
 from contextvars import ContextVar
@@ -50,6 +48,7 @@ import grpc
 
 from itif import daemon_tiers
 from itif.errors import Overloaded
+from itif.platform import libc
 from itif.server.fairgate import FairGate
 from itif.server.handlers import wrap_handler
 
@@ -327,9 +326,7 @@ class _Trimmer:
     client that once made the server hold many replies would leave it large for good."""
 
     def __init__(self) -> None:
-        name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(name) if name else None
-        self._fn = getattr(libc, "malloc_trim", None)
+        self._fn = getattr(libc(), "malloc_trim", None)
         self._pending = False
         self._lock = threading.Lock()
 
