@@ -340,10 +340,46 @@ def requests_total(d, method: str = "Infer") -> dict:
     return out
 
 
+def server_side(d) -> dict:
+    """The daemon's own cumulative figures behind quiet's latency: the sums and counts of
+    quiet's rows' queue and compute time, of the batch sizes, and of the process's CPU time."""
+    from tests.reliability_util import metric, scrape  # noqa: PLC0415
+
+    s = scrape(d.metrics_port)
+    out = {k: metric(s, f"itif_{h}_seconds_{x}", tenant="quiet")
+           for h in ("queue", "compute") for x in ("sum", "count") for k in (f"{h}_{x}",)}
+    out.update(batch_sum=metric(s, "itif_batch_size_sum"),
+               batch_count=metric(s, "itif_batch_size_count"),
+               cpu_s=cpu_seconds(d.pid))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid``, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def breakdown(before: dict, after: dict, lat: list, seconds: float) -> dict:
+    """Where quiet's time went in one window (means, ms): waiting in its queue, in its batch
+    (start to result), and the rest (gRPC, the event loop, the client); the mean batch size
+    (all tenants) and the daemon's CPU use (cores) over the window."""
+    d = {k: after[k] - before[k] for k in after}
+    n = max(1.0, d["queue_count"])
+    queue, compute = 1e3 * d["queue_sum"] / n, 1e3 * d["compute_sum"] / n
+    mean = sum(lat) / len(lat) if lat else float("nan")
+    return {"mean ms": round(mean, 2), "queue ms": round(queue, 2),
+            "compute ms": round(compute, 2), "rest ms": round(mean - queue - compute, 2),
+            "mean batch size": round(d["batch_sum"] / max(1.0, d["batch_count"]), 1),
+            "daemon CPU cores": round(d["cpu_s"] / seconds, 2)}
+
+
 def part_quiet(d, tokens, args, out: dict) -> None:
     with d.client(tokens["quiet"]) as c:
         quiet_calls(c, 1.0)  # warm-up
+        s0, t0 = server_side(d), time.monotonic()
         idle, idle_codes = quiet_calls(c, args.seconds)
+        idle_where = breakdown(s0, server_side(d), idle, time.monotonic() - t0)
         folder = Path(tempfile.mkdtemp(prefix="flood"))
         p = helper("flood", d.addr, tokens["noisy"], "noisy", args.inflight, folder)
         try:
@@ -353,17 +389,23 @@ def part_quiet(d, tokens, args, out: dict) -> None:
                 time.sleep(0.1)
             time.sleep(1.0)
             c0 = Counter(json.loads((folder / "counts.json").read_text()))
+            s0, t0 = server_side(d), time.monotonic()
             loaded, loaded_codes = quiet_calls(c, args.seconds)
+            loaded_where = breakdown(s0, server_side(d), loaded, time.monotonic() - t0)
             c1 = Counter(json.loads((folder / "counts.json").read_text()))
         finally:
             p.kill()
             p.wait()
+    noisy = c1 - c0
     out["quiet"] = {
         "idle p50/p99 ms": [pct(idle, 50), pct(idle, 99)], "idle codes": dict(idle_codes),
         f"flood({args.inflight} in flight) p50/p99 ms": [pct(loaded, 50), pct(loaded, 99)],
         "flood quiet codes": dict(loaded_codes),
         "p99 flood/idle": round(pct(loaded, 99) / pct(idle, 99), 2),
-        "noisy codes during the window": dict(c1 - c0)}
+        "noisy codes during the window": dict(noisy),
+        "noisy OK calls/s": round(noisy["OK"] / args.seconds, 1),
+        "where quiet's time went, idle": idle_where,
+        "where quiet's time went, flood": loaded_where}
 
 
 def part_burst(d, tokens, args, out: dict) -> None:
