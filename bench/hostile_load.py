@@ -343,6 +343,7 @@ def requests_total(d, method: str = "Infer") -> dict:
 def server_side(d) -> dict:
     """The daemon's own cumulative figures behind quiet's latency: the sums and counts of
     quiet's rows' queue and compute time, of the batch sizes, and of the process's CPU time."""
+    from itif.bench.serving import process_cpu_seconds  # noqa: PLC0415
     from tests.reliability_util import metric, scrape  # noqa: PLC0415
 
     s = scrape(d.metrics_port)
@@ -350,14 +351,8 @@ def server_side(d) -> dict:
            for h in ("queue", "compute") for x in ("sum", "count") for k in (f"{h}_{x}",)}
     out.update(batch_sum=metric(s, "itif_batch_size_sum"),
                batch_count=metric(s, "itif_batch_size_count"),
-               cpu_s=cpu_seconds(d.pid))
+               cpu_s=process_cpu_seconds(d.pid))
     return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process ``pid``, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def breakdown(before: dict, after: dict, lat: list, seconds: float) -> dict:

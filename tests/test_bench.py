@@ -9,6 +9,7 @@ through the daemon.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -143,6 +144,10 @@ def test_quick_serving_sweep(quick_rows):
         assert r["completed"] > 0 and r["sent"] >= r["completed"]
         assert 0 < r["p50_ms"] <= r["p99_ms"]
         assert r["latency_ms"] == r["p50_ms"]
+        # the cores each side used while the point ran: the daemon served every call (its
+        # forwards included), the load generator sent them
+        assert 0 < r["daemon_cpu_cores"] <= os.cpu_count() + 0.5, r
+        assert 0 < r["loadgen_cpu_cores"] <= os.cpu_count() + 0.5, r
     rates = {s: sorted(r["rate_rps"] for r in serve if r["system"] == s)
              for s in ("itif", "per_tenant")}
     assert len(rates["itif"]) >= 2 and rates["itif"] == rates["per_tenant"]  # same loads
@@ -152,6 +157,9 @@ def test_quick_serving_sweep(quick_rows):
     for r in sat:
         best = max(x["throughput_rps"] for x in serve if x["system"] == r["system"])
         assert r["throughput_rps"] == best > 0
+        point = next(x for x in serve if x["system"] == r["system"]
+                     and x["throughput_rps"] == best)
+        assert r["daemon_cpu_cores"] == point["daemon_cpu_cores"]
         # one more point at 70% of this mode's own saturation; its p99 is on the row
         assert r["at_fraction"] == 0.7
         assert r["at_fraction_rate_rps"] == pytest.approx(0.7 * best, abs=0.01)

@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -123,6 +124,10 @@ class ServeDaemon:
                         f"daemon not SERVING after {timeout:.0f} s: {self.logs()[-2000:]}")
                 time.sleep(0.1)
 
+    def cpu_seconds(self) -> float | None:
+        """The daemon process's CPU time so far, all threads (Linux ``/proc``; else None)."""
+        return process_cpu_seconds(self.proc.pid) if self.proc is not None else None
+
     def upload(self, files: dict[str, Path]) -> None:
         for t, path in files.items():
             with Client(self.addr, self.tokens[t]) as c:
@@ -147,10 +152,25 @@ class ServeDaemon:
         self._log.close()
 
 
-class LoadGen:
-    """Open-loop sender over one channel to one daemon."""
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of process ``pid``, all its threads (Linux ``/proc``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, addr: str, tokens: dict[str, str], spec: BackboneSpec) -> None:
+
+class LoadGen:
+    """Open-loop sender over one channel to one daemon. With ``daemon_cpu`` (the daemon's
+    :meth:`ServeDaemon.cpu_seconds`), :meth:`send` also says how many cores the daemon and this
+    process used while it ran: a daemon at about one core is bound by its one Python
+    interpreter (gRPC, admission, the scheduler's Python), not by the device; a load generator
+    at about one core is itself the bound."""
+
+    def __init__(self, addr: str, tokens: dict[str, str], spec: BackboneSpec,
+                 daemon_cpu: Callable[[], float | None] | None = None) -> None:
+        self.daemon_cpu = daemon_cpu
         from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: PLC0415
 
         self._pb = itif_pb2
@@ -210,6 +230,7 @@ class LoadGen:
 
         futs = []
         lag = np.zeros(n)
+        cpu0 = self._cpu()
         start = clock() + 0.02
         infer = self.stub.Infer.future
         for i in range(n):
@@ -224,6 +245,7 @@ class LoadGen:
             f.add_done_callback(callback(i))
             futs.append(f)
         all_done.wait(drain_s)
+        cpu1 = self._cpu()
         for f in futs:
             f.cancel()
         all_done.wait(5.0)
@@ -238,7 +260,25 @@ class LoadGen:
                                     if ok.any() and span > 0 else 0.0),
                     p50_ms=_pct(lat, 50), p90_ms=_pct(lat, 90), p99_ms=_pct(lat, 99),
                     mean_ms=round(float(lat.mean()), 3) if lat.size else None,
-                    send_lag_p99_ms=round(float(np.percentile(lag, 99) * 1e3), 3))
+                    send_lag_p99_ms=round(float(np.percentile(lag, 99) * 1e3), 3),
+                    **_cores(cpu0, cpu1))
+
+    def _cpu(self) -> tuple[float, float, float | None]:
+        """(wall clock, this process's CPU time, the daemon's CPU time or None)."""
+        daemon = self.daemon_cpu() if self.daemon_cpu is not None else None
+        return time.perf_counter(), time.process_time(), daemon
+
+
+def _cores(before: tuple, after: tuple) -> dict:
+    """Cores used between two :meth:`LoadGen._cpu` readings: the load generator's, and the
+    daemon's when it was read."""
+    wall = after[0] - before[0]
+    if wall <= 0:
+        return {}
+    out = {"loadgen_cpu_cores": round((after[1] - before[1]) / wall, 3)}
+    if before[2] is not None and after[2] is not None:
+        out["daemon_cpu_cores"] = round((after[2] - before[2]) / wall, 3)
+    return out
 
 
 SATURATED = 0.9  # a point is saturated when it answers less than this share of the offered rate
@@ -299,7 +339,7 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
                 d.wait_ready()
                 d.upload(files)
             rng = np.random.default_rng(cfg.seed)
-            gens = [LoadGen(d.addr, tokens, spec) for d in daemons]
+            gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds) for d in daemons]
             try:
                 for mix in cfg.mixes:
                     rows += _sweep_mix(cfg, spec, mix, modes, gens, rng)
@@ -359,7 +399,9 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng) -> list[dict]:
         sat = dict(base, suite="serve_saturation", system=system, strategy=strategy,
                    requests_per_tenant=best["requests_per_tenant"], seq_len=best["seq_len"],
                    rate_rps=best["rate_rps"], throughput_rps=best["throughput_rps"],
-                   latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"])
+                   latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"],
+                   **{k: best[k] for k in ("daemon_cpu_cores", "loadgen_cpu_cores")
+                      if k in best})
         if cfg.p99_at and best["throughput_rps"] > 0:
             # p99 below saturation: Poisson arrivals at a fraction of this mode's own capacity
             rate = round(cfg.p99_at * best["throughput_rps"], 2)

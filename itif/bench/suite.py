@@ -322,7 +322,9 @@ def summary_serve(path: Path) -> int:
     for r in sat:
         print(f"  {r.get('mix')} {r['system']}: saturation {r['throughput_rps']:.1f} req/s, p99 "
               f"there {r.get('p99_ms')} ms; p99 at {r.get('at_fraction')} of it "
-              f"({r.get('at_fraction_rate_rps')} req/s): {r.get('p99_at_fraction_ms')} ms")
+              f"({r.get('at_fraction_rate_rps')} req/s): {r.get('p99_at_fraction_ms')} ms; "
+              f"CPU cores at saturation: daemon {r.get('daemon_cpu_cores')}, load generator "
+              f"{r.get('loadgen_cpu_cores')}")
     for r in bad:
         print(f"  ERROR serve/{r.get('system')}: {r.get('reason')}")
     return 0
