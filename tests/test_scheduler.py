@@ -296,6 +296,28 @@ def test_deadline_expires_while_engine_busy_and_never_runs():
         s.stop(1)
 
 
+def test_requests_that_ran_do_not_stay_in_the_deadline_heap():
+    """A ticket with a deadline far away that ran is let go (its request, result and callbacks
+    with it) long before its deadline: the heap of deadlines holds about as many entries as
+    there are queued requests. Before the fix every ticket stayed until its deadline passed."""
+    fake = FakeEngine()
+    s = make(fake, max_batch_size=8)
+    try:
+        far = time.monotonic() + 3600
+        first = None
+        for _ in range(6):  # rounds within max_queue
+            tickets = [s.submit(req("ab"[k % 2]), tokens=1, deadline=far) for k in range(100)]
+            for t in tickets:
+                check_result(t)
+            first = first or tickets[0]
+        with s._lock:
+            held = [e[2] for e in s._q.deadlines]
+        assert len(held) <= 64 + 2 * 8, len(held)
+        assert not any(t is first for t in held)  # the heap let go of the first one
+    finally:
+        s.stop(1)
+
+
 def test_deadline_expiry_by_the_loop_without_a_waiter():
     """Nobody waits on the ticket: the loop itself expires it (lazy wait longer than it)."""
     fake = FakeEngine()

@@ -143,6 +143,14 @@ class FairQueue:
         self.queued -= 1
         self.queued_tokens -= t.tokens
         self._left(t._tq, t)
+        self._compact_deadlines()
+
+    def _compact_deadlines(self) -> None:
+        """Drop the deadlines of tickets no longer queued once they outnumber the queued ones:
+        a ticket that left the queue (ran, was cancelled or expired) would otherwise stay in
+        the heap, with its request, its result and its caller's callbacks, until its deadline
+        passed (a client's 30 s deadline at 1,000 calls/s: 30,000 finished calls kept alive).
+        Amortised O(1) per ticket."""
         if len(self.deadlines) > 2 * self.queued + 64:
             self.deadlines = [e for e in self.deadlines if e[2]._state == QUEUED]
             heapq.heapify(self.deadlines)
@@ -263,4 +271,6 @@ class FairQueue:
                 heap = [(tq.tag, tq.order, tq)] if tq.depth > 0 else []
             elif tq.depth > 0:
                 heapq.heappush(heap, (tq.tag, tq.order, tq))
+        if batch:
+            self._compact_deadlines()
         return batch, dropped
