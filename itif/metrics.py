@@ -38,7 +38,9 @@ import grpc
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    GCCollector,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     start_http_server,
 )
@@ -236,6 +238,10 @@ class Metrics:
         self._gpus = _gpu_handles(self._nvml)
         self._server = None
         r.register(_StateCollector(self))
+        # the process (CPU seconds, resident bytes) and Python's garbage collector
+        # (collections by generation: itif.platform.tune_gc), as prometheus_client exports them
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
 
     # ---- HTTP endpoint ---------------------------------------------------------------------
     def serve(self, listen: str) -> tuple[str, int]:

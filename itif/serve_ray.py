@@ -62,6 +62,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon, State, TenantStatus
 from itif.errors import ItifError
+from itif.platform import tune_gc
 from itif.server.errors import http_status_of
 from itif.server.http import build_app
 from itif.server.http.common import read_body
@@ -272,6 +273,7 @@ class ItifReplica:
         cfg = load_config(config)
         self.daemon = FleetDaemon(cfg)
         self.daemon.start()
+        tune_gc()  # a serving process: itif.platform.tune_gc
         self.app = build_app(self.daemon, max_body=cfg.server.max_message_bytes)
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx is not None else "local"

@@ -129,6 +129,10 @@ def test_scrape_after_a_scripted_workload(daemon):
     assert value(s, "itif_batch_tokens_sum") == sum(
         2 * [sum(3 + k for k in range(N_ITIF)) + N_KSERVE * KSERVE_BATCH * 6])
     assert value(s, "itif_weight_store_bytes") > 0 and value(s, "itif_ready") == 1
+    # the process and Python's collector, as prometheus_client exports them
+    assert value(s, "process_cpu_seconds_total") > 0
+    assert value(s, "process_resident_memory_bytes") > 50 << 20
+    assert value(s, "python_gc_collections_total", generation="0") >= 0
     if nvml() is None:
         assert not [k for k in s if k[0].startswith("itif_gpu_")]
 
@@ -150,3 +154,17 @@ def test_config_reload_counters(daemon):
         time.sleep(0.1)
     daemon.tenant_extra = {}
     daemon.write_config()  # leave a valid file behind
+
+
+def test_the_daemon_collects_its_youngest_generation_rarely(daemon):
+    """itif.platform.tune_gc is in force in a started daemon: 600 calls make at most a few
+    youngest-generation collections (with Python's default threshold of 700, ten times as
+    many: 10 for 300 calls when measured)."""
+    tid, tok = next(iter(TOKENS.items()))
+    with daemon.client(tok) as c:
+        c.infer(tid, [1, 2, 3])
+        before = value(scrape(daemon.metrics_port), "python_gc_collections_total", generation="0")
+        for k in range(600):
+            c.infer(tid, list(range(1, 20 + k % 30)))
+        after = value(scrape(daemon.metrics_port), "python_gc_collections_total", generation="0")
+    assert after - before <= 6, (before, after)

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon
 from itif.metrics import Metrics, MetricsInterceptor
+from itif.platform import tune_gc
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server import kserve
 from itif.server.admission import Admission
@@ -93,6 +94,7 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
         loop.add_signal_handler(sig, stop.set)
 
     await asyncio.to_thread(daemon.start)
+    tune_gc()  # startup is done: what it made is frozen out of the collector's walks
     watcher = ConfigWatcher(config_path, on_change=daemon.apply_config,
                             on_error=daemon.config_failed, initial=cfg)
     watcher.start()
