@@ -187,8 +187,9 @@ def tune_gc() -> bool:
     in about 10 s, 0.09-0.31 s a full collection. Here, as many servers do: what startup made
     is frozen out of the collector's walks (``gc.freeze``, which never frees it: startup made
     no garbage worth a walk), and the youngest generation is collected every
-    :data:`GC_THRESHOLD0` allocations instead of 700, a pause of about 2 ms (calls/s at
-    saturation +17-22 %, docs/performance.md). Call it once startup is done;
+    :data:`GC_THRESHOLD0` allocations instead of 700, a pause of about 2 ms (a saturating burst:
+    a median 893 calls/s against 763, ``bench/results/cpu-serve-burst-gc-2026-11-24.json``).
+    Call it once startup is done;
     ``ITIF_GC=default`` leaves the collector as it is. Returns whether the settings are in
     force.
     """
