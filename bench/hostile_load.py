@@ -341,17 +341,17 @@ def requests_total(d, method: str = "Infer") -> dict:
 
 
 def server_side(d) -> dict:
-    """The daemon's own cumulative figures behind quiet's latency: the sums and counts of
-    quiet's rows' queue and compute time, of the batch sizes, and of the process's CPU time."""
-    from itif.bench.serving import process_cpu_seconds  # noqa: PLC0415
+    """The daemon's own cumulative figures behind quiet's latency, from its /metrics: the sums
+    and counts of quiet's rows' queue and compute time, of the batch sizes, and the process's
+    CPU time."""
     from tests.reliability_util import metric, scrape  # noqa: PLC0415
 
     s = scrape(d.metrics_port)
-    out = {k: metric(s, f"itif_{h}_seconds_{x}", tenant="quiet")
-           for h in ("queue", "compute") for x in ("sum", "count") for k in (f"{h}_{x}",)}
+    out = {f"{h}_{x}": metric(s, f"itif_{h}_seconds_{x}", tenant="quiet")
+           for h in ("queue", "compute") for x in ("sum", "count")}
     out.update(batch_sum=metric(s, "itif_batch_size_sum"),
                batch_count=metric(s, "itif_batch_size_count"),
-               cpu_s=process_cpu_seconds(d.pid))
+               cpu_s=metric(s, "process_cpu_seconds_total"))
     return out
 
 

@@ -170,9 +170,9 @@ class LoadGen:
 
     def __init__(self, addr: str, tokens: dict[str, str], spec: BackboneSpec,
                  daemon_cpu: Callable[[], float | None] | None = None) -> None:
-        self.daemon_cpu = daemon_cpu
         from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: PLC0415
 
+        self.daemon_cpu = daemon_cpu
         self._pb = itif_pb2
         opts = [("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20)]
