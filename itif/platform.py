@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -119,6 +120,14 @@ def libc():
         return None
 
 
+def _left_default(var: str, what: str) -> bool:
+    """Whether the operator opted out of a process setting with ``<var>=default`` (or 0/off)."""
+    if os.environ.get(var, "").lower() not in ("default", "0", "off"):
+        return False
+    log.info("%s=%s: %s left as it is", var, os.environ[var], what)
+    return True
+
+
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _host_malloc: dict = {"tuned": None}
@@ -144,14 +153,11 @@ def tune_host_malloc(device: torch.device | str = "cpu") -> bool:
         return bool(_host_malloc["tuned"])
     if _host_malloc["tuned"] is not None:
         return _host_malloc["tuned"]
-    import os  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
     ok = False
-    if os.environ.get("ITIF_HOST_MALLOC", "").lower() in ("default", "0", "off"):
-        log.info("ITIF_HOST_MALLOC=%s: glibc's allocator left as it is",
-                 os.environ["ITIF_HOST_MALLOC"])
-    elif sys.platform.startswith("linux"):
+    opted_out = _left_default("ITIF_HOST_MALLOC", "glibc's allocator")
+    if not opted_out and sys.platform.startswith("linux"):
         c = libc()
         try:
             c.gnu_get_libc_version  # not glibc (musl): leave it
@@ -172,9 +178,9 @@ def host_malloc() -> str:
 #: The daemon's first collector threshold (allocations of tracked objects between two
 #: youngest-generation collections; Python's default is 700).
 GC_THRESHOLD0 = 10_000
-_gc_tuned: dict = {"done": None}
 
 
+@functools.cache
 def tune_gc() -> bool:
     """A serving process's settings for Python's cyclic garbage collector (once a process).
 
@@ -193,18 +199,12 @@ def tune_gc() -> bool:
     ``ITIF_GC=default`` leaves the collector as it is. Returns whether the settings are in
     force.
     """
-    if _gc_tuned["done"] is not None:
-        return _gc_tuned["done"]
     import gc  # noqa: PLC0415
-    import os  # noqa: PLC0415
 
-    if os.environ.get("ITIF_GC", "").lower() in ("default", "0", "off"):
-        log.info("ITIF_GC=%s: the garbage collector left as it is", os.environ["ITIF_GC"])
-        _gc_tuned["done"] = False
+    if _left_default("ITIF_GC", "the garbage collector"):
         return False
     gc.collect()  # what startup left behind goes first; the rest is frozen
     gc.freeze()
     _, t1, t2 = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLD0, t1, t2)
-    _gc_tuned["done"] = True
     return True

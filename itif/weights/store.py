@@ -50,7 +50,7 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import Overloaded, TenantNotFound, shown
-from itif.platform import cupy_module
+from itif.platform import cupy_module, libc
 
 _MAPPED_BYTES = 1 << 20  # CPU buffers from this size on get a mapping of their own
 KindKey = tuple[str, tuple[int, ...]]  # (canonical name, shape)
@@ -150,9 +150,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _libc_memcmp():
     """C ``memcmp``: memory speed, stops at the first difference, runs without the GIL."""
-    try:
-        fn = ctypes.CDLL(None).memcmp
-    except (AttributeError, OSError, TypeError):  # no C library symbols in this process
+    fn = getattr(libc(), "memcmp", None)
+    if fn is None:  # no C library in this process
         return None
     fn.restype = ctypes.c_int
     fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
