@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from itif.backbones.spec import load_spec  # noqa: E402
-from itif.bench.serving import LoadGen, ServeDaemon, _free_ports, process_cpu_seconds  # noqa: E402
+from itif.bench.serving import LoadGen, ServeDaemon, _free_ports  # noqa: E402
 from itif.bench.tenants import tenant_weights, to_hf  # noqa: E402
 from itif.bench.workloads import parse_mix  # noqa: E402
 from itif.weights.safetensors_io import save_safetensors  # noqa: E402
@@ -61,9 +61,9 @@ def main(argv=None) -> int:
             warm = g.requests(mix, 300, rng)
             g.send(np.zeros(len(warm)), warm, 60, 60)
             reqs = g.requests(mix, a.calls, rng)
-            c0, t0 = process_cpu_seconds(d.proc.pid), time.perf_counter()
+            c0, t0 = d.cpu_seconds(), time.perf_counter()
             res = g.send(np.zeros(a.calls), reqs, 120, 120)
-            wall, cpu = time.perf_counter() - t0, process_cpu_seconds(d.proc.pid) - c0
+            wall, cpu = time.perf_counter() - t0, d.cpu_seconds() - c0
             g.close()
         finally:
             d.stop()
