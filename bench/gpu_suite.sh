@@ -28,6 +28,8 @@
 #   DTYPE            [float16 / float32]
 #   COMPILE_MODE     torch.compile mode of hf_compiled [max-autotune]
 #   COMPILE_BOUND    1: bound max-autotune's compile time (GEMM autotuning only) [1]; 0: full
+#   COMPILED_MODELS COMPILED_TENANTS   where hf_compiled runs [every model / every T]; the rest of
+#                    its rows are skipped as not selected (a compile costs a minute or more)
 #   MPS_MAX_TENANTS  mps only up to this tenant count (a process per tenant) [4]
 #   TESTS_TIMEOUT_S OPS_TIMEOUT_S SERVE_TIMEOUT_S   per-step caps [150 60 480 / 90 60 120]
 #   SERVE_MODEL SERVE_TENANTS SERVE_MIX SERVE_DURATION_S
@@ -122,6 +124,8 @@ SYSTEMS=${SYSTEMS:-"seq multi_stream hf hf_compiled mps itif itif_nographs"}
 STRATEGIES=${STRATEGIES:-packed}
 COMPILE_MODE=${COMPILE_MODE:-max-autotune}
 COMPILE_BOUND=${COMPILE_BOUND:-1}
+COMPILED_MODELS=${COMPILED_MODELS:-}
+COMPILED_TENANTS=${COMPILED_TENANTS:-}
 MPS_MAX_TENANTS=${MPS_MAX_TENANTS:-4}
 SERVE_MIX=${SERVE_MIX:-"uniform:2-100+zipf:1.2"}
 STEPS=${STEPS_ARG:-${STEPS:-tests,ops,profile,table}}
@@ -208,11 +212,14 @@ if has_step table; then
   TO=$(step_timeout 100000 "$RES_SERVE")
   BOUND=""; [ "$COMPILE_BOUND" = 1 ] && BOUND="--compile-bound"
   STRAT=""; [ -n "$STRATEGIES" ] && STRAT="--strategies $STRATEGIES"
+  CSEL=""
+  [ -n "$COMPILED_MODELS" ] && CSEL="--compiled-models $COMPILED_MODELS"
+  [ -n "$COMPILED_TENANTS" ] && CSEL="$CSEL --compiled-tenants $COMPILED_TENANTS"
   # the table step shares its own budget among its parts (timeout minus a margin to finish)
   run_step table "$TO" - "$PY" -m itif.bench.suite table --out-dir "$OUT" --log "$LOG" \
     --budget $((TO - 10)) --models $MODELS --tenants $TENANTS --systems $SYSTEMS $STRAT \
     --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" --compile-mode "$COMPILE_MODE" \
-    $BOUND --mps-max-tenants "$MPS_MAX_TENANTS" $QUICK $TABLE_ARGS
+    $BOUND $CSEL --mps-max-tenants "$MPS_MAX_TENANTS" $QUICK $TABLE_ARGS
 else
   say "step table: not selected (--steps $STEPS)"
 fi

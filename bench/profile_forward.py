@@ -1,12 +1,14 @@
 """Where one fused forward's time goes on a GPU: host work, graph replay, and kernels by kind.
 
-    python bench/profile_forward.py [--models bert-base ...] [--tenants 4 32] [--out OUT/profile.json]
+    python bench/profile_forward.py [--models bert-base vit-base:32 ...] [--tenants 4 32] [--out OUT/profile.json]
 
-For each model and each T (the engine holds the largest T; smaller T use its first tenants), for T
+For each model and each T (``--tenants``, or the model's own list after a colon; the engine holds
+the largest T and smaller T use its first tenants), for T
 full fine-tunes with one 128-token request each (ViT: one image each), it times
 ``Engine.infer`` with CUDA graphs on and off; the GPU time of one graph replay alone (CUDA
 events around the replay, inputs already in place); the host part (``infer`` with the forward
-replaced by a no-op); and, under ``torch.profiler``, the kernels of one eager forward summed by
+replaced by a no-op) and the host functions that take it (cProfile of ``infer`` with graphs on,
+by own time); and, under ``torch.profiler``, the kernels of one eager forward summed by
 name and by kind (GEMM, attention, itif RawKernels, other), with launches counted. It also
 reports the weight-bandwidth bound: distinct weight bytes of the batch over a measured
 device-to-device copy bandwidth.
@@ -55,6 +57,34 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def host_functions(f, n: int = 20, top: int = 12) -> list[dict]:
+    """The host functions of ``f`` by own time (cProfile, ``n`` calls): where its host part goes."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    f()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        f()
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (cc, nc, tt, ct, callers)
+    return [dict(function=f"{Path(k[0]).name}:{k[1]}({k[2]})", calls_per_run=v[1] / n,
+                 own_ms_per_run=round(v[2] / n * 1e3, 4), cum_ms_per_run=round(v[3] / n * 1e3, 4))
+            for k, v in rows]
+
+
+def parse_models(models: list[str], tenants: list[int]) -> list[tuple[str, list[int]]]:
+    """``name`` (the common ``--tenants``) or ``name:T1,T2`` (its own)."""
+    out = []
+    for m in models:
+        name, _, ts = m.partition(":")
+        out.append((name, [int(t) for t in ts.split(",")] if ts else list(tenants)))
+    return out
+
+
 def profile_one(eng, spec, T: int, dtype: str) -> dict:
     rng = np.random.default_rng(0)
     if spec.is_text:
@@ -87,6 +117,11 @@ def profile_one(eng, spec, T: int, dtype: str) -> dict:
         res["infer_host_only_ms"] = _ms(lambda: eng.infer(reqs))
     finally:
         forward.run = real
+    res["infer_not_host_not_replay_ms"] = (res["infer_graphs_ms"] - res["infer_host_only_ms"]
+                                           - res["graph_replay_gpu_ms"])
+    eng.cuda_graphs = True
+    res["host_functions"] = host_functions(lambda: eng.infer(reqs))
+    eng.cuda_graphs = False
     # kernels of one eager forward
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
@@ -99,7 +134,8 @@ def profile_one(eng, spec, T: int, dtype: str) -> dict:
     for ev in prof.events():
         if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and ev.name and (
                 "memcpy" not in ev.name.lower() and "memset" not in ev.name.lower()):
-            kernels.setdefault(ev.name, []).append(getattr(ev, "device_time_total", 0.0))
+            us = getattr(ev, "device_time_total", 0.0) or ev.time_range.elapsed_us()
+            kernels.setdefault(ev.name, []).append(us)
     by_kind: dict[str, dict] = {}
     for name, ts in kernels.items():
         k = by_kind.setdefault(kind_of(name), {"us": 0.0, "launches": 0})
@@ -133,14 +169,18 @@ def main() -> int:
         print("profile_forward: SKIPPED (no CUDA: this profiles the GPU path)")
         return 0
     rows = []
-    for model in args.models:
+    for model, tenants in parse_models(args.models, args.tenants):
         spec = load_spec(model)
         eng = itif.Engine(spec, device="cuda", dtype=args.dtype)
-        for i in range(max(args.tenants)):
+        for i in range(max(tenants)):
             eng.add_tenant(f"t{i}", tenant_weights(spec, i))
-        for T in args.tenants:
-            r = profile_one(eng, spec, T, args.dtype)
-            print(json.dumps({k: v for k, v in r.items() if k != "top_kernels"}), flush=True)
+        for T in tenants:
+            try:
+                r = profile_one(eng, spec, T, args.dtype)
+            except Exception as e:  # noqa: BLE001 - keep the other rows; say what broke
+                r = dict(model=spec.name, tenants=T, error=f"{type(e).__name__}: {e}")
+            print(json.dumps({k: v for k, v in r.items()
+                              if k not in ("top_kernels", "host_functions")}), flush=True)
             rows.append(r)
             if args.out:  # after every row: a timeout still leaves what was measured
                 Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")

@@ -210,3 +210,21 @@ def test_bad_pixels_are_clear_errors(hf_factory):
         eng.infer([itif.Request("v", pixel_values=np.full((3, 32, 32), np.nan))])
     with pytest.raises(itif.InvalidRequest, match="not input_ids"):
         eng.infer([itif.Request("v", input_ids=[1, 2])])
+    # one non-finite value anywhere in a batch is found, and its request named
+    rng = np.random.default_rng(0)
+    good = rng.standard_normal((3, 32, 32)).astype(np.float32)
+    for bad_value, at in ((np.inf, (0, 0, 0)), (-np.inf, (2, 31, 31)), (np.nan, (1, 7, 9))):
+        bad = good.copy()
+        bad[at] = bad_value
+        with pytest.raises(itif.InvalidRequest, match=r"request 2: .*NaN or Inf"):
+            eng.infer([itif.Request("v", pixel_values=good)] * 2
+                      + [itif.Request("v", pixel_values=bad)])
+    # other numeric dtypes are read as float32, as a float32 request is
+    want = eng.infer([itif.Request("v", pixel_values=good)])[0].logits
+    for px in (good.astype(np.float64), good.tolist()):
+        np.testing.assert_array_equal(eng.infer([itif.Request("v", pixel_values=px)])[0].logits,
+                                      want)
+    ints = np.arange(3 * 32 * 32, dtype=np.int64).reshape(3, 32, 32) % 5
+    np.testing.assert_array_equal(
+        eng.infer([itif.Request("v", pixel_values=ints)])[0].logits,
+        eng.infer([itif.Request("v", pixel_values=ints.astype(np.float32))])[0].logits)

@@ -260,3 +260,33 @@ def test_cuda_graphs_of_engines_replayed_concurrently_stay_right(preset):
             for t in engines:
                 assert np.array_equal(got[t], want[t]), t
     assert all(e._graphs.replays >= 20 for e in engines.values())
+
+
+def _pixels_used_in_place(device: str) -> None:
+    eng = _engine("vit-tiny", 2, device=device, dtype="float32")
+    rng = np.random.default_rng(5)
+    reqs = [itif.Request(f"t{i % 2}", pixel_values=rng.standard_normal((3, 32, 32)))
+            for i in range(3)]  # float64: read as float32 once, into the batch's buffer
+    view = eng.store.view
+    names = eng._batch_tenants(view, [r.tenant for r in reqs])
+    inputs = eng._validate(reqs, names, view, pin=device == "cuda")
+    assert inputs.pixels.is_pinned() == (device == "cuda")
+    np.testing.assert_array_equal(inputs.pixels.numpy(),
+                                  np.stack([r.pixel_values for r in reqs]).astype(np.float32))
+    layout = eng.plan(inputs.tenant_idx, inputs.lengths)
+    b = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+                eng.dtype, pixels=inputs.pixels, cache=eng._structures)
+    assert b.host_floats.data_ptr() == inputs.pixels.data_ptr()  # no second host copy
+    again = eng._validate(reqs, names, view, pin=device == "cuda")
+    b2 = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+                 eng.dtype, pixels=again.pixels, cache=eng._structures)  # the cached structure
+    assert b2.host_floats.data_ptr() == again.pixels.data_ptr()
+
+
+def test_engine_pixel_buffer_is_the_batch_buffer_cpu():
+    _pixels_used_in_place("cpu")
+
+
+@pytest.mark.gpu
+def test_engine_pixel_buffer_is_the_pinned_batch_buffer_cuda():
+    _pixels_used_in_place("cuda")

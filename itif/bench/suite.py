@@ -50,9 +50,15 @@ def _log(log: Path | None, line: str) -> None:
 
 
 # ---- table ----------------------------------------------------------------------------------
+def _compiled_tenants(a) -> list[int]:
+    """The tenant counts of the hf_compiled parts (``--compiled-tenants``, else ``--tenants``)."""
+    return [t for t in a.tenants if t in a.compiled_tenants] if a.compiled_tenants else a.tenants
+
+
 def _bench_cmd(a, models: list[str], systems: list[str], out: Path) -> list[str]:
+    tenants = _compiled_tenants(a) if systems == ["hf_compiled"] else a.tenants
     cmd = [sys.executable, "-m", "itif", "bench", "--suites", "table", "--models", *models,
-           "--tenants", *map(str, a.tenants), "--systems", *systems, "--repeats", str(a.repeats),
+           "--tenants", *map(str, tenants), "--systems", *systems, "--repeats", str(a.repeats),
            "--device", a.device, "--dtype", a.dtype, "--no-plots", "--out", str(out)]
     if a.strategies:
         cmd += ["--strategies", *a.strategies]
@@ -65,6 +71,10 @@ def _bench_cmd(a, models: list[str], systems: list[str], out: Path) -> list[str]
     if a.quick:
         cmd.append("--quick")
     return cmd
+
+
+def _part_tenants(a, kind: str) -> list[int]:
+    return _compiled_tenants(a) if kind == "compiled" else a.tenants
 
 
 def _run(cmd: list[str], err, timeout: float) -> tuple[int | None, bool]:
@@ -144,9 +154,25 @@ def table(a) -> int:
     work = Path(tempfile.mkdtemp(prefix="itif-suite-"))
     groups = [list(a.models)] if a.one_part else [[m] for m in a.models]
     plan = [("main", ms, main_systems) for ms in groups if main_systems]
-    plan += [("compiled", ms, ["hf_compiled"]) for ms in groups if compiled]
     parts: list[tuple[Path, list[dict]]] = []
     status = dict(ok=0, timeout=0, failed=0, skipped=0)
+    if compiled:
+        # hf_compiled runs where selected (--compiled-models, --compiled-tenants); the other rows
+        # of the table say so
+        chosen = [m for m in a.models if not a.compiled_models or m in a.compiled_models]
+        plan += [("compiled", ms, ["hf_compiled"])
+                 for ms in ([chosen] if a.one_part else [[m] for m in chosen]) if ms]
+        ct = _compiled_tenants(a)
+        left_out = [r for r in _missing_rows([], a.models, a.tenants, ["hf_compiled"], strategies,
+                                             "", "skipped")
+                    if r["model"] not in chosen or r["tenants"] not in ct]
+        for r in left_out:
+            r["reason"] = ("not selected for this run (--compiled-models "
+                           f"{' '.join(chosen)}, --compiled-tenants {' '.join(map(str, ct))})")
+        if left_out:
+            path = work / "compiled-not-selected.json"
+            parts.append((path, left_out))
+            _log(log, f"  SKIPPED hf_compiled ({len(left_out)} rows): {left_out[0]['reason']}")
     for k, (kind, models, syst) in enumerate(plan):
         left = t_end - time.monotonic() - MERGE_RESERVE_S
         later = plan[k + 1:]
@@ -174,8 +200,8 @@ def table(a) -> int:
         if timeout < (a.compiled_min if kind == "compiled" else 20.0):
             reason = (f"not run: {max(0.0, left):.0f} s of the suite's time budget left "
                       f"(--budget {a.budget:.0f} s)")
-            parts.append((path, _missing_rows([], models, a.tenants, syst, strategies, reason,
-                                              "skipped")))
+            parts.append((path, _missing_rows([], models, _part_tenants(a, kind), syst,
+                                              strategies, reason, "skipped")))
             _log(log, f"  SKIPPED {label}: {reason}")
             status["skipped"] += 1
             continue
@@ -190,16 +216,18 @@ def table(a) -> int:
         if timed_out:
             reason = (f"timed out: {label} ran past its {timeout:.0f} s share of the suite's "
                       f"time budget" + (" (compiling)" if kind == "compiled" else ""))
-            extra = _missing_rows(rows, models, a.tenants, syst, strategies, reason, "skipped")
+            extra = _missing_rows(rows, models, _part_tenants(a, kind), syst, strategies, reason,
+                                  "skipped")
             _log(log, f"  SKIPPED {label}: {reason}; {len(rows)} rows kept")
             status["timeout"] += 1
         elif rc != 0:
             reason = f"{label} exited {rc} (see bench.log)"
-            extra = _missing_rows(rows, models, a.tenants, syst, strategies, reason, "error")
+            extra = _missing_rows(rows, models, _part_tenants(a, kind), syst, strategies, reason,
+                                  "error")
             _log(log, f"  ERROR {label}: {reason}")
             status["failed"] += 1
         else:
-            extra = _missing_rows(rows, models, a.tenants, syst, strategies,
+            extra = _missing_rows(rows, models, _part_tenants(a, kind), syst, strategies,
                                   f"{label} wrote no row for it", "error")
             status["ok"] += 1
         _log(log, f"  part {label}: {'timeout' if timed_out else f'rc {rc}'}, {len(rows)} rows, "
@@ -362,6 +390,10 @@ def main(argv=None) -> int:
     t.add_argument("--dtype", default="auto")
     t.add_argument("--compile-mode", default="max-autotune")
     t.add_argument("--compile-bound", action="store_true")
+    t.add_argument("--compiled-models", nargs="+",
+                   help="models whose hf_compiled part runs (default: every --models)")
+    t.add_argument("--compiled-tenants", nargs="+", type=int,
+                   help="tenant counts of the hf_compiled parts (default: every --tenants)")
     t.add_argument("--mps-max-tenants", type=int)
     t.add_argument("--quick", action="store_true")
     t.add_argument("--one-part", action="store_true",

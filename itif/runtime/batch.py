@@ -316,7 +316,7 @@ def prepare(
     dtype: torch.dtype,
     ids: np.ndarray | None = None,
     types: np.ndarray | None = None,
-    pixels: np.ndarray | None = None,
+    pixels: np.ndarray | torch.Tensor | None = None,
     want_pooled: bool = True,
     want_logits: bool = True,
     want_hidden: bool = False,
@@ -326,7 +326,7 @@ def prepare(
     seen before reuses it and only repacks its inputs.
 
     ids/types: concatenation of every request's tokens in request order ([sum(length)] int64);
-    pixels: [n, C, H, W] float32 (vit).
+    pixels: [n, C, H, W] float32 (vit); the engine passes its pinned buffer, used in place.
     """
     T = layout.total_rows
     n = layout.num_requests
@@ -433,7 +433,13 @@ def _pack_head(pk: Packer, name: str, tsub: np.ndarray, bias_table: np.ndarray,
     pk.add(name + ".bias_slots", bias_table[tsub])
 
 
-def _pixels_host(pixels: np.ndarray, device: torch.device) -> torch.Tensor:
+def _pixels_host(pixels: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The pixels as one flat float32 host tensor, pinned for a CUDA upload: the engine's own
+    validated buffer as it is, anything else copied once."""
+    if (isinstance(pixels, torch.Tensor) and pixels.dtype == torch.float32
+            and pixels.device.type == "cpu" and pixels.is_contiguous()
+            and (device.type != "cuda" or pixels.is_pinned())):
+        return pixels.view(-1)
     flat = np.asarray(pixels, np.float32).reshape(-1)
     floats = torch.empty(flat.size, dtype=torch.float32, pin_memory=device.type == "cuda")
     floats.numpy()[:] = flat
