@@ -347,6 +347,38 @@ def test_gpu_report_section_and_splice():
     assert "200 / 1" in new and "400 / 400" in new
 
 
+def test_gpu_report_profile_generate_and_extra_tables():
+    from itif.bench import gpu_report
+
+    prof = [dict(model="vit-base", tenants=32, infer_graphs_ms=9.5, graph_replay_gpu_ms=4.4,
+                 infer_host_only_ms=4.1, weight_bound_fraction_gpu=0.42,
+                 eager_kernel_us_by_kind=dict(gemm=dict(us=2885.2, launches=50)),
+                 host_functions=[dict(function="~:0(<method 'cpu' of 'torch._C.TensorBase'>)",
+                                      own_ms_per_run=4.5),
+                                 dict(function="engine.py:415(_validate_pixels)",
+                                      own_ms_per_run=2.51)]),
+            dict(model="bert-base", tenants=4, error="RuntimeError: boom")]
+    gen = dict(meta=dict(device="NVIDIA H100", dtype="float32", date="d",
+                         settings=dict(preset="marian-decoding", tenants=8, beams=4)),
+               rows=[dict(system="itif", tokens_per_s=3531.69, speedup_vs_hf=4.646,
+                          sequences_equal_hf=32, sequences=32)])
+    extra = dict(meta=dict(date="d2", device="NVIDIA H100", dtype="float16"),
+                 rows=[dict(suite="table", model="vit-base", tenants=4, system=s, status="ok",
+                            strategy="packed" if s == "itif" else None, latency_ms=ms,
+                            **({"speedup_vs_seq": 2.73, "speedup_vs_hf_compiled": 2.6}
+                               if s == "itif" else {}))
+                       for s, ms in (("seq", 5.64), ("hf_compiled", 5.38), ("itif", 2.07))])
+    out = gpu_report.render(None, None, profiles=[("R/profile-after.json", prof)],
+                            generate=("R/generate.json", gen),
+                            extra_tables=[("R/compiled.json", extra)])
+    assert "No GPU results yet" not in out
+    assert ("| profile-after | vit-base | 32 | 9.5 | 4.4 | 4.1 | 2885 (50) | – | – | – | 42% | "
+            "`engine.py:415(_validate_pixels)` 2.51 ms |") in out  # the sync itself is skipped
+    assert "| profile-after | bert-base | 4 | error: RuntimeError: boom |" in out
+    assert "| itif | 3531.7 | 4.65× | 32/32 |" in out and "marian-decoding, 8 tenants" in out
+    assert "| vit-base | 4 | 5.64 | 5.38 | 2.07 | 2.73× | 2.60× |" in out
+
+
 # ---- weights and workloads ---------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["bert-tiny", "albert-tiny", "vit-tiny"])
 @pytest.mark.parametrize("fine_tune", ["full", "head", "last:1"])

@@ -4,6 +4,11 @@
         --into docs/gpu.md          # replaces the section between the markers of docs/gpu.md
     python -m itif.bench.gpu_report OUT/table.json > section.md          # or print it
 
+More results of the same session render below the table: ``--extra-table`` (a table.json of
+another call, e.g. hf_compiled where the main call left no time), ``--profile`` (profile.json of
+``bench/profile_forward.py``: where a forward's time goes) and ``--generate`` (generate.json of
+``bench/bench_generate.py``).
+
 ``OUT`` is what ``bench/gpu_suite.sh OUT`` wrote. The section goes between
 ``<!-- gpu-results:begin -->`` and ``<!-- gpu-results:end -->``; the rest of the page is hand
 written. :func:`diagnostics` (launches, the weight bound, the float32 check, CUDA graphs on/off)
@@ -170,6 +175,7 @@ def ops_section(ops: dict) -> list[str]:
     out = ["### Table 5.3: per-op times, SEQ vs fused\n"]
     sh = ops.get("shapes", {})
     out.append(f"`bench/bench_ops.py` on {ops.get('device')} ({ops.get('dtype')}), "
+               f"{ops.get('when', 'undated')}, "
                f"{sh.get('tenants')} tenants x {sh.get('tokens_per_tenant')} tokens, hidden "
                f"{sh.get('hidden')}, FFN {sh.get('ffn')}; {ops.get('timing', {}).get('method')}"
                + (" (**reduced CPU pass**)" if ops.get("reduced_cpu_pass") else "") + ".\n")
@@ -220,15 +226,81 @@ def serve_section(doc: dict) -> list[str]:
     return out
 
 
+def _link(path: str, doc_dir: Path) -> str:
+    return f"[`{path}`]({os.path.relpath(path, doc_dir)})"
+
+
+def extra_table_section(doc: dict, path: str, doc_dir: Path) -> list[str]:
+    """The latency table of another call of the session (its own baselines beside it)."""
+    meta, rows = doc["meta"], doc["rows"]
+    systems = sorted({r["system"] for r in rows if r.get("status") == "ok"})
+    return [f"### Another call: {', '.join(dict.fromkeys(r['model'] for r in rows))} "
+            f"({', '.join(systems)})\n",
+            f"{meta.get('date')}, {meta.get('device')}, {meta.get('dtype')}; result "
+            f"{_link(path, doc_dir)}.\n", latency_table(rows) + "\n"]
+
+
+def _kind_us(r: dict, kind: str) -> str:
+    k = r.get("eager_kernel_us_by_kind", {}).get(kind)
+    return "–" if not k else f"{k['us']:.0f} ({k['launches']})"
+
+
+def profile_section(docs: list[tuple[str, list]], doc_dir: Path) -> list[str]:
+    """Where the fused forward's time goes (``bench/profile_forward.py``), one row per run."""
+    out = ["### Where the fused forward's time goes\n",
+           "`bench/profile_forward.py`, one 128-token request (ViT: one image) per tenant, "
+           "medians of back-to-back calls: `infer` with CUDA graphs; the GPU time of the graph "
+           "replay alone; `infer` with the forward replaced by a no-op (validation, planning, "
+           "the copies in and out); the kernels of one eager forward by kind, µs (launches); "
+           "the host function with the most own time. Results: "
+           + ", ".join(_link(p, doc_dir) for p, _ in docs) + ".\n"]
+    body = []
+    for path, rows in docs:
+        run = Path(path).stem
+        for r in rows:
+            if "error" in r:
+                body.append([run, r["model"], r["tenants"], f"error: {r['error']}"] + ["–"] * 8)
+                continue
+            top = next((h for h in r.get("host_functions", [])
+                        if "method 'cpu'" not in h["function"]), None)
+            body.append([run, r["model"], r["tenants"], _ms(r["infer_graphs_ms"]),
+                         _ms(r["graph_replay_gpu_ms"]), _ms(r["infer_host_only_ms"]),
+                         _kind_us(r, "gemm"), _kind_us(r, "itif_rawkernel"),
+                         _kind_us(r, "attention"), _kind_us(r, "other"),
+                         f"{100 * r['weight_bound_fraction_gpu']:.0f}%",
+                         "–" if top is None else
+                         f"`{top['function']}` {top['own_ms_per_run']:.2f} ms"])
+    out.append(_table(["run", "model", "tenants", "infer ms", "replay GPU ms", "host only ms",
+                       "GEMM µs", "itif kernels µs", "attention µs", "other µs",
+                       "weight bound / replay", "top host function"], body) + "\n")
+    return out
+
+
+def generate_section(doc: dict, path: str, doc_dir: Path) -> list[str]:
+    meta, st = doc["meta"], doc["meta"].get("settings", {})
+    out = ["### Generation (the thesis' Decoding row)\n",
+           f"`bench/bench_generate.py` on {meta.get('device')} ({meta.get('dtype')}), "
+           f"{meta.get('date')}: {st.get('preset')}, {st.get('tenants')} tenants x "
+           f"{st.get('requests_per_tenant')} requests, beam {st.get('beams')}, "
+           f"{st.get('src_len')} source tokens, {st.get('new_tokens')} new; best of "
+           f"{st.get('repeats')}; result {_link(path, doc_dir)}.\n"]
+    out.append(_table(["system", "tokens/s", "vs HF generate", "sequences equal to HF"],
+                      [[r["system"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_hf']:.2f}×",
+                        f"{r['sequences_equal_hf']}/{r['sequences']}"]
+                       for r in doc.get("rows", [])]) + "\n")
+    return out
+
+
 def render(table_doc: dict | None, table_path: str | None, ops: dict | None = None,
-           serve: dict | None = None, doc_dir: Path = Path("docs")) -> str:
+           serve: dict | None = None, doc_dir: Path = Path("docs"),
+           extra_tables: list[tuple[str, dict]] = (), profiles: list[tuple[str, list]] = (),
+           generate: tuple[str, dict] | None = None) -> str:
     out = [BEGIN, "<!-- generated by `python -m itif.bench.gpu_report`; do not edit by hand -->",
            ""]
     if table_doc is not None:
         meta, rows = table_doc["meta"], table_doc["rows"]
         v = meta.get("versions", {})
-        link = (f"[`{table_path}`]({os.path.relpath(table_path, doc_dir)})" if table_path
-                else "")
+        link = _link(table_path, doc_dir) if table_path else ""
         out.append(f"## Results: {meta.get('device')}, {meta.get('dtype')}\n")
         out.append(f"{meta.get('date')}; torch {v.get('torch')}, CUDA {v.get('cuda')}, "
                    f"transformers {v.get('transformers')}; {meta.get('cpu_count')} CPU cores; "
@@ -248,12 +320,18 @@ def render(table_doc: dict | None, table_path: str | None, ops: dict | None = No
             out.append("### Not run\n")
             out.append(_table(["system", "status", "rows", "reason"],
                               [[s, st, n, re_] for (s, st, re_), n in why.items()]) + "\n")
+    for path, doc in extra_tables:
+        out += extra_table_section(doc, path, doc_dir)
+    if profiles:
+        out += profile_section(list(profiles), doc_dir)
+    if generate is not None:
+        out += generate_section(generate[1], generate[0], doc_dir)
     if ops is not None:
         out += ops_section(ops)
         out.append("")
     if serve is not None:
         out += serve_section(serve)
-    if table_doc is None and ops is None and serve is None:
+    if table_doc is None and ops is None and serve is None and not profiles and not generate:
         out.append("> **No GPU results yet.** Run `bench/gpu_suite.sh OUT` on a GPU machine, "
                    "then `python -m itif.bench.gpu_report OUT/table.json --ops OUT/ops.json "
                    "--into docs/gpu.md`.\n")
@@ -283,8 +361,14 @@ def main(argv=None) -> int:
     p.add_argument("--serve", help="OUT/serve.json (the serving step)")
     p.add_argument("--into", help="a page with the gpu-results markers to update in place")
     p.add_argument("--doc-dir", default="docs", help="where the page lives (for links)")
+    p.add_argument("--extra-table", nargs="+", default=[],
+                   help="table.json of other calls of the session, each as its own table")
+    p.add_argument("--profile", nargs="+", default=[], help="profile.json of profile_forward.py")
+    p.add_argument("--generate", help="generate.json of bench_generate.py")
     a = p.parse_args(argv)
-    section = render(_load(a.table), a.table, _load(a.ops), _load(a.serve), Path(a.doc_dir))
+    section = render(_load(a.table), a.table, _load(a.ops), _load(a.serve), Path(a.doc_dir),
+                     [(x, _load(x)) for x in a.extra_table], [(x, _load(x)) for x in a.profile],
+                     (a.generate, _load(a.generate)) if a.generate else None)
     if a.into:
         page = Path(a.into)
         page.write_text(splice(page.read_text() if page.exists() else "", section))

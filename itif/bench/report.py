@@ -86,9 +86,9 @@ def render(doc: dict, result_path: str, doc_dir: Path) -> str:
         f"load average at the start {meta.get('load_average')}; result "
         f"[`{result_path}`]({os.path.relpath(result_path, doc_dir)}).\n")
     if not gpu:
-        add("> **The GPU figures are still to be measured.** This run is on the CPU. The thesis "
-            f"measured an {THESIS_DEVICE}: compare the ratios (IMP, speedups), not the "
-            "milliseconds. On a GPU run `itif bench` and regenerate this page.\n")
+        add("> **This run is on the CPU.** The GPU runs (an H100: Table 5.2 for every system, "
+            "where the time goes, generation) are in [gpu.md](gpu.md). The thesis measured an "
+            f"{THESIS_DEVICE}: compare the ratios (IMP, speedups), not the milliseconds.\n")
     if s.get("quick"):
         add("> This is a `--quick` run (tiny presets, few repeats): a smoke test of the pipeline, "
             "not a measurement.\n")
