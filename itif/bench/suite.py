@@ -50,13 +50,16 @@ def _log(log: Path | None, line: str) -> None:
 
 
 # ---- table ----------------------------------------------------------------------------------
-def _compiled_tenants(a) -> list[int]:
-    """The tenant counts of the hf_compiled parts (``--compiled-tenants``, else ``--tenants``)."""
-    return [t for t in a.tenants if t in a.compiled_tenants] if a.compiled_tenants else a.tenants
+def _part_tenants(a, kind: str) -> list[int]:
+    """The tenant counts of a part: ``--tenants``, narrowed by ``--compiled-tenants`` for the
+    hf_compiled parts."""
+    if kind == "compiled" and a.compiled_tenants:
+        return [t for t in a.tenants if t in a.compiled_tenants]
+    return a.tenants
 
 
-def _bench_cmd(a, models: list[str], systems: list[str], out: Path) -> list[str]:
-    tenants = _compiled_tenants(a) if systems == ["hf_compiled"] else a.tenants
+def _bench_cmd(a, models: list[str], systems: list[str], tenants: list[int],
+               out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "itif", "bench", "--suites", "table", "--models", *models,
            "--tenants", *map(str, tenants), "--systems", *systems, "--repeats", str(a.repeats),
            "--device", a.device, "--dtype", a.dtype, "--no-plots", "--out", str(out)]
@@ -71,10 +74,6 @@ def _bench_cmd(a, models: list[str], systems: list[str], out: Path) -> list[str]
     if a.quick:
         cmd.append("--quick")
     return cmd
-
-
-def _part_tenants(a, kind: str) -> list[int]:
-    return _compiled_tenants(a) if kind == "compiled" else a.tenants
 
 
 def _run(cmd: list[str], err, timeout: float) -> tuple[int | None, bool]:
@@ -162,7 +161,7 @@ def table(a) -> int:
         chosen = [m for m in a.models if not a.compiled_models or m in a.compiled_models]
         plan += [("compiled", ms, ["hf_compiled"])
                  for ms in ([chosen] if a.one_part else [[m] for m in chosen]) if ms]
-        ct = _compiled_tenants(a)
+        ct = _part_tenants(a, "compiled")
         left_out = [r for r in _missing_rows([], a.models, a.tenants, ["hf_compiled"], strategies,
                                              "", "skipped")
                     if r["model"] not in chosen or r["tenants"] not in ct]
@@ -195,17 +194,18 @@ def table(a) -> int:
             if timeout < a.compiled_min:
                 timeout = left
         name = "-".join(models)
+        tenants = _part_tenants(a, kind)
         path = work / f"{kind}-{name}.json"
         label = f"table/{kind} {' '.join(models)} ({' '.join(syst)})"
         if timeout < (a.compiled_min if kind == "compiled" else 20.0):
             reason = (f"not run: {max(0.0, left):.0f} s of the suite's time budget left "
                       f"(--budget {a.budget:.0f} s)")
-            parts.append((path, _missing_rows([], models, _part_tenants(a, kind), syst,
+            parts.append((path, _missing_rows([], models, tenants, syst,
                                               strategies, reason, "skipped")))
             _log(log, f"  SKIPPED {label}: {reason}")
             status["skipped"] += 1
             continue
-        cmd = _bench_cmd(a, models, syst, path)
+        cmd = _bench_cmd(a, models, syst, tenants, path)
         t0 = time.monotonic()
         with open(bench_log, "a") as err:
             err.write(f"\n==== {label}: {' '.join(cmd)} (timeout {timeout:.0f} s)\n")
@@ -216,18 +216,18 @@ def table(a) -> int:
         if timed_out:
             reason = (f"timed out: {label} ran past its {timeout:.0f} s share of the suite's "
                       f"time budget" + (" (compiling)" if kind == "compiled" else ""))
-            extra = _missing_rows(rows, models, _part_tenants(a, kind), syst, strategies, reason,
+            extra = _missing_rows(rows, models, tenants, syst, strategies, reason,
                                   "skipped")
             _log(log, f"  SKIPPED {label}: {reason}; {len(rows)} rows kept")
             status["timeout"] += 1
         elif rc != 0:
             reason = f"{label} exited {rc} (see bench.log)"
-            extra = _missing_rows(rows, models, _part_tenants(a, kind), syst, strategies, reason,
+            extra = _missing_rows(rows, models, tenants, syst, strategies, reason,
                                   "error")
             _log(log, f"  ERROR {label}: {reason}")
             status["failed"] += 1
         else:
-            extra = _missing_rows(rows, models, _part_tenants(a, kind), syst, strategies,
+            extra = _missing_rows(rows, models, tenants, syst, strategies,
                                   f"{label} wrote no row for it", "error")
             status["ok"] += 1
         _log(log, f"  part {label}: {'timeout' if timed_out else f'rc {rc}'}, {len(rows)} rows, "
