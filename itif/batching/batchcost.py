@@ -70,14 +70,18 @@ from itif.runtime.gemm import (
 
 log = logging.getLogger("itif.batching")
 
-_FORMAT_VERSION = 3  # 2: the CPU kernel's table; 3: launch costs capped
+_FORMAT_VERSION = 4  # 2: the CPU kernel's table; 3: launch costs capped; 4: attention lengths 12-31
 KINDS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 MODES = ("view", "seg2", "seg4", "gather")  # per-row parameters of the memory-bound ops
 
 _MM_ROWS = (1, 4, 16, 64, 256, 1024, 4096)
 _GRP_ROWS = (16, 128, 1024, 4096)
 _GRP_SEGS = (2, 4, 16, 64)
-_ATT_LENS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # 512: BERT's longest sequence
+# Attention lengths (512: BERT's longest sequence). Not powers of two alone: PyTorch's CPU flash
+# attention runs a length of whole 16-row blocks fast and a partial block slowly (bert-tiny, 31
+# sequences, one thread: 0.09 ms at L=8, 0.28 at 15, 0.09 at 16, 0.28 at 24, 0.24 at 32), so
+# interpolating between 8, 16 and 32 priced a batch of 9-15-token requests at half its cost.
+_ATT_LENS = (2, 4, 8, 12, 15, 16, 24, 31, 32, 64, 128, 256, 512)
 _ATT_NS = (1, 8, 32)
 _MEM_ROWS = (16, 128, 1024, 8192)
 _KERN_SEGS = (1, 2, 4, 16, 64)  # the CPU kernel (cpu_gemm): segments of distinct weights ...

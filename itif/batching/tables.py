@@ -36,20 +36,23 @@ def _elementwise_min(a, b):
     return np.minimum(np.asarray(a, np.float64), np.asarray(b, np.float64)).tolist()
 
 
-def _suffix_min(table) -> list:
-    """Each point becomes the cheapest of itself and every larger point, along every axis:
-    stalls only add time, and a bigger shape never costs less (``costmodel``'s repair)."""
+def _suffix_min(table, axes=None) -> list:
+    """Each point becomes the cheapest of itself and every larger point, along ``axes`` (all
+    by default): stalls only add time, and along those axes a bigger shape never costs less
+    (``costmodel``'s repair)."""
     a = np.asarray(table, np.float64)
-    for axis in range(a.ndim):
+    for axis in range(a.ndim) if axes is None else axes:
         a = np.flip(np.minimum.accumulate(np.flip(a, axis), axis=axis), axis)
     return a.tolist()
 
 
 def _repair(t: dict) -> dict:
     out = dict(t)
-    for name in ("mm", "bmm", "grouped", "loop", "kernel", "attn", "mem", "emb"):
+    for name in ("mm", "bmm", "grouped", "loop", "kernel", "mem", "emb"):
         if name in t:
             out[name] = {k: _suffix_min(v) for k, v in t[name].items()}
+    if "attn" in t:  # over sequences only: see _ATT_LENS in batchcost (a longer L can be cheaper)
+        out["attn"] = {k: _suffix_min(v, axes=(1,)) for k, v in t["attn"].items()}
     return out
 
 
