@@ -130,7 +130,9 @@ class AttnGroup:
 
     View form (``rows is None``): the requests sit at stride L from row ``start``, so Q/K/V are
     views of the token buffer. Gather form: ``rows`` [n, L] lists each sequence's rows (padding
-    positions point at row 0 and are masked), ``valid`` the flat positions of real tokens in
+    positions point at the sequence's own first row and are masked: a masked key still reaches
+    the output as 0 x its value, NaN where that value is not finite, so it must be the
+    request's own), ``valid`` the flat positions of real tokens in
     [n*L] and ``dest`` their rows, so results scatter back without touching other rows.
     ``key_mask`` [n, 1, 1, L] bool marks real keys; None when every sequence fills all L rows.
     """
@@ -142,6 +144,25 @@ class AttnGroup:
     valid: torch.Tensor | None = None
     dest: torch.Tensor | None = None
     key_mask: torch.Tensor | None = None
+
+
+#: PyTorch's CPU flash attention (torch 2.13) runs a key length in whole blocks of 16 rows fast
+#: and the rows of a partial block slowly: 32 sequences, 12 heads of 32, one thread, on this
+#: project's 2-core EPYC: 0.34 ms at 16 keys, 1.43 at 15 (the query length does not matter: 15
+#: queries over 16 keys, one masked, 0.38 ms). Padding the keys costs a copy of K and V, which
+#: ate most of the gain beyond the first block (``bench/cpu_attention.py``: 24-63 keys 0.65-1.13x
+#: of the op as it was, 8-12 up to 1.29x), and, for a group without a key mask, a new one,
+#: which made those slower or no faster (1 sequence of 13-15 rows 1.3x, 8-128 sequences
+#: 0.85-1.0x; measured while the rule still covered them). Masked groups of 13-15 rows of 8
+#: or more sequences: 0.39-0.72x in every measured shape (1 sequence: 1.03-1.08x).
+CPU_ROUND_UP = range(13, 16)
+
+
+def cpu_attention_len(L: int, masked: bool = True) -> int:
+    """The key length a CPU attention call over sequences of ``L`` rows runs at: 16 for a
+    masked group with ``L`` in :data:`CPU_ROUND_UP` (the added keys zero and masked; queries
+    stay at ``L``), else ``L``. ``python bench/cpu_attention.py`` compares the op both ways."""
+    return 16 if masked and L in CPU_ROUND_UP else L
 
 
 def attention(
@@ -160,11 +181,19 @@ def attention(
     scale = 1.0 / math.sqrt(d)
     for g in groups:
         if g.rows is None:
-            block = qkv[g.start : g.start + g.n * g.L].view(g.n, g.L, 3, heads, d)
+            block = qkv[g.start : g.start + g.n * g.L].view(g.n, g.L, H3)
         else:
-            block = qkv.index_select(0, g.rows.reshape(-1)).view(g.n, g.L, 3, heads, d)
-        q, k, v = block.permute(2, 0, 3, 1, 4).unbind(0)  # each [n, heads, L, d]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.key_mask, scale=scale)
+            block = qkv.index_select(0, g.rows.reshape(-1)).view(g.n, g.L, H3)
+        q = block[:, :, :H].view(g.n, g.L, heads, d).transpose(1, 2)  # [n, heads, L, d]
+        kv, mask = block[:, :, H:], g.key_mask
+        L2 = g.L
+        if mask is not None and qkv.device.type == "cpu":
+            L2 = cpu_attention_len(g.L)
+        if L2 > g.L:  # keys and values only (the query length does not matter): zero rows, masked
+            kv = F.pad(kv, (0, 0, 0, L2 - g.L))
+            mask = F.pad(mask, (0, L2 - g.L), value=False)
+        k, v = kv.reshape(g.n, L2, 2, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         o = o.transpose(1, 2).reshape(g.n * g.L, H)
         if g.rows is None:
             out[g.start : g.start + g.n * g.L] = o

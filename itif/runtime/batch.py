@@ -285,7 +285,9 @@ def _attention(layout: Layout, pk: Packer) -> list[AttnSpec]:
                 continue
             pos = np.arange(L)[None, :]
             keys = pos < lens_b[:, None]
-            rows = np.where(keys, off[:, None] + pos, 0)
+            # padding points at the request's own first row: a masked key is still multiplied
+            # in (by 0), so another request's non-finite row would turn this one's to NaN
+            rows = np.where(keys, off[:, None] + pos, off[:, None])
             valid = np.flatnonzero(keys.reshape(-1))
             pk.add(name + ".rows", rows)
             pk.add(name + ".valid", valid)
