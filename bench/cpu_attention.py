@@ -2,9 +2,10 @@
 
 For each sequence length L that ``cpu_attention_len`` rounds up and each shape, times
 ``itif.ops.reference.attention`` over one masked group of ``n`` sequences (the rule's groups)
-as it is and with the rounding turned off (keys at L), the two taking turns, best thread CPU time of several rounds;
-prints the ratio (rounded / as-is, < 1: rounding wins) and writes JSON. ``--forward`` adds
-whole forwards: an engine's ``infer`` over one packed batch of short requests, both ways.
+as it is and with the rounding turned off (keys at L), the two taking turns, best of 7
+samples (``measure_ms``: thread CPU time at one thread, else wall); prints the ratio
+(rounded / as-is, < 1: rounding wins) and writes JSON. ``--forward`` adds whole forwards: an
+engine's ``infer`` over one packed batch of short requests, both ways.
 
     python bench/cpu_attention.py --threads 1 --forward --out bench/results/cpu-attention.json
 """
@@ -19,22 +20,9 @@ from unittest import mock
 
 import torch
 
+from itif.batching.batchmeasure import measure_ms
 from itif.ops import reference
 from itif.ops.reference import AttnGroup
-
-
-def _cpu_ms(fn, rounds: int = 5, budget_s: float = 0.02) -> float:
-    fn()
-    t0 = time.thread_time()
-    fn()
-    inner = max(1, int(budget_s / max(time.thread_time() - t0, 1e-6)))
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.thread_time()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.thread_time() - t0) / inner)
-    return best * 1e3
 
 
 def measure(n: int, L: int, heads: int, d: int, masked: bool) -> dict:
@@ -52,9 +40,9 @@ def measure(n: int, L: int, heads: int, d: int, masked: bool) -> dict:
 
     times: dict[str, list[float]] = {"rounded": [], "as_is": []}
     for _ in range(2):
-        times["rounded"].append(_cpu_ms(run))
+        times["rounded"].append(measure_ms(run))
         with mock.patch.object(reference, "cpu_attention_len", lambda L, masked=True: L):
-            times["as_is"].append(_cpu_ms(run))
+            times["as_is"].append(measure_ms(run))
     a, b = min(times["rounded"]), min(times["as_is"])
     return dict(n=n, L=L, heads=heads, d=d, masked=masked, keys=reference.cpu_attention_len(L),
                 rounded_ms=round(a, 4), as_is_ms=round(b, 4), ratio=round(a / b, 3))

@@ -6,13 +6,13 @@ every length, in both group forms, and the rounded-up call is the faster one."""
 from __future__ import annotations
 
 import math
-import time
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
+from itif.batching.batchmeasure import measure_ms
 from itif.ops import reference
 from itif.ops.reference import AttnGroup, cpu_attention_len
 
@@ -74,21 +74,10 @@ def test_equal_to_per_sequence_attention(L, form):
     assert bool((out[untouched] == 7.0).all())
 
 
-def _cpu_ms(fn, rounds=7, inner=20) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.thread_time()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.thread_time() - t0) / inner)
-    return best * 1e3
-
-
 def test_a_partial_block_runs_faster_rounded_up():
     """32 sequences of at most 15 rows (12 heads of 32, one thread): the op over 16 keys (the
-    copy of K and V included) against the op with the rounding turned off, taking turns, best
-    thread CPU time of 7 rounds each. bench/cpu_attention.py measured 0.41-0.60x for masked
+    copy of K and V included) against the op with the rounding turned off, taking turns, best of
+    7 samples each (thread CPU time). bench/cpu_attention.py measured 0.41-0.60x for masked
     groups of 15 rows in three shapes on this project's 2-core EPYC; asserted: at most 0.8x."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -105,9 +94,9 @@ def test_a_partial_block_runs_faster_rounded_up():
 
         times = {"rounded": [], "as_is": []}
         for _ in range(2):  # taking turns
-            times["rounded"].append(_cpu_ms(op))
+            times["rounded"].append(measure_ms(op))
             with mock.patch.object(reference, "cpu_attention_len", lambda L, masked=True: L):
-                times["as_is"].append(_cpu_ms(op))
+                times["as_is"].append(measure_ms(op))
         assert min(times["rounded"]) <= 0.8 * min(times["as_is"]), times
     finally:
         torch.set_num_threads(before)
