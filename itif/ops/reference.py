@@ -154,14 +154,16 @@ class AttnGroup:
 #: of the op as it was, 8-12 up to 1.29x), and, for a group without a key mask, a new one,
 #: which made those slower or no faster (1 sequence of 13-15 rows 1.3x, 8-128 sequences
 #: 0.85-1.0x; measured while the rule still covered them). Masked groups of 13-15 rows of 8
-#: or more sequences: 0.39-0.72x in every measured shape (1 sequence: 1.03-1.08x).
+#: or more sequences: 0.36-0.94x in every measured shape; of one sequence 1.03-1.21x, so a
+#: group of one runs as it is.
 CPU_ROUND_UP = range(13, 16)
 
 
 def cpu_attention_len(L: int, masked: bool = True) -> int:
     """The key length a CPU attention call over sequences of ``L`` rows runs at: 16 for a
     masked group with ``L`` in :data:`CPU_ROUND_UP` (the added keys zero and masked; queries
-    stay at ``L``), else ``L``. ``python bench/cpu_attention.py`` compares the op both ways."""
+    stay at ``L``), else ``L``; ``attention`` asks it for masked groups of two or more
+    sequences. ``python bench/cpu_attention.py`` compares the op both ways."""
     return 16 if masked and L in CPU_ROUND_UP else L
 
 
@@ -187,7 +189,7 @@ def attention(
         q = block[:, :, :H].view(g.n, g.L, heads, d).transpose(1, 2)  # [n, heads, L, d]
         kv, mask = block[:, :, H:], g.key_mask
         L2 = g.L
-        if mask is not None and qkv.device.type == "cpu":
+        if mask is not None and g.n > 1 and qkv.device.type == "cpu":
             L2 = cpu_attention_len(g.L)
         if L2 > g.L:  # keys and values only (the query length does not matter): zero rows, masked
             kv = F.pad(kv, (0, 0, 0, L2 - g.L))
