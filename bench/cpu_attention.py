@@ -25,14 +25,12 @@ from itif.ops import reference
 from itif.ops.reference import AttnGroup
 
 
-def measure(n: int, L: int, heads: int, d: int, masked: bool) -> dict:
+def measure(n: int, L: int, heads: int, d: int) -> dict:
     H = heads * d
     qkv = torch.randn(n * L, 3 * H)
     out = torch.empty(n * L, H)
-    mask = None
-    if masked:  # every sequence but the first one row short
-        mask = torch.ones(n, 1, 1, L, dtype=torch.bool)
-        mask[1:, ..., -1] = False
+    mask = torch.ones(n, 1, 1, L, dtype=torch.bool)  # every sequence but the first one row short
+    mask[1:, ..., -1] = False
     group = AttnGroup(n=n, L=L, start=0, key_mask=mask)
 
     def run():
@@ -41,10 +39,10 @@ def measure(n: int, L: int, heads: int, d: int, masked: bool) -> dict:
     times: dict[str, list[float]] = {"rounded": [], "as_is": []}
     for _ in range(2):
         times["rounded"].append(measure_ms(run))
-        with mock.patch.object(reference, "cpu_attention_len", lambda L, masked=True: L):
+        with mock.patch.object(reference, "cpu_attention_len", lambda L: L):
             times["as_is"].append(measure_ms(run))
     a, b = min(times["rounded"]), min(times["as_is"])
-    return dict(n=n, L=L, heads=heads, d=d, masked=masked, keys=reference.cpu_attention_len(L),
+    return dict(n=n, L=L, heads=heads, d=d, masked=True, keys=reference.cpu_attention_len(L),
                 rounded_ms=round(a, 4), as_is_ms=round(b, 4), ratio=round(a / b, 3))
 
 
@@ -69,7 +67,7 @@ def forward(backbone: str, tenants: int, requests: int, lo: int, hi: int, seed: 
     times: dict[str, list[float]] = {"rounded": [], "as_is": []}
     for _ in range(3):
         times["rounded"].append(measure_layout(eng, reqs, layout))
-        with mock.patch.object(reference, "cpu_attention_len", lambda L, masked=True: L):
+        with mock.patch.object(reference, "cpu_attention_len", lambda L: L):
             times["as_is"].append(measure_layout(eng, reqs, layout))
     a, b = min(times["rounded"]), min(times["as_is"])
     return dict(backbone=backbone, tenants=tenants, requests=requests, lengths=f"{lo}-{hi}",
@@ -91,15 +89,14 @@ def main() -> None:
     rows = []
     for shape in a.shapes.split(","):
         n, heads, d = map(int, shape.split("x"))
-        for masked in (True,):
-            line = []
-            for L in range(lo, hi + 1):
-                if reference.cpu_attention_len(L, masked) == L:
-                    continue
-                r = measure(n, L, heads, d, masked)
-                rows.append(r)
-                line.append(f"{L}:{r['ratio']:.2f}")
-            print(f"{shape} masked={masked}: " + " ".join(line), flush=True)
+        line = []
+        for L in range(lo, hi + 1):
+            if reference.cpu_attention_len(L) == L:
+                continue
+            r = measure(n, L, heads, d)
+            rows.append(r)
+            line.append(f"{L}:{r['ratio']:.2f}")
+        print(f"{shape} masked: " + " ".join(line), flush=True)
     ratios = sorted(r["ratio"] for r in rows)
     summary = dict(groups=len(rows), median_ratio=ratios[len(ratios) // 2],
                    worst_ratio=ratios[-1], best_ratio=ratios[0])
