@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="32x12x32,32x12x64,32x2x64",
                     help="n x heads x head width, comma separated")
     ap.add_argument("--forward", action="store_true",
-                    help="also whole forwards (bert-tiny and bert-small, 128 requests of 4-20 tokens)")
+                    help="also whole forwards (bert-tiny and bert-small, 128 requests of "
+                         "4-20 tokens)")
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -109,9 +110,11 @@ def main() -> None:
     if a.out:
         doc = dict(command="python bench/cpu_attention.py " + " ".join(
             f"--{k} {v}" for k, v in vars(a).items()
-            if v is not None and not isinstance(v, bool) and k != "out") + (" --forward" if a.forward else ""),
+            if v is not None and not isinstance(v, bool) and k != "out")
+            + (" --forward" if a.forward else ""),
             date=time.strftime("%Y-%m-%d"), torch=torch.__version__, threads=a.threads,
-            cpu=platform.processor() or platform.machine(), summary=summary, forwards=forwards, rows=rows)
+            cpu=platform.processor() or platform.machine(), summary=summary, forwards=forwards,
+            rows=rows)
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=1)
 

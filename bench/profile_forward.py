@@ -1,6 +1,7 @@
 """Where one fused forward's time goes on a GPU: host work, graph replay, and kernels by kind.
 
-    python bench/profile_forward.py [--models bert-base vit-base:32 ...] [--tenants 4 32] [--out OUT/profile.json]
+    python bench/profile_forward.py [--models bert-base vit-base:32 ...] [--tenants 4 32]
+        [--out OUT/profile.json]
 
 For each model and each T (``--tenants``, or the model's own list after a colon; the engine holds
 the largest T and smaller T use its first tenants), for T

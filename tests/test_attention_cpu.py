@@ -1,7 +1,8 @@
 """The CPU attention op (``itif.ops.reference.attention``) at lengths PyTorch's CPU flash
 attention runs slowly: a masked group of 13-15 rows runs over 16 keys, the added ones zero and
-masked (a group without a mask, or of one sequence, runs as it is). Results equal a per-sequence softmax attention at
-every length, in both group forms, and the rounded-up call is the faster one."""
+masked (a group without a mask, or of one sequence, runs as it is). Results equal a
+per-sequence softmax attention at every length, in both group forms, and the rounded-up call
+is the faster one."""
 
 from __future__ import annotations
 

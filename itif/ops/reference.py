@@ -162,7 +162,8 @@ CPU_ROUND_UP = range(13, 16)
 def cpu_attention_len(L: int) -> int:
     """The key length a CPU attention call over sequences of ``L`` rows runs at: 16 for ``L``
     in :data:`CPU_ROUND_UP` (the added keys zero and masked; queries stay at ``L``), else
-    ``L``; ``attention`` asks it for masked groups of two or more sequences only. ``python bench/cpu_attention.py`` compares the op both ways."""
+    ``L``; ``attention`` asks it for masked groups of two or more sequences only.
+    ``python bench/cpu_attention.py`` compares the op both ways."""
     return 16 if L in CPU_ROUND_UP else L
 
 
