@@ -76,16 +76,22 @@ def hf_logits(spec, m, source, history):
     return out.logits[0, -1]
 
 
-@pytest.mark.parametrize("keep_sources", (True, False), ids=("sources-kept", "sources-gathered"))
+@pytest.mark.parametrize("keep_sources, stale", ((True, False), (False, False), (True, True)),
+                         ids=("sources-kept", "sources-gathered", "stale-nan-pool"))
 @pytest.mark.parametrize("name", SPECS)
-def test_mixed_tenants_prefill_decode_reorder_equal_hf(name, keep_sources, monkeypatch):
+def test_mixed_tenants_prefill_decode_reorder_equal_hf(name, keep_sources, stale, monkeypatch):
     """``keep_sources``: decode steps read the sources gathered once per membership
-    (``CrossGroup.cached``) or, with no byte budget for that, gather them at every step."""
+    (``CrossGroup.cached``) or, with no byte budget for that, gather them at every step.
+    ``stale``: every pool position starts NaN, as if freed by a request whose K/V overflowed;
+    a row reads only positions its request wrote, so nothing changes (a masked position read
+    would enter the output as 0 x NaN)."""
     if not keep_sources:
         monkeypatch.setattr(gen_model, "CROSS_CACHE_BYTES", 0)
     spec = PRESETS[name]
     models = tenants_for(spec)
     batch = make_batch(spec, models)
+    if stale:
+        batch.pool.kv.fill_(float("nan"))
     rng = np.random.default_rng(0)
     start = {"bart": 2, "marian": spec.pad_token_id}.get(spec.family)
     items, hist, src = [], [], []  # per row: token history; per row: its request's source
@@ -150,6 +156,64 @@ def test_cross_cache_one_copy_per_source(name):
     assert used == 1 + 4 * (8 // B) + -(-20 // B)
     batch.remove(["k"])
     assert batch.pool.free_blocks == free0
+
+
+def overflowing(spec, seed: int):
+    """A model whose first attention's scores overflow to inf (finite weights, as an upload
+    must have), so its rows and the K/V it writes become NaN from there on."""
+    m = hf_model(spec, seed)
+    if spec.family == "gpt2":
+        ws = [m.transformer.h[0].attn.c_attn.weight]
+    else:
+        att = (m.model.encoder if spec.encoder_decoder else m.model.decoder).layers[0].self_attn
+        ws = [att.q_proj.weight, att.k_proj.weight]
+    with torch.no_grad():
+        for w in ws:
+            w.mul_(1e20)
+    return m
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_a_tenant_whose_activations_overflow_never_reaches_another(name):
+    """Tenant ``hot`` is the batch's first (row 0 of the packed prompts/sources, the first
+    pool blocks) and its rows turn NaN; every other row still equals Hugging Face. Then ``hot``
+    leaves and a new request takes its freed blocks, NaN K/V and all."""
+    spec = PRESETS[name]
+    models = {"hot": overflowing(spec, 3), **tenants_for(spec)}
+    batch = make_batch(spec, models)
+    rng = np.random.default_rng(1)
+    start = {"bart": 2, "marian": spec.pad_token_id}.get(spec.family)
+    rows = {}  # key -> (tenant, source, history); each request here has one row
+
+    def admission(key, tenant, n):
+        toks = rng.integers(3, spec.vocab_size - 1, n).tolist()
+        hist = [start] if spec.encoder_decoder else list(toks)
+        rows[key] = (tenant, toks, hist)
+        src = toks if spec.encoder_decoder else None
+        return Admission(key, tenant, hist, 1, 6, source=src)
+
+    order = ["h", "a", "c"]
+    logits = batch.admit([admission("h", "hot", 9), admission("a", "a", 3), admission("c", "c", 6)])
+    for step in range(6):
+        if step == 3:  # hot left at the end of step 2: b's request takes its freed blocks
+            free = batch.pool.free_blocks
+            logits = torch.cat([logits, batch.admit([admission("b", "b", 7)])])
+            assert batch.pool.free_blocks < free
+            order.append("b")
+        for r, key in enumerate(order):
+            tenant, src, hist = rows[key]
+            if tenant == "hot":
+                assert not torch.isfinite(logits[r]).any()  # the premise: its rows overflowed
+                continue
+            want = hf_logits(spec, models[tenant], src, hist)
+            torch.testing.assert_close(logits[r], want, atol=1e-4, rtol=1e-4)
+        tokens = rng.integers(3, spec.vocab_size, len(order)).tolist()
+        for key, t in zip(order, tokens):
+            rows[key][2].append(t)
+        batch.apply(torch.tensor(tokens), torch.arange(len(order)))
+        if step == 2:  # after two decode steps: its blocks hold NaN K/V of 2 positions
+            order = [order[i] for i in batch.remove(["h"]).tolist()]
+        logits = batch.decode()
 
 
 def test_tied_embeddings_stored_once_and_shared_across_tenants():

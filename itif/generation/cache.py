@@ -28,8 +28,9 @@ from itif.errors import InvalidConfig, Overloaded
 
 
 class KVPool:
-    """``kv [layers, capacity, 2H]`` in blocks of ``block`` positions, zero-filled (masked-out
-    padding reads finite values)."""
+    """``kv [layers, capacity, 2H]`` in blocks of ``block`` positions, zero-filled. Freed
+    blocks keep their last K/V: attention never reads a masked position it does not own
+    (``itif.generation.model.StepRows``)."""
 
     def __init__(self, layers: int, hidden: int, budget_bytes: int, device, dtype: torch.dtype,
                  block: int = 16) -> None:

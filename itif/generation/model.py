@@ -117,8 +117,10 @@ class TenantParams:
 
 @dataclass(frozen=True)
 class SeqGroup:
-    """Packed sequences as a padded ``[n, L]`` gather: ``rows`` (padding -> row 0), ``lens [n]``,
-    ``valid`` (flat positions of real tokens) and ``dest`` (their rows)."""
+    """Packed sequences as a padded ``[n, L]`` gather: ``rows`` (a sequence's padding -> its own
+    first row: a masked key still reaches the output as 0 x its value, NaN where that value is
+    not finite, so it must never be another request's), ``lens [n]``, ``valid`` (flat positions
+    of real tokens) and ``dest`` (their rows)."""
 
     n: int
     L: int
@@ -133,7 +135,7 @@ class SeqGroup:
         n, L = int(lens.size), int(lens.max())
         cols = np.arange(L)[None, :]
         ok = cols < lens[:, None]
-        rows = np.where(ok, starts[:, None] + cols, 0)
+        rows = starts[:, None] + np.where(ok, cols, 0)
         valid = np.flatnonzero(ok.reshape(-1))
         t = lambda a: torch.as_tensor(np.ascontiguousarray(a), dtype=torch.int64, device=device)  # noqa: E731
         return SeqGroup(n, L, t(rows), t(lens), t(valid), t(rows.reshape(-1)[valid]))
@@ -221,7 +223,10 @@ class CrossGroup:
         lens = torch.as_tensor(src_len, device=src_loc.device)
         mask = None
         if int(src_len.min()) < S:
-            mask = (torch.arange(S, device=src_loc.device)[None, :] < lens[:, None])[:, None, None, :]
+            ok = torch.arange(S, device=src_loc.device)[None, :] < lens[:, None]
+            mask = ok[:, None, None, :]
+            # Padding columns read the request's own first source position (as SeqGroup's rows).
+            src_loc = torch.where(ok, src_loc, src_loc[:, :1])
         keep = 0 < layers * src_loc.numel() * width * itemsize <= CROSS_CACHE_BYTES
         return CrossGroup(rows, src_loc, lens, mask, {} if keep else None)
 
@@ -273,7 +278,9 @@ def _cross_attention(q: torch.Tensor, kv: torch.Tensor, c: CrossGroup, heads: in
 class StepRows:
     """What every layer of one decode step reads about its rows, built once per step: the
     history locations ``loc [R, L]``, the location each row writes (``loc[r, pos[r]]``) and the
-    ``[R, 1, 1, L]`` history mask."""
+    ``[R, 1, 1, L]`` history mask. Columns past ``pos[r]`` read the row's write location: the
+    table's own ones may hold a freed request's stale K/V and its padding points at location 0,
+    and a masked key still reaches the output as 0 x its value (NaN where it is not finite)."""
 
     loc: torch.Tensor
     write: torch.Tensor
@@ -282,8 +289,9 @@ class StepRows:
     @staticmethod
     def build(loc: torch.Tensor, pos: torch.Tensor) -> "StepRows":
         L = loc.shape[1]
-        mask = (torch.arange(L, device=loc.device)[None, :] <= pos[:, None])[:, None, None, :]
-        return StepRows(loc, loc.gather(1, pos[:, None]).squeeze(1), mask)
+        ok = torch.arange(L, device=loc.device)[None, :] <= pos[:, None]
+        write = loc.gather(1, pos[:, None])
+        return StepRows(torch.where(ok, loc, write), write.squeeze(1), ok[:, None, None, :])
 
 
 def _cache_attention(qkv: torch.Tensor, kv: torch.Tensor, s: StepRows, heads: int,

@@ -134,7 +134,8 @@ class RunningBatch:
             sloc = torch.cat([src_locs[i] for i in order])
             encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
             # The first step's cross-attention reads only as many source columns as the longest
-            # new source (padding -> location 0, masked), not the table's full width.
+            # new source (padding masked, and read at the request's own first source position),
+            # not the table's full width.
             packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
             cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
                                      slen[order])
