@@ -5,9 +5,12 @@ Nothing here runs at import time beyond cheap attribute checks; probes are cache
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -208,3 +211,52 @@ def tune_gc() -> bool:
     _, t1, t2 = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLD0, t1, t2)
     return True
+
+
+# ---- attention backends ------------------------------------------------------------------------
+_sdpa_lock = threading.Lock()
+_sdpa_state = {"users": 0, "saved": True}
+
+
+@functools.cache
+def cudnn_attention_allowed() -> bool:
+    """Whether itif's forwards let torch's SDPA pick cuDNN attention (``ITIF_CUDNN_SDPA=1``).
+
+    By default they do not. torch puts cuDNN attention first on sm90 and newer when the cuDNN
+    is recent, and cuDNN builds an execution plan for every new (batch, heads, query length, key
+    length, strides) it sees, kept in a cache that nothing bounds. itif's batches are ever-new
+    shapes under a serving load (each request's length, each group's size). On an H100 the
+    first pass over 100 serving batches of bert-base took 154 ms a batch and the same batches
+    again 16 ms (bench/results/gpu-h100-2026-11-26-serve/graph_policy.json, CUDA graphs off,
+    round 0 against round 1); those plan builds are the per-shape cost on that path we know of,
+    and whether leaving cuDNN out removes all of it is for the next GPU run to measure
+    (``bench/graph_policy.py`` runs both). Flash and memory-efficient attention build nothing
+    per shape.
+    """
+    return os.environ.get("ITIF_CUDNN_SDPA", "") == "1"
+
+
+@contextlib.contextmanager
+def attention_backends(device: torch.device) -> Iterator[None]:
+    """Around a forward on ``device``: torch's SDPA without its cuDNN backend (see
+    :func:`cudnn_attention_allowed`); nothing on other devices or with ``ITIF_CUDNN_SDPA=1``.
+
+    torch's switch is one process-wide flag, not per thread, so threads forwarding at once
+    share one setting: the first to enter turns cuDNN attention off, the last to leave puts
+    back what it found. Code outside itif that runs SDPA while a forward is in flight (a
+    Hugging Face baseline in another thread) sees it off too."""
+    if device.type != "cuda" or cudnn_attention_allowed():
+        yield
+        return
+    with _sdpa_lock:
+        if _sdpa_state["users"] == 0:
+            _sdpa_state["saved"] = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _sdpa_state["users"] += 1
+    try:
+        yield
+    finally:
+        with _sdpa_lock:
+            _sdpa_state["users"] -= 1
+            if _sdpa_state["users"] == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_sdpa_state["saved"])

@@ -84,7 +84,7 @@ def _worker(index: int, tenant: str, preset: str, device: str, dtype: str, fine_
         from itif.bench.tenants import tenant_weights  # noqa: PLC0415
         from itif.runtime.engine import Engine  # noqa: PLC0415
 
-        engine = Engine(preset, device=device, dtype=dtype)
+        engine = Engine(preset, device=device, dtype=dtype, cuda_graphs="on")  # as offline._build
         engine.add_tenant(tenant, tenant_weights(load_spec(preset), index, fine_tune))
         res_q.put(("ready", index, None))
         reqs: list = []

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from itif.generation.spec import DecoderSpec
 from itif.ops import dispatch as ops
 from itif.ops.reference import RotParam
+from itif.platform import attention_backends
 from itif.runtime.gemm import plan_gemm, run_gemm, segments_for, tenant_runs
 from itif.weights.store import StoreView
 
@@ -351,7 +352,7 @@ def encode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
            pos: torch.Tensor, seqs: SeqGroup, src_loc: torch.Tensor) -> None:
     """The encoder over packed source tokens; each decoder layer's cross K/V of every token are
     written to ``kv[layer, src_loc[token]]`` (once per source, whatever its beam count)."""
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_backends(kv.device):
         x = _embed(spec, P, ids, pos, "enc")
         for i in range(spec.enc_layers):
             p = f"enc.{i}."
@@ -366,7 +367,7 @@ def prefill(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Ten
             pos: torch.Tensor, seqs: SeqGroup, wloc: torch.Tensor, last: np.ndarray) -> torch.Tensor:
     """Decoder-only prompts (packed rows): K/V to ``kv[layer, wloc[row]]``; returns the logits
     [n, V] of rows ``last`` (host array: each prompt's last token)."""
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_backends(kv.device):
         x = _embed(spec, P, ids, pos, "dec")
         for i in range(spec.dec_layers):
             p = f"dec.{i}."
@@ -393,7 +394,7 @@ def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
            scratch: Scratch | None = None) -> torch.Tensor:
     """One token per row at position ``pos[r]``; ``loc [R, L]`` the rows' cache locations
     (L > max pos). Returns the logits [R, V]."""
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_backends(kv.device):
         x = _embed(spec, P, ids, pos, "dec")
         rows = StepRows.build(loc, pos)
         for i in range(spec.dec_layers):

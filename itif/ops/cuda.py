@@ -290,11 +290,12 @@ def attention(
 
     Choice of kernel, per group: torch's ``scaled_dot_product_attention`` (flash or
     memory-efficient kernels, which read the strided Q/K/V views in place and never materialise
-    the [L, L] scores) whenever those kernels accept the head size. The bmm + fused masked
-    softmax path is used (policy ``"auto"``) only where SDPA would fall back to its unfused math
-    path: a masked group whose head size its fused kernels refuse; there it saves the separate
-    mask-add and softmax passes over the [n, heads, L, L] scores. ``launch_policy(attention=
-    "sdpa" | "softmax_bmm")`` forces one path for measurement.
+    the [L, L] scores; cuDNN attention is left out around itif's forwards, see
+    ``itif.platform.attention_backends``) whenever those kernels accept the head size. The bmm +
+    fused masked softmax path is used (policy ``"auto"``) only where SDPA would fall back to its
+    unfused math path: a masked group whose head size its fused kernels refuse; there it saves
+    the separate mask-add and softmax passes over the [n, heads, L, L] scores.
+    ``launch_policy(attention="sdpa" | "softmax_bmm")`` forces one path for measurement.
     """
     _check(validate_attention, _validate.sig_attention, qkv, groups, heads, out)
     T, H3 = qkv.shape

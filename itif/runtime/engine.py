@@ -98,8 +98,12 @@ class Engine:
 
     @property
     def cuda_graphs(self) -> bool:
-        """Whether forwards replay CUDA graphs (captured per batch structure). Settable with a
-        bool or "on" / "off" / "auto" (on where the device is CUDA); always False on the CPU."""
+        """Whether forwards may replay CUDA graphs, one per batch structure; always False on the
+        CPU. Settable with "on" / "off" / "auto", which also pick when a structure is captured:
+        "auto" (the default) once the eager forwards it cost reach what a capture costs (a
+        serving load's ever-new structures stay eager), "on" on first sight (a workload that
+        repeats one structure); see ``itif.runtime.graphs``. A bool switches graphs on or off
+        and keeps that choice."""
         return self._use_graphs
 
     @cuda_graphs.setter
@@ -107,8 +111,16 @@ class Engine:
         if isinstance(value, str):
             if value not in ("on", "off", "auto"):
                 raise ValueError(f"cuda_graphs {value!r} is not 'on', 'off' or 'auto'")
+            if self._graphs is not None and value != "off":
+                with self._graphs.lock:
+                    self._graphs.policy = "rent" if value == "auto" else "first"
             value = value != "off"
         self._use_graphs = bool(value) and self._graphs is not None
+
+    def graph_stats(self) -> dict | None:
+        """The CUDA graph cache's counters (policy, graphs held, captures, replays, eager
+        forwards, the measured capture/eager ratio); None on the CPU."""
+        return None if self._graphs is None else self._graphs.stats()
 
     # ---- tenants ---------------------------------------------------------------------------
     def load_weights(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> CanonicalWeights:
@@ -449,10 +461,8 @@ class Engine:
                         want_hidden=any("last_hidden_state" in w for w in inputs.wants),
                         cache=self._structures)
         if self._use_graphs:
-            with self._graphs.lock:
-                out = self._graphs.run(self.spec, batch)
-                if out is not None:
-                    return batch, out.cpu().numpy()  # the one device-to-host copy
+            with self._graphs.lock:  # the output may live in a graph's memory: read it here
+                return batch, self._graphs.run(self.spec, batch).cpu().numpy()
         ints, floats = batch.upload(self.device)
         out = forward.run(self.spec, batch, ints, floats)
         return batch, out.cpu().numpy()

@@ -31,6 +31,7 @@ import torch
 from itif.backbones.spec import BackboneSpec
 from itif.ops import dispatch as ops
 from itif.ops.reference import AttnGroup, RotParam
+from itif.platform import attention_backends
 from itif.runtime.batch import PreparedBatch
 from itif.runtime.gemm import GemmPlan, broadcast_rows, run_gemm
 from itif.runtime.lora import apply_lora
@@ -210,7 +211,7 @@ def run(spec: BackboneSpec, b: PreparedBatch, ints: torch.Tensor,
         floats: torch.Tensor | None = None) -> torch.Tensor:
     """The forward of ``b`` over its device buffers; returns the flat float32 output (see
     ``PreparedBatch.out_sizes``). Launches only: safe to capture in a CUDA graph."""
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_backends(ints.device):
         d = _Bound(b, ints, floats)
         dtype = next(iter(b.params.view.buffers.values())).dtype
         hidden = encode(spec, d, dtype)
