@@ -2,15 +2,16 @@
 # The GPU suite in one command: gpu-marked tests, Table 5.3 (per-op SEQ vs fused), the Table 5.2
 # workloads for every system, and (on request) the serving sweep.
 #
-#   bash bench/gpu_suite.sh OUTDIR [--dry-run] [--steps tests,ops,profile,table,serve,generate]
+#   bash bench/gpu_suite.sh OUTDIR [--dry-run] [--steps STEP,...]
+#     (steps: tests ops profile graphs table serve generate)
 #   PYTHONPATH=/tmp/site:$PWD bash bench/gpu_suite.sh $OUT          # on the GPU machine
 #
 # Every step runs under its own `timeout` carved from one budget (SUITE_BUDGET_S), so one hang
 # cannot eat the call; each appends a summary line (and SKIPPED/ERROR lines with reasons) to
 # OUTDIR/suite.log. Files in OUTDIR (at most 8): suite.log, tests.log, ops.json, profile.json,
-# table.json, plots.tar.gz, bench.log, serve.json, generate.json (serve and generate are off by
-# default: each is its own call, --steps serve / --steps generate). Intermediate files live in a
-# temp dir.
+# table.json, plots.tar.gz, bench.log, graph_policy.json, serve.json, generate.json (graphs, serve
+# and generate are off by default: --steps graphs,serve is one call, --steps generate another).
+# Intermediate files live in a temp dir.
 #
 # --dry-run (automatic when torch sees no CUDA): the same steps on the CPU with the tiny
 # presets, T = 1 2, 2 repeats; every GPU-only part is marked SKIPPED with its reason.
@@ -18,6 +19,9 @@
 # Environment (defaults in brackets; GPU run / dry run):
 #   SUITE_BUDGET_S   whole suite, seconds [510 / 170]
 #   STEPS            steps to run [tests,ops,profile,table]; --steps overrides
+#   GRAPHS_ARGS GRAPHS_TIMEOUT_S   the graphs step (bench/graph_policy.py: CUDA graph policies
+#                    and attention backends over serving-like batches; GPU only): its arguments
+#                    [--batches 60 --rounds 2] and cap [150]
 #   PROFILE_MODELS PROFILE_TENANTS   bench/profile_forward.py's models and tenant counts
 #                    [bert-base / -] [4 32 / -] (where the fused forward's time goes; GPU only)
 #   MODELS           [bert-base albert-large vit-base / bert-tiny albert-tiny vit-tiny]
@@ -40,7 +44,7 @@
 #   PYTHON           [python3]
 set -u -o pipefail
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
 OUT=""
 DRY=0
 STEPS_ARG=""
@@ -132,6 +136,8 @@ STEPS=${STEPS_ARG:-${STEPS:-tests,ops,profile,table}}
 PROFILE_MODELS=${PROFILE_MODELS:-bert-base}
 PROFILE_TENANTS=${PROFILE_TENANTS:-"4 32"}
 PROFILE_CAP=${PROFILE_TIMEOUT_S:-90}
+GRAPHS_CAP=${GRAPHS_TIMEOUT_S:-150}
+GRAPHS_ARGS=${GRAPHS_ARGS:-"--batches 60 --rounds 2"}
 has_step() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 say "suite start: $( [ "$DRY" = 1 ] && echo "DRY RUN on the CPU ($REASON)" || echo "GPU run" ); steps $STEPS; budget ${BUDGET}s; cuda=$CUDA; python ${PYINFO#* }"
@@ -205,6 +211,26 @@ if has_step profile; then
   fi
 else
   say "step profile: not selected (--steps $STEPS)"
+fi
+
+# ---- (b3) when to capture CUDA graphs, which attention: bench/graph_policy.py (off by default) ----
+if has_step graphs; then
+  if [ "$DRY" = 1 ]; then
+    say "step graphs: SKIPPED: it times CUDA graphs and torch's attention backends ($REASON)"
+  else
+    RES_AFTER=$RES_TABLE
+    has_step serve && RES_AFTER=$((RES_AFTER + RES_SERVE_MIN))
+    TO=$(step_timeout "$GRAPHS_CAP" "$RES_AFTER")
+    run_step graphs "$TO" "$OUT/bench.log" "$PY" bench/graph_policy.py $GRAPHS_ARGS \
+      --dtype "$DTYPE" --out "$OUT/graph_policy.json"
+    "$PY" -c 'import json, sys
+d = json.load(open(sys.argv[1]))
+for name, s in d["summary"].items():
+    print(name, {k: v for k, v in s.items() if k != "best"})' "$OUT/graph_policy.json" 2>&1 \
+      | sed 's/^/  /' | tee -a "$LOG"
+  fi
+else
+  say "step graphs: not selected (--steps $STEPS)"
 fi
 
 # ---- (c) Table 5.2 workloads, every system ---------------------------------------------------------

@@ -448,12 +448,32 @@ class _StateCollector:
                                       "Bytes held by the weight store (shared tensors once)")
             store.add_metric([], d.engine.weight_bytes)
             yield store
+            yield from self._graphs(d.engine)
         reloads = CounterMetricFamily("itif_config_reloads",
                                       "tenants.yaml reloads applied (ok) or refused (failed)",
                                       labels=["result"])
         reloads.add_metric(["ok"], d.reloads_ok)
         reloads.add_metric(["failed"], d.reloads_failed)
         yield reloads
+
+    @staticmethod
+    def _graphs(engine):
+        """The engine's CUDA graph cache (``Engine.graph_stats``; no series on the CPU or for a
+        decoder backend): forwards run while graphs are on, by path (a graph replayed, eager
+        launches while a structure pays its rent), captures, graphs held."""
+        stats = getattr(engine, "graph_stats", lambda: None)()
+        if stats is None:
+            return
+        fw = CounterMetricFamily("itif_cuda_graph_forwards", "Forwards while CUDA graphs are on, "
+                                 "by path: a captured graph replayed, or eager launches (a "
+                                 "structure not captured yet, or never)", labels=["path"])
+        fw.add_metric(["replay"], stats["replays"])
+        fw.add_metric(["eager"], stats["eager"])
+        cap = CounterMetricFamily("itif_cuda_graph_captures", "CUDA graphs captured")
+        cap.add_metric([], stats["captures"])
+        held = GaugeMetricFamily("itif_cuda_graphs", "CUDA graphs held for replay")
+        held.add_metric([], stats["graphs"])
+        yield from (fw, cap, held)
 
     def _tiers(self, d: Daemon):
         """Weight tiers: each configured tenant's tier and counts (as the other per-tenant

@@ -252,3 +252,16 @@ def test_dry_run_generate_step(tmp_path):
     for r in d["rows"]:
         assert r["tokens_per_s"] > 0 and r["sequences_equal_hf"] == r["sequences"] > 0, r
         assert f"  {r['system']}: {r['tokens_per_s']} tokens/s" in log
+
+
+def test_dry_run_graphs_step_is_skipped_with_its_reason(tmp_path):
+    """``--steps graphs`` times CUDA graphs and torch's attention backends: on the CPU it is
+    marked SKIPPED with the reason, and the suite still ends well."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--steps", "graphs"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    log = (out / "suite.log").read_text()
+    assert proc.returncode == 0, log
+    assert "step graphs: SKIPPED: it times CUDA graphs" in log and "every step ok" in log
+    assert not (out / "graph_policy.json").exists()

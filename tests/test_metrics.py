@@ -8,6 +8,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from itif.platform import nvml
 from itif.weights.safetensors_io import save_safetensors
@@ -135,6 +136,25 @@ def test_scrape_after_a_scripted_workload(daemon):
     assert value(s, "python_gc_collections_total", generation="0") >= 0
     if nvml() is None:
         assert not [k for k in s if k[0].startswith("itif_gpu_")]
+    if not torch.cuda.is_available():  # the graph cache's series exist on CUDA only
+        assert not [k for k in s if k[0].startswith("itif_cuda_graph")]
+
+
+def test_graph_cache_series():
+    from itif.metrics import _StateCollector
+
+    class Engine:
+        def graph_stats(self):
+            return dict(policy="rent", graphs=3, captures=5, replays=40, eager=17, ratio=3.6)
+
+    fams = {f.name: f for f in _StateCollector._graphs(Engine())}
+    got = {(smp.name, tuple(smp.labels.items())): smp.value
+           for f in fams.values() for smp in f.samples}
+    assert got == {("itif_cuda_graph_forwards_total", (("path", "replay"),)): 40,
+                   ("itif_cuda_graph_forwards_total", (("path", "eager"),)): 17,
+                   ("itif_cuda_graph_captures_total", ()): 5,
+                   ("itif_cuda_graphs", ()): 3}
+    assert list(_StateCollector._graphs(object())) == []  # a decoder backend: no series
 
 
 def test_config_reload_counters(daemon):
