@@ -148,6 +148,12 @@ def test_quick_serving_sweep(quick_rows):
         # forwards included), the load generator sent them
         assert 0 < r["daemon_cpu_cores"] <= os.cpu_count() + 0.5, r
         assert 0 < r["loadgen_cpu_cores"] <= os.cpu_count() + 0.5, r
+        # the daemon's own counters over the point (its /metrics): every answered request was
+        # a row of some batch; no CUDA graph series on the CPU
+        assert r["batches"] >= 1 and r["mean_batch_size"] >= 1, r
+        assert r["batches"] * (r["mean_batch_size"] + 0.005) >= r["completed"], r  # rounded
+        assert r["row_compute_ms"] > 0, r
+        assert "graph_replays" not in r or torch.cuda.is_available()
     rates = {s: sorted(r["rate_rps"] for r in serve if r["system"] == s)
              for s in ("itif", "per_tenant")}
     assert len(rates["itif"]) >= 2 and rates["itif"] == rates["per_tenant"]  # same loads
@@ -160,6 +166,7 @@ def test_quick_serving_sweep(quick_rows):
         point = next(x for x in serve if x["system"] == r["system"]
                      and x["throughput_rps"] == best)
         assert r["daemon_cpu_cores"] == point["daemon_cpu_cores"]
+        assert r["mean_batch_size"] == point["mean_batch_size"]
         # one more point at 70% of this mode's own saturation; its p99 is on the row
         assert r["at_fraction"] == 0.7
         assert r["at_fraction_rate_rps"] == pytest.approx(0.7 * best, abs=0.01)

@@ -76,6 +76,7 @@ class ServeDaemon:
     latency_sizing: bool = False
     proc: subprocess.Popen | None = None
     server_extra: tuple[tuple[str, object], ...] = ()  # more ``server:`` keys (bench/serve_burst.py)
+    metrics_port: int | None = None  # /metrics on 127.0.0.1 (figures())
 
     @property
     def addr(self) -> str:
@@ -90,6 +91,8 @@ class ServeDaemon:
                  # the sweep measures the queue, so the daemon's overload guards stay out of it
                  "  max_inflight_calls: 1000000", "  max_streams_per_connection: 1000000",
                  *(f"  {k}: {v}" for k, v in self.server_extra),
+                 *([f"  metrics_listen: 127.0.0.1:{self.metrics_port}"]
+                   if self.metrics_port is not None else []),
                  "backbone:",
                  f"  config: {self.model}", f"  device: {self.device}", f"  dtype: {self.dtype}",
                  "scheduler:", f"  max_wait_ms: {self.max_wait_ms}",
@@ -128,6 +131,14 @@ class ServeDaemon:
         """The daemon process's CPU time so far, all threads (Linux ``/proc``; else None)."""
         return process_cpu_seconds(self.proc.pid) if self.proc is not None else None
 
+    def figures(self) -> dict[str, float] | None:
+        """The daemon's cumulative batch and CUDA graph counters from its /metrics (None without
+        a metrics port, or when the scrape fails): batches and the rows in them, the rows'
+        compute seconds (each row counts its batch's forward), forwards by graph path, captures."""
+        if self.metrics_port is None:
+            return None
+        return daemon_figures(f"http://127.0.0.1:{self.metrics_port}/metrics")
+
     def upload(self, files: dict[str, Path]) -> None:
         for t, path in files.items():
             with Client(self.addr, self.tokens[t]) as c:
@@ -161,6 +172,53 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+_FIGURES = {  # figure -> (metric sample, label that must match, or None: summed over all)
+    "batches": ("itif_batch_size_count", None),
+    "batch_rows": ("itif_batch_size_sum", None),
+    "row_compute_s": ("itif_compute_seconds_sum", None),
+    "rows_computed": ("itif_compute_seconds_count", None),
+    "graph_replays": ("itif_cuda_graph_forwards_total", ("path", "replay")),
+    "graph_eager": ("itif_cuda_graph_forwards_total", ("path", "eager")),
+    "graph_captures": ("itif_cuda_graph_captures_total", None),
+}
+
+
+def daemon_figures(url: str) -> dict[str, float] | None:
+    """:data:`_FIGURES` read from a daemon's /metrics page (absent series count 0)."""
+    import urllib.request  # noqa: PLC0415
+
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    try:
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError as e:
+        log.warning("scraping %s failed: %s", url, e)
+        return None
+    out = dict.fromkeys(_FIGURES, 0.0)
+    for fam in text_string_to_metric_families(body):
+        for smp in fam.samples:
+            for key, (name, label) in _FIGURES.items():
+                if smp.name == name and (label is None or smp.labels.get(label[0]) == label[1]):
+                    out[key] += smp.value
+    return out
+
+
+def _batch_figures(before: dict | None, after: dict | None) -> dict:
+    """What the daemon did between two :func:`daemon_figures` readings: its batches, their mean
+    size, the mean forward time a row waited on, and the forwards by CUDA graph path."""
+    if not before or not after:
+        return {}
+    d = {k: after[k] - before[k] for k in after}
+    out = {"batches": int(d["batches"]),
+           "mean_batch_size": round(d["batch_rows"] / d["batches"], 2) if d["batches"] else None,
+           "row_compute_ms": (round(1e3 * d["row_compute_s"] / d["rows_computed"], 3)
+                              if d["rows_computed"] else None)}
+    if d["graph_replays"] or d["graph_eager"] or d["graph_captures"]:
+        out.update(graph_replays=int(d["graph_replays"]), graph_eager=int(d["graph_eager"]),
+                   graph_captures=int(d["graph_captures"]))
+    return out
+
+
 class LoadGen:
     """Open-loop sender over one channel to one daemon. With ``daemon_cpu`` (the daemon's
     :meth:`ServeDaemon.cpu_seconds`), :meth:`send` also says how many cores the daemon and this
@@ -169,10 +227,12 @@ class LoadGen:
     at about one core is itself the bound."""
 
     def __init__(self, addr: str, tokens: dict[str, str], spec: BackboneSpec,
-                 daemon_cpu: Callable[[], float | None] | None = None) -> None:
+                 daemon_cpu: Callable[[], float | None] | None = None,
+                 daemon_figures: Callable[[], dict | None] | None = None) -> None:
         from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: PLC0415
 
         self.daemon_cpu = daemon_cpu
+        self.daemon_figures = daemon_figures
         self._pb = itif_pb2
         opts = [("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20)]
@@ -230,6 +290,7 @@ class LoadGen:
 
         futs = []
         lag = np.zeros(n)
+        fig0 = self.daemon_figures() if self.daemon_figures is not None else None
         cpu0 = self._cpu()
         start = clock() + 0.02
         infer = self.stub.Infer.future
@@ -246,6 +307,7 @@ class LoadGen:
             futs.append(f)
         all_done.wait(drain_s)
         cpu1 = self._cpu()
+        fig1 = self.daemon_figures() if self.daemon_figures is not None else None
         for f in futs:
             f.cancel()
         all_done.wait(5.0)
@@ -261,7 +323,7 @@ class LoadGen:
                     p50_ms=_pct(lat, 50), p90_ms=_pct(lat, 90), p99_ms=_pct(lat, 99),
                     mean_ms=round(float(lat.mean()), 3) if lat.size else None,
                     send_lag_p99_ms=round(float(np.percentile(lag, 99) * 1e3), 3),
-                    **_cores(cpu0, cpu1))
+                    **_cores(cpu0, cpu1), **_batch_figures(fig0, fig1))
 
     def _cpu(self) -> tuple[float, float, float | None]:
         """(wall clock, this process's CPU time, the daemon's CPU time or None)."""
@@ -328,9 +390,10 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
         for i, t in enumerate(names):
             files[t] = tmp / f"{t}.safetensors"
             save_safetensors(to_hf(spec, tenant_weights(spec, i, cfg.fine_tune)), files[t])
-        ports = _free_ports(len(modes))
+        ports = _free_ports(2 * len(modes))  # gRPC, then /metrics
         daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
-                               strategy, isolate, cfg.max_wait_ms, sizing)
+                               strategy, isolate, cfg.max_wait_ms, sizing,
+                               metrics_port=ports[len(modes) + k])
                    for k, (_, strategy, isolate, sizing) in enumerate(modes)]
         try:
             for d in daemons:  # start together: the slow part (imports) overlaps
@@ -339,7 +402,7 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
                 d.wait_ready()
                 d.upload(files)
             rng = np.random.default_rng(cfg.seed)
-            gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds) for d in daemons]
+            gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds, d.figures) for d in daemons]
             try:
                 for mix in cfg.mixes:
                     rows += _sweep_mix(cfg, spec, mix, modes, gens, rng)
@@ -400,7 +463,9 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng) -> list[dict]:
                    requests_per_tenant=best["requests_per_tenant"], seq_len=best["seq_len"],
                    rate_rps=best["rate_rps"], throughput_rps=best["throughput_rps"],
                    latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"],
-                   **{k: best[k] for k in ("daemon_cpu_cores", "loadgen_cpu_cores")
+                   **{k: best[k] for k in ("daemon_cpu_cores", "loadgen_cpu_cores",
+                                           "mean_batch_size", "row_compute_ms", "graph_replays",
+                                           "graph_eager", "graph_captures")
                       if k in best})
         if cfg.p99_at and best["throughput_rps"] > 0:
             # p99 below saturation: Poisson arrivals at a fraction of this mode's own capacity

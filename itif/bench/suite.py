@@ -352,7 +352,10 @@ def summary_serve(path: Path) -> int:
               f"there {r.get('p99_ms')} ms; p99 at {r.get('at_fraction')} of it "
               f"({r.get('at_fraction_rate_rps')} req/s): {r.get('p99_at_fraction_ms')} ms; "
               f"CPU cores at saturation: daemon {r.get('daemon_cpu_cores')}, load generator "
-              f"{r.get('loadgen_cpu_cores')}")
+              f"{r.get('loadgen_cpu_cores')}; there a mean batch of {r.get('mean_batch_size')} "
+              f"rows, {r.get('row_compute_ms')} ms a forward (as its rows waited on it), "
+              f"graph replays/eager/captures {r.get('graph_replays', '-')}/"
+              f"{r.get('graph_eager', '-')}/{r.get('graph_captures', '-')}")
     for r in bad:
         print(f"  ERROR serve/{r.get('system')}: {r.get('reason')}")
     return 0
