@@ -255,13 +255,9 @@ def flood_main() -> None:
 # ---- Prometheus -------------------------------------------------------------------------------
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     """The daemon's /metrics as {(sample name, labels): value}."""
-    import urllib.request  # noqa: PLC0415
+    from itif.bench.serving import scrape_metrics  # noqa: PLC0415
 
-    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
-
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    return scrape_metrics(port)
 
 
 def metric(samples: dict, name: str, **labels) -> float:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import grpc
 import numpy as np
 import pytest
 import torch
 
+from itif.bench.serving import scrape_metrics as scrape
 from itif.platform import nvml
 from itif.weights.safetensors_io import save_safetensors
 from tests.daemon_harness import Daemon, free_port
@@ -21,12 +21,6 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 TOKENS = {"acme": "acme-tok", "beta": "beta-tok"}
 N_ITIF, N_KSERVE, KSERVE_BATCH = 4, 3, 2
-
-
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in parser.text_string_to_metric_families(body) for s in fam.samples}
 
 
 def value(samples, name: str, **labels) -> float:

@@ -137,7 +137,7 @@ class ServeDaemon:
         compute seconds (each row counts its batch's forward), forwards by graph path, captures."""
         if self.metrics_port is None:
             return None
-        return daemon_figures(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        return daemon_figures(self.metrics_port)
 
     def upload(self, files: dict[str, Path]) -> None:
         for t, path in files.items():
@@ -183,24 +183,28 @@ _FIGURES = {  # figure -> (metric sample, label that must match, or None: summed
 }
 
 
-def daemon_figures(url: str) -> dict[str, float] | None:
-    """:data:`_FIGURES` read from a daemon's /metrics page (absent series count 0)."""
+def scrape_metrics(port: int) -> dict[tuple[str, frozenset], float]:
+    """A daemon's /metrics on 127.0.0.1:``port`` as {(sample name, labels): value}."""
     import urllib.request  # noqa: PLC0415
 
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def daemon_figures(port: int) -> dict[str, float] | None:
+    """:data:`_FIGURES` from a daemon's /metrics (absent series count 0; None when the scrape
+    fails)."""
     try:
-        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        samples = scrape_metrics(port)
     except OSError as e:
-        log.warning("scraping %s failed: %s", url, e)
+        log.warning("scraping the metrics on port %d failed: %s", port, e)
         return None
-    out = dict.fromkeys(_FIGURES, 0.0)
-    for fam in text_string_to_metric_families(body):
-        for smp in fam.samples:
-            for key, (name, label) in _FIGURES.items():
-                if smp.name == name and (label is None or smp.labels.get(label[0]) == label[1]):
-                    out[key] += smp.value
-    return out
+    return {key: sum(v for (n, labels), v in samples.items()
+                     if n == name and (label is None or label in labels))
+            for key, (name, label) in _FIGURES.items()}
 
 
 def _batch_figures(before: dict | None, after: dict | None) -> dict:
