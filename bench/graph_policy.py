@@ -3,14 +3,17 @@ same kinds of batch sequences under each ``cuda_graphs`` setting and each attent
 side by side in one run.
 
     python bench/graph_policy.py [--model bert-base] [--tenants 16] [--batches 100]
-        [--repeats 30] [--rounds 2] [--attention itif cudnn] [--dtype float16]
+        [--repeats 30] [--rounds 2] [--attention itif groups] [--dtype float16]
         [--out OUT/graph_policy.json]
 
 Settings: ``cuda_graphs`` ``off`` (always eager), ``on`` (every structure captured on first
 sight: the engine's behaviour before the rent rule) and ``auto`` (captured once its eager
-forwards have paid for a capture); attention ``itif`` (torch's SDPA without cuDNN, the
-default: ``itif.platform.attention_backends``) and ``cudnn`` (``ITIF_CUDNN_SDPA=1``: torch's
-own order, cuDNN first on an H100). Each (attention, setting) runs in interleaved rounds, the
+forwards have paid for a capture); attention ``itif`` (the default: a batch of several length
+groups in one variable-length flash call a layer, ``itif.ops.cuda.attention``; torch's SDPA
+without cuDNN per group otherwise, ``itif.platform.attention_backends``), ``groups`` (every
+length group its own SDPA call, as before the variable-length call:
+``launch_policy(attention="sdpa")``) and ``cudnn`` (the groups with ``ITIF_CUDNN_SDPA=1``:
+torch's own order, cuDNN first on an H100). Each (attention, setting) runs in interleaved rounds, the
 graph cache emptied before each, over two sequences:
 
 - ``serving``: ``--batches`` batches as a serving load forms them: 1-64 requests each (a
@@ -46,9 +49,10 @@ import itif  # noqa: E402
 from itif import platform  # noqa: E402
 from itif.backbones.spec import load_spec  # noqa: E402
 from itif.bench.tenants import tenant_weights  # noqa: E402
+from itif.ops.launch import launch_policy  # noqa: E402
 
 SETTINGS = ("off", "on", "auto")
-ATTENTION = ("itif", "cudnn")
+ATTENTION = ("itif", "cudnn", "groups")
 
 
 def serving_batches(spec, tenants: int, n: int, rng) -> list[list[itif.Request]]:
@@ -72,10 +76,11 @@ def run_sequence(eng, batches, setting: str, attention: str) -> dict:
         eng._graphs.clear()  # every setting starts with no graphs and no counts
     before = eng.graph_stats()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for b in batches:
-        eng.infer(b)  # returns host arrays: each call ends synchronised
-    s = time.perf_counter() - t0
+    with launch_policy(attention="auto" if attention == "itif" else "sdpa"):
+        t0 = time.perf_counter()
+        for b in batches:
+            eng.infer(b)  # returns host arrays: each call ends synchronised
+        s = time.perf_counter() - t0
     after = eng.graph_stats()
     counts = {k: after[k] - before[k] for k in ("captures", "replays", "eager")}
     n = sum(len(b) for b in batches)
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--attention", nargs="+", choices=ATTENTION, default=list(ATTENTION))
+    ap.add_argument("--attention", nargs="+", choices=ATTENTION, default=["itif", "groups"])
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
@@ -133,9 +138,12 @@ def main(argv=None) -> int:
                                                         / b["auto"]["ms_per_request"], 3)
             print(f"{name} {att}: " + ", ".join(f"{s} {b[s]['ms_per_batch']} ms/batch"
                                                  for s in SETTINGS))
-        if len(args.attention) == 2:
-            summary[name]["itif vs cudnn attention, auto"] = round(
-                best["cudnn/auto"]["ms_per_request"] / best["itif/auto"]["ms_per_request"], 3)
+        if "itif" in args.attention:
+            for other in args.attention:
+                if other != "itif":
+                    summary[name][f"itif vs {other} attention, auto"] = round(
+                        best[f"{other}/auto"]["ms_per_request"]
+                        / best["itif/auto"]["ms_per_request"], 3)
         print(name, {k: v for k, v in summary[name].items() if k != "best"})
     doc = dict(model=args.model, tenants=args.tenants, dtype=args.dtype, batches=args.batches,
                repeats=args.repeats, rounds_run=args.rounds, attention=args.attention,

@@ -282,6 +282,35 @@ def test_attention(L, heads, H, dtype, mode):
         torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("strategy", ["packed", "pad_per_tenant"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_attention_of_many_length_groups_in_one_variable_length_call(dtype, strategy):
+    """A ragged batch (several length groups, padding rows under pad_per_tenant) through torch's
+    variable-length kernel over the boundaries ``prepare`` packed, against the float32
+    reference over its groups, on every real token's row; the per-group path agrees too."""
+    from itif.runtime import forward  # noqa: PLC0415
+    from tests.test_varlen import RAGGED, _batch  # noqa: PLC0415
+
+    eng, b = _batch(strategy, RAGGED)
+    d = forward._Bound(b, b.host_ints.cuda(), None)
+    groups, varlen = d.attn_groups(), d.varlen()
+    assert len(groups) > 1 and varlen is not None
+    heads, H = eng.spec.heads, eng.spec.hidden
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(b.rows, 3 * H, generator=g).to(dtype).cuda()
+    want = reference.attention(qkv.float(), groups, heads)
+    rows = torch.as_tensor(b.tok_row).cuda()
+    atol = {torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    assert cuda._varlen_kernel(qkv.device.index) is not None, "torch lacks varlen_attn here"
+    got = cuda.attention(qkv, groups, heads, torch.zeros(b.rows, H, dtype=dtype, device="cuda"),
+                         varlen)
+    assert (qkv.device.index, dtype) not in cuda._varlen_failed  # the one call did run
+    torch.testing.assert_close(got.float()[rows], want[rows], atol=atol, rtol=atol)
+    with cuda.launch_policy(attention="sdpa"):  # the per-group path, for comparison
+        per_group = cuda.attention(qkv, groups, heads, None, varlen)
+    torch.testing.assert_close(per_group.float()[rows], want[rows], atol=atol, rtol=atol)
+
+
 # ---------------------------------------------------------------------------------------------
 # streams, dispatch, validation
 

@@ -25,6 +25,8 @@ and launch-config helpers run anywhere).
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Sequence
 
@@ -283,12 +285,63 @@ def _softmax_bmm_group(qkv: torch.Tensor, g: AttnGroup, heads: int, out: torch.T
         out.index_copy_(0, g.dest, o.index_select(0, g.valid))
 
 
+log = logging.getLogger("itif.ops")
+
+_varlen_failed: set = set()  # (device index, dtype) where the variable-length kernel raised
+
+
+@functools.lru_cache(maxsize=None)
+def _varlen_kernel(index: int):
+    """torch's variable-length (flash) attention where this device runs it (sm80 or newer),
+    else None."""
+    if torch.cuda.get_device_capability(index)[0] < 8:
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_group(qkv: torch.Tensor, varlen: tuple[torch.Tensor, int], heads: int,
+                  out: torch.Tensor) -> bool:
+    """Every sequence in one variable-length call; False (nothing written) where that kernel is
+    missing or refuses this input, so the groups run instead."""
+    T, H3 = qkv.shape
+    H = H3 // 3
+    d = H // heads
+    key = (qkv.device.index, qkv.dtype)
+    fn = _varlen_kernel(qkv.device.index)
+    if (fn is None or key in _varlen_failed or qkv.dtype not in (torch.float16, torch.bfloat16)
+            or d % 8 or d > 256):
+        return False
+    cu, L = varlen
+    q, k, v = (qkv[:, i * H : (i + 1) * H].view(T, heads, d) for i in range(3))
+    try:
+        o = fn(q, k, v, cu, cu, L, L)
+    except RuntimeError as e:  # raised before it wrote anything: the groups can still run
+        _varlen_failed.add(key)
+        log.warning("variable-length attention failed on %s %s (%s); attention runs per "
+                    "length group there", qkv.device, qkv.dtype, e)
+        return False
+    out.view(T, heads, d).copy_(o)
+    return True
+
+
 def attention(
-    qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None
+    qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None,
+    varlen: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """CUDA path of :func:`itif.ops.reference.attention`.
 
-    Choice of kernel, per group: torch's ``scaled_dot_product_attention`` (flash or
+    A batch of several length groups that comes with ``varlen`` (its sequences as boundaries
+    that tile the rows, ``PreparedBatch.varlen_L``) runs as one call of torch's variable-length
+    flash attention in float16 / bfloat16 (policy ``"auto"``): one launch and a few Python calls
+    a layer instead of a gather, an SDPA and a scatter per group. Under a serving load, where a
+    batch spans a dozen length buckets, those per-group calls were most of a forward's host
+    work, each one a release and re-take of the GIL the gRPC front end competes for.
+
+    Otherwise, per group: torch's ``scaled_dot_product_attention`` (flash or
     memory-efficient kernels, which read the strided Q/K/V views in place and never materialise
     the [L, L] scores; cuDNN attention is left out around itif's forwards, see
     ``itif.platform.attention_backends``) whenever those kernels accept the head size. The bmm +
@@ -304,6 +357,8 @@ def attention(
     if out is None:
         out = torch.zeros(T, H, dtype=qkv.dtype, device=qkv.device)
     mode = _launch._policy.attention
+    if varlen is not None and mode == "auto" and _varlen_group(qkv, varlen, heads, out):
+        return out
     for g in groups:
         if mode == "softmax_bmm" or (
             mode == "auto" and g.key_mask is not None and not _sdpa_takes(qkv.dtype, d)

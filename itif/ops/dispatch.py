@@ -239,14 +239,17 @@ def embed_text(
 
 
 def attention(
-    qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None
+    qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None,
+    varlen: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """Multi-head self-attention strictly within each request: qkv [T, 3H] -> [T, H]."""
+    """Multi-head self-attention strictly within each request: qkv [T, 3H] -> [T, H].
+    ``varlen``: the same sequences as (boundaries, longest) for a backend that runs them in one
+    call (``PreparedBatch.varlen_L``); the reference runs ``groups``."""
     return _run(
         "attention",
         qkv,
-        lambda be: be.attention(qkv, groups, heads, out),
-        lambda: _ref.attention(qkv, groups, heads, out),
+        lambda be: be.attention(qkv, groups, heads, out, varlen),
+        lambda: _ref.attention(qkv, groups, heads, out, varlen),
     )
 
 

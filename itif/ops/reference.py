@@ -168,12 +168,15 @@ def cpu_attention_len(L: int) -> int:
 
 
 def attention(
-    qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None
+    qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None,
+    varlen: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Multi-head self-attention strictly within each request.
 
     qkv: [T, 3H] with Q, K, V side by side (bias already added). Returns [T, H]; rows no group
-    covers are left as they were in ``out`` (zeros when allocated here).
+    covers are left as they were in ``out`` (zeros when allocated here). ``varlen`` (the same
+    sequences as boundaries, for a backend with a variable-length kernel) is not read here: the
+    reference runs the groups.
     """
     T, H3 = qkv.shape
     H = H3 // 3

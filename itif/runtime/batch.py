@@ -163,6 +163,9 @@ class PreparedBatch:
     key: tuple = ()
     tok_row: np.ndarray | None = None  # text: row of every real token, in request order
     lora: dict = field(default_factory=dict)  # linear weight name -> LoraGroups (runtime.lora)
+    #: The longest sequence of the packed "varlen.cu" boundaries (``_varlen``); 0: not packed
+    #: (one attention group, which is already one call).
+    varlen_L: int = 0
 
     # flat float32 output: [logits n x max_labels][pooled n x H][hidden T x H]
     @property
@@ -300,6 +303,21 @@ def _attention(layout: Layout, pk: Packer) -> list[AttnSpec]:
     return groups
 
 
+def _varlen(layout: Layout, T: int, pk: Packer) -> int:
+    """The same attention as the groups of ``_attention``, as boundaries of sequences that tile
+    rows ``[0, T)`` (packed as "varlen.cu"): every request's real rows are one sequence, and
+    each run of padding rows (or rows of no request) is a sequence of its own, so no real key is
+    ever shared across requests and no padding key is seen by a real query. Lets a device that
+    has a variable-length attention kernel run one call per layer however many length buckets
+    the batch has (``itif.ops.cuda.attention``). Returns the longest sequence."""
+    start = layout.offset.astype(np.int64)
+    cuts = np.unique(np.concatenate([[0, T], start, start + layout.length,
+                                     start + layout.padded_len]))
+    cuts = cuts[(cuts >= 0) & (cuts <= T)]
+    pk.add("varlen.cu", cuts)
+    return int(np.diff(cuts).max())
+
+
 def _head_plan(table: np.ndarray, tsorted: np.ndarray, a: int, b: int, device,
                dtype) -> GemmPlan:
     """GEMM plan of a head parameter (slot ``table`` per batch tenant) over CLS rows [a, b)
@@ -372,6 +390,7 @@ def prepare(
         if plan.backend == "grouped_mm":
             pk.add(f"offs{k}", plan.offs)
     attn = _attention(layout, pk)
+    varlen_L = _varlen(layout, T, pk) if len(attn) > 1 else 0
     lora = plan_lora(tables.lora, row_tenant, pk, device, dtype) if tables.lora else {}
 
     # ---- heads ------------------------------------------------------------------------------
@@ -421,6 +440,7 @@ def prepare(
         pooler_rows=pooler_rows if pooler_plans is not None else 0, pooler_plans=pooler_plans,
         heads=heads, want_pooled=want_pooled, want_logits=want_logits, want_hidden=want_hidden,
         max_labels=max_labels, labels=tables.labels, key=key, tok_row=tok_row, lora=lora,
+        varlen_L=varlen_L,
     )
     if cache is not None:
         cache.put(key, batch)

@@ -74,6 +74,13 @@ class _Bound:
             apply_lora(y, x, groups, self.P.view.buffers, self.get, self.offs)
         return y
 
+    def varlen(self) -> tuple[torch.Tensor, int] | None:
+        """The batch's attention as sequence boundaries (int32 [S+1]) and the longest sequence,
+        for a backend with a variable-length kernel; None with one group (already one call)."""
+        if not self.b.varlen_L:
+            return None
+        return self.offs("varlen.cu"), self.b.varlen_L
+
     def attn_groups(self) -> list[AttnGroup]:
         out = []
         dev = self.ints.device
@@ -123,6 +130,7 @@ def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     eps, heads = spec.layer_norm_eps, spec.heads
     x = _embed(spec, d, dtype)
     groups = d.attn_groups()
+    varlen = d.varlen()
     T, H = x.shape
     if spec.pre_ln:
         # ViT: LN before each block; the sum of each residual add is kept in place (keep_sum)
@@ -135,7 +143,7 @@ def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
                            d.rot(p + "qkv.bias"))
         # Every row belongs to exactly one attention group, so no row is left unwritten.
         ctx = ops.attention(qkv, groups, heads, torch.empty(T, H, dtype=qkv.dtype,
-                                                            device=qkv.device))
+                                                            device=qkv.device), varlen)
         h = d.linear(ctx, p + "attn_out.weight")
         if spec.pre_ln:
             y = ops.bias_residual_layernorm(h, d.rot(p + "attn_out.bias"), x,

@@ -203,9 +203,14 @@ def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tenso
         else:
             torch.bmm(xs, ws.transpose(1, 2), out=ys)
     else:
+        # One split of each side, then a product per segment: two Python calls a segment
+        # (select, mm) rather than five. Under a serving load this loop runs 16 tenants x 4
+        # products x 12 layers times a bert-base forward, and each call gives the GIL away.
         segs = plan.segs
-        for s, e, slot in zip(segs.start, segs.end, segs.slot):
-            torch.mm(x[s:e], w[slot].t(), out=out[s:e])
+        wt = w.transpose(1, 2)
+        sizes = [e - s for s, e in zip(segs.start, segs.end)]
+        for xi, yi, slot in zip(x.split(sizes), out.split(sizes), segs.slot):
+            torch.mm(xi, wt[slot], out=yi)
     return out
 
 
