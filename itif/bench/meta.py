@@ -32,6 +32,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cupy_version() -> str | None:
+    """CuPy's version under whichever wheel name it was installed (the H100 image has
+    cupy-cuda13x; pyproject's ``gpu`` extra names cupy-cuda12x)."""
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        v = _version(dist)
+        if v is not None:
+            return v
+    return None
+
+
 def collect_meta(device: torch.device, dtype: torch.dtype, peak, args, settings: dict) -> dict:
     import itif  # noqa: PLC0415
 
@@ -46,7 +56,7 @@ def collect_meta(device: torch.device, dtype: torch.dtype, peak, args, settings:
         versions=dict(itif=itif.__version__, python=platform.python_version(),
                       torch=torch.__version__, cuda=torch.version.cuda,
                       transformers=_version("transformers"), numpy=_version("numpy"),
-                      grpcio=_version("grpcio"), cupy=_version("cupy-cuda12x")),
+                      grpcio=_version("grpcio"), cupy=_cupy_version()),
         platform=platform.platform(), peak=peak.as_dict(), settings=settings,
         host_malloc=host_malloc())
     if device.type == "cuda":
