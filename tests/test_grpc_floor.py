@@ -1,0 +1,28 @@
+"""bench/grpc_floor.py: a bare gRPC server of itif's service, its CPU time per unary call."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("grpc_floor", ROOT / "bench" / "grpc_floor.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_each_server_answers_every_call_and_reports_its_cpu_per_call(tmp_path):
+    out = tmp_path / "floor.json"
+    assert _module().main(["--rates", "200", "--seconds", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["server"] for r in doc["rows"]] == ["aio", "sync"]
+    for r in doc["rows"]:
+        assert r["requests"] == 200 and r["achieved_rps"] > 0
+        # a real reading of the server's CPU (in 10 ms clock ticks: ~70 ms of work is several),
+        # more than nothing and less than four cores' worth of the wall time
+        assert 0 < r["server_cpu_ms_per_request"] < 1e3 / r["achieved_rps"] * 4
