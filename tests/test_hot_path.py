@@ -187,10 +187,15 @@ def test_forward_reads_nothing_on_the_host(preset, mix):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["bert-tiny", "albert-tiny", "vit-tiny"])
-def test_cuda_forward_never_synchronises(preset):
+@pytest.mark.parametrize("mix", ["equal", "ragged"])
+def test_cuda_forward_never_synchronises(preset, mix):
+    """Ragged text batches take the one-call variable-length attention, equal ones a view."""
     eng = _engine(preset, 4, device="cuda", dtype="float16", cuda_graphs="off")
     rng = np.random.default_rng(3)
     reqs = _requests(eng, 4, 20, rng)
+    if mix == "ragged" and eng.spec.is_text:
+        reqs = [itif.Request(r.tenant, input_ids=rng.integers(0, eng.spec.vocab_size, n))
+                for r, n in zip(reqs + reqs, (3, 20, 41, 7, 64, 2, 15, 30))]
     eng.infer(reqs)  # warm: kernel builds
     view = eng.store.view
     names = eng._batch_tenants(view, [r.tenant for r in reqs])

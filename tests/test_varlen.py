@@ -82,3 +82,25 @@ def test_one_call_over_the_boundaries_equals_the_groups(strategy):
     # the reference ignores the boundaries: a backend without the kernel runs the groups
     again = reference.attention(qkv, d.attn_groups(), heads, None, (cu, L))
     torch.testing.assert_close(again, want, atol=0, rtol=0)
+
+
+def test_the_forward_hands_the_boundaries_to_attention_only_for_several_groups(monkeypatch):
+    """Every layer's attention call gets (boundaries, longest) for a ragged batch, None for a
+    batch of one group; the engine's answers are those of the groups either way (the CPU
+    reference ignores the boundaries)."""
+    seen = []
+    real = forward.ops.attention
+
+    def spy(qkv, groups, heads, out=None, varlen=None):
+        seen.append(None if varlen is None else (varlen[0].tolist(), varlen[1]))
+        return real(qkv, groups, heads, out, varlen)
+
+    monkeypatch.setattr(forward.ops, "attention", spy)
+    eng, b = _batch("packed", RAGGED)
+    forward.run(eng.spec, b, b.host_ints, b.host_floats)
+    cu = b.packer.view(b.host_ints, "varlen.cu").tolist()
+    assert seen == [(cu, max(RAGGED))] * eng.spec.layers
+    seen.clear()
+    eng, b = _batch("packed", [24] * 6)
+    forward.run(eng.spec, b, b.host_ints, b.host_floats)
+    assert seen == [None] * eng.spec.layers
