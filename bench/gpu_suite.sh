@@ -38,6 +38,8 @@
 #   TESTS_TIMEOUT_S OPS_TIMEOUT_S SERVE_TIMEOUT_S   per-step caps [150 60 480 / 90 60 120]
 #   SERVE_MODEL SERVE_TENANTS SERVE_MIX SERVE_DURATION_S
 #                    [bert-base 16 uniform:2-100+zipf:1.2 5 / bert-tiny 4 (same mix) 1]
+#   SERVE_ARGS       more `itif bench` options for the serve step, e.g. "--serve-strategies packed
+#                    --serve-max-batch-tokens 32768" [none]
 #   GEN_ARGS         bench/bench_generate.py's workload (the thesis' Decoding row: seq, hf, itif)
 #                    [marian-decoding, 8 tenants x 4 requests, beam 4, 128 source tokens, 32 new /
 #                    marian-tiny, 2 x 2, beam 2, 16, 4]; GENERATE_TIMEOUT_S [300 / 120]
@@ -258,7 +260,7 @@ if has_step serve; then
   run_step serve "$TO" "$OUT/bench.log" "$PY" -m itif bench --suites serve \
     --serve-model "$SERVE_MODEL" --serve-tenants "$SERVE_TENANTS" --mixes "$SERVE_MIX" \
     --serve-duration "$SERVE_DURATION_S" --serve-p99-at 0.7 --device "$DEVICE" --dtype "$DTYPE" \
-    --no-plots --out "$OUT/serve.json" $QUICK
+    --no-plots --out "$OUT/serve.json" $QUICK ${SERVE_ARGS:-}
   "$PY" -m itif.bench.suite summary-serve "$OUT/serve.json" | sed 's/^/  /' | tee -a "$LOG"
 else
   say "step serve: not selected (--steps $STEPS; on the GPU it runs in its own call: --steps serve)"

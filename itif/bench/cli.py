@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="absolute rates in req/s (default: fractions of a calibrated capacity)")
     g.add_argument("--serve-duration", type=float, help="seconds of arrivals per rate")
     g.add_argument("--serve-strategies", nargs="+", help="fused daemons' strategies")
+    g.add_argument("--serve-max-batch-tokens", type=int,
+                   help="every daemon's scheduler.max_batch_tokens (default: the daemon's)")
+    g.add_argument("--serve-max-batch-size", type=int,
+                   help="every daemon's scheduler.max_batch_size (default: the daemon's)")
     g.add_argument("--serve-latency-sizing", action="store_true",
                    help="one more fused daemon with scheduler.latency_sizing on (itif_sized)")
     g.add_argument("--serve-p99-at", type=float, default=0.7,
@@ -263,6 +267,7 @@ def _serve(args, quick, gpu, models, strategies, device, dtype_name, blog) -> li
         extra_rates=1 if quick else 4,
         p99_at=args.serve_p99_at or None,
         latency_sizing_mode=args.serve_latency_sizing,
+        max_batch_tokens=args.serve_max_batch_tokens, max_batch_size=args.serve_max_batch_size,
         fine_tune=args.fine_tune, seed=args.seed)
     try:
         rows = serving.serve_sweep(cfg)

@@ -42,6 +42,7 @@ from itif.bench.tenants import tenant_weights, to_hf
 from itif.bench.workloads import ServeMix, poisson_arrivals, sample_lengths, sample_tenants
 from itif.client import Client
 from itif.config import hash_token
+from itif.config.schema import SchedulerConfig
 from itif.weights.safetensors_io import save_safetensors
 
 log = logging.getLogger("itif.bench")
@@ -77,6 +78,8 @@ class ServeDaemon:
     proc: subprocess.Popen | None = None
     server_extra: tuple[tuple[str, object], ...] = ()  # more ``server:`` keys (bench/serve_burst.py)
     metrics_port: int | None = None  # /metrics on 127.0.0.1 (figures())
+    max_batch_tokens: int | None = None  # scheduler limits; None: the daemon's defaults
+    max_batch_size: int | None = None
 
     @property
     def addr(self) -> str:
@@ -98,7 +101,12 @@ class ServeDaemon:
                  "scheduler:", f"  max_wait_ms: {self.max_wait_ms}",
                  f"  strategy: {self.strategy}",
                  f"  isolate_tenants: {'true' if self.isolate else 'false'}",
-                 f"  latency_sizing: {'true' if self.latency_sizing else 'false'}", "tenants:"]
+                 f"  latency_sizing: {'true' if self.latency_sizing else 'false'}",
+                 *([f"  max_batch_tokens: {self.max_batch_tokens}"]
+                   if self.max_batch_tokens is not None else []),
+                 *([f"  max_batch_size: {self.max_batch_size}"]
+                   if self.max_batch_size is not None else []),
+                 "tenants:"]
         for t, tok in self.tokens.items():
             lines += [f"  - id: {t}", f"    token_sha256: {hash_token(tok)}",
                       "    max_queue: 1000000"]
@@ -374,6 +382,8 @@ class ServeSettings:
     fine_tune: str = "full"
     seed: int = 0
     latency_sizing_mode: bool = False  # one more fused daemon with scheduler.latency_sizing on
+    max_batch_tokens: int | None = None  # every daemon's scheduler limits (None: its defaults)
+    max_batch_size: int | None = None
 
 
 def serve_sweep(cfg: ServeSettings) -> list[dict]:
@@ -397,7 +407,9 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
         ports = _free_ports(2 * len(modes))  # gRPC, then /metrics
         daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
                                strategy, isolate, cfg.max_wait_ms, sizing,
-                               metrics_port=ports[len(modes) + k])
+                               metrics_port=ports[len(modes) + k],
+                               max_batch_tokens=cfg.max_batch_tokens,
+                               max_batch_size=cfg.max_batch_size)
                    for k, (_, strategy, isolate, sizing) in enumerate(modes)]
         try:
             for d in daemons:  # start together: the slow part (imports) overlaps
@@ -435,7 +447,9 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng) -> list[dict]:
         log.info("serve %s: calibrated capacity %.1f req/s -> rates %s", mix.name, capacity, rates)
     base = dict(suite="serve", model=cfg.model, tenants=cfg.tenants, workload=mix.lengths,
                 skew=mix.skew, mix=mix.name, fine_tune=cfg.fine_tune, device=cfg.device,
-                status="ok", calibrated_rps=capacity)
+                status="ok", calibrated_rps=capacity,
+                max_batch_tokens=cfg.max_batch_tokens or SchedulerConfig.max_batch_tokens,
+                max_batch_size=cfg.max_batch_size or SchedulerConfig.max_batch_size)
     rows = []
     for k, ((system, strategy, *_), g) in enumerate(zip(modes, gens)):
         points = []
