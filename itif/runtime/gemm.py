@@ -17,6 +17,9 @@ buffer in place (views, never a gathered copy):
 | ``grouped_mm`` | strictly increasing slots, any lengths: ``torch._grouped_mm`` over the slot range, unused slots as empty groups (offsets are precomputed, so nothing is read on the host) | 1 |
 | ``loop`` | anything else: one ``torch.mm`` per segment | segments |
 
+On CUDA with ``ITIF_GROUPED_GEMM=cublas`` (opt-in until measured on a GPU), a ``loop`` plan runs
+as one ``cublasGemmGroupedBatchedEx`` call for all its segments (``itif.runtime.cublas_grouped``).
+
 On the CPU in float32, a product whose longest segment has ``cpu_gemm.MIN_ROWS`` to
 ``cpu_gemm.MAX_ROWS`` rows goes to itif's own kernel instead (``itif.runtime.cpu_gemm``: every
 segment in one call, the weights read in place), whatever the plan's backend.
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from itif.runtime import cpu_gemm
+from itif.runtime import cpu_gemm, cublas_grouped
 
 BACKENDS = ("mm", "bmm", "grouped_mm", "loop")
 GROUPED_MAX_EMPTY = 4  # grouped_mm only when the slot range is at most this many x the segments
@@ -202,6 +205,9 @@ def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tenso
             ys.copy_(torch.bmm(ws, xs.transpose(1, 2)).transpose(1, 2))
         else:
             torch.bmm(xs, ws.transpose(1, 2), out=ys)
+    elif cublas_grouped.enabled(x.device, x.dtype) and cublas_grouped.usable(x, w, out):
+        segs = plan.segs  # every segment in one cuBLAS call (opt-in: ITIF_GROUPED_GEMM=cublas)
+        cublas_grouped.run(x, w, segs.start, segs.end, segs.slot, out)
     else:
         # One split of each side, then a product per segment: two Python calls a segment
         # (select, mm) rather than five. Under a serving load this loop runs 16 tenants x 4
