@@ -104,3 +104,25 @@ def test_the_forward_hands_the_boundaries_to_attention_only_for_several_groups(m
     eng, b = _batch("packed", [24] * 6)
     forward.run(eng.spec, b, b.host_ints, b.host_floats)
     assert seen == [None] * eng.spec.layers
+
+
+def test_groups_are_built_only_when_attention_runs_them(monkeypatch):
+    """With boundaries to hand over, the forward builds its attention groups lazily: a backend
+    that runs the one call never pays for them; the reference (which runs the groups) builds
+    them once per forward, not once per layer."""
+    built = []
+    real_groups = forward._Bound.attn_groups
+    monkeypatch.setattr(forward._Bound, "attn_groups",
+                        lambda self: built.append(1) or real_groups(self))
+    eng, b = _batch("packed", RAGGED)
+    forward.run(eng.spec, b, b.host_ints, b.host_floats)  # the CPU reference runs the groups
+    assert built == [1]
+    built.clear()
+
+    def one_call(qkv, groups, heads, out=None, varlen=None):
+        assert varlen is not None and len(groups) == len(b.attn) > 1
+        return out.zero_()
+
+    monkeypatch.setattr(forward.ops, "attention", one_call)
+    forward.run(eng.spec, b, b.host_ints, b.host_floats)
+    assert built == []

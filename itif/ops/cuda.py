@@ -350,15 +350,20 @@ def attention(
     the separate mask-add and softmax passes over the [n, heads, L, L] scores.
     ``launch_policy(attention="sdpa" | "softmax_bmm")`` forces one path for measurement.
     """
-    _check(validate_attention, _validate.sig_attention, qkv, groups, heads, out)
+    mode = _launch._policy.attention
+    one_call = varlen is not None and mode == "auto"
+    # groups are only checked (and so only built, see forward._LazyGroups) if they are run
+    _check(validate_attention, _validate.sig_attention, qkv, () if one_call else groups, heads,
+           out)
     T, H3 = qkv.shape
     H = H3 // 3
     d = H // heads
     if out is None:
         out = torch.zeros(T, H, dtype=qkv.dtype, device=qkv.device)
-    mode = _launch._policy.attention
-    if varlen is not None and mode == "auto" and _varlen_group(qkv, varlen, heads, out):
-        return out
+    if one_call:
+        if _varlen_group(qkv, varlen, heads, out):
+            return out
+        _check(validate_attention, _validate.sig_attention, qkv, groups, heads, out)
     for g in groups:
         if mode == "softmax_bmm" or (
             mode == "auto" and g.key_mask is not None and not _sdpa_takes(qkv.dtype, d)

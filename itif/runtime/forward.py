@@ -26,6 +26,8 @@ the (few) attention and head groups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from itif.backbones.spec import BackboneSpec
@@ -98,6 +100,30 @@ class _Bound:
         return out
 
 
+class _LazyGroups(Sequence):
+    """The batch's attention groups, built on first use. A backend that runs the batch as one
+    variable-length call (``varlen``) never reads them, and building them is about a dozen
+    Python calls into torch per gathered group, each of which gives the GIL away under load."""
+
+    def __init__(self, d: _Bound) -> None:
+        self._d = d
+        self._groups: list[AttnGroup] | None = None
+
+    def _built(self) -> list[AttnGroup]:
+        if self._groups is None:
+            self._groups = self._d.attn_groups()
+        return self._groups
+
+    def __len__(self) -> int:
+        return len(self._d.b.attn)
+
+    def __getitem__(self, i):
+        return self._built()[i]
+
+    def __iter__(self):
+        return iter(self._built())
+
+
 def _embed(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     if spec.is_text:
         x = ops.embed_text(d.rot("emb.word"), d.rot("emb.pos"), d.rot("emb.type"),
@@ -129,8 +155,8 @@ def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     """Embeddings and every encoder layer; returns the last hidden state [T, H]."""
     eps, heads = spec.layer_norm_eps, spec.heads
     x = _embed(spec, d, dtype)
-    groups = d.attn_groups()
     varlen = d.varlen()
+    groups = d.attn_groups() if varlen is None else _LazyGroups(d)
     T, H = x.shape
     if spec.pre_ln:
         # ViT: LN before each block; the sum of each residual add is kept in place (keep_sum)
