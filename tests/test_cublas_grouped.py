@@ -180,3 +180,33 @@ def test_cuda_forward_with_the_grouped_call_answers_as_with_the_loop(monkeypatch
     assert calls, "no product went through the grouped call"
     for a, b in zip(got, want):
         np.testing.assert_allclose(a.logits, b.logits, atol=2e-2, rtol=2e-2)
+
+
+def test_python_calls_do_not_grow_with_the_segments(monkeypatch):
+    """What the grouped call is for: the torch calls a product makes from Python (each a chance
+    to give the GIL away under load) stay flat with the segment count, where the loop's grow
+    with it (TorchFunctionMode counts every call and tensor attribute read from Python)."""
+    from torch.overrides import TorchFunctionMode  # noqa: PLC0415
+
+    class Count(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(gemm.cpu_gemm, "applies", lambda *a: False)
+    N, K = 32, 16
+    w = torch.randn(16, N, K)
+    counts = {}
+    for g in (4, 16):
+        segs = _segments({i: 2 + i for i in range(g)})
+        x = torch.randn(segs.end[-1], K)
+        with Count() as loop:
+            gemm.run_gemm(x, w, plan_gemm(segs, x.shape[0], backend="loop"))
+        out = torch.empty(x.shape[0], N)
+        with Count() as grouped:
+            cublas_grouped.run(x, w, segs.start, segs.end, segs.slot, out, function=StandIn())
+        counts[g] = (loop.n, grouped.n)
+    assert counts[16][1] == counts[4][1] < 20, counts  # flat
+    assert counts[16][0] - counts[4][0] >= 2 * 12, counts  # the loop: 2+ calls a segment
