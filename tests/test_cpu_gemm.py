@@ -103,3 +103,39 @@ def test_disabled_by_environment_runs_mkl():
                          env=dict(os.environ, ITIF_CPU_GEMM="0"), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "ITIF_CPU_GEMM=0" in out.stdout
+
+
+# ---- the build lock a killed build leaves --------------------------------------------------------
+def test_a_lock_left_by_a_dead_build_is_removed(tmp_path):
+    """A process killed while building leaves build_dir/lock; torch's loader would wait on it
+    forever (a daemon that never starts). One older than STALE_LOCK_S is removed."""
+    import os  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from itif.runtime import cpu_gemm  # noqa: PLC0415
+
+    assert cpu_gemm.clear_stale_lock(tmp_path, poll_s=0.01) is False  # no lock: nothing to do
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - cpu_gemm.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert cpu_gemm.clear_stale_lock(tmp_path, poll_s=0.01) is True
+    assert not lock.exists()
+
+
+def test_a_live_build_is_waited_for_and_a_stuck_one_given_up_on(tmp_path):
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from itif.runtime import cpu_gemm  # noqa: PLC0415
+
+    lock = tmp_path / "lock"
+    lock.touch()  # another process building: it releases the lock when done
+    threading.Timer(0.3, lock.unlink).start()
+    t0 = time.perf_counter()
+    assert cpu_gemm.clear_stale_lock(tmp_path, stale_s=30, poll_s=0.02) is False
+    assert 0.25 < time.perf_counter() - t0 < 5
+    lock.touch()  # a build that never finishes: removed once it is stale_s old
+    t0 = time.perf_counter()
+    assert cpu_gemm.clear_stale_lock(tmp_path, stale_s=0.4, poll_s=0.02) is True
+    assert 0.35 < time.perf_counter() - t0 < 5 and not lock.exists()

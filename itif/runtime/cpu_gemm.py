@@ -10,7 +10,9 @@ rows, 6 layers; ``bench/cpu_gemm.py``): 46-48 ms against 71-74 ms for MKL's ``bm
 The kernel is C++ with AVX2/FMA intrinsics, compiled by ``torch.utils.cpp_extension`` the first
 time a process needs it (about 30 s on that machine, with a log line saying so; cached in
 ``TORCH_EXTENSIONS_DIR``, so later processes load it in about a second). :func:`ensure` builds it
-synchronously, so a forward never changes GEMM backend halfway through a run. Without a C++
+synchronously, so a forward never changes GEMM backend halfway through a run. A process killed
+mid-build leaves torch's build lock behind, which would make every later start wait forever;
+one older than :data:`STALE_LOCK_S` is removed (:func:`clear_stale_lock`). Without a C++
 compiler, without AVX2/FMA, or with ``ITIF_CPU_GEMM=0``, everything stays on MKL (the reason is
 logged once and kept in :data:`state`).
 """
@@ -38,6 +40,10 @@ MAX_ROWS = 64
 #: Rows of x the kernel takes at once (one chunk); a segment of r rows is ceil(r / 16) chunks.
 CHUNK = 16
 
+#: A build lock this old was left by a process that died while building (a build takes about
+#: 30 s here): torch would wait on it forever, so :func:`clear_stale_lock` removes it.
+STALE_LOCK_S = 300.0
+
 _lock = threading.Lock()
 _local = threading.local()
 state: dict = {"module": None, "why_not": None, "build_s": None}
@@ -55,6 +61,34 @@ def _source() -> Path:
 def _cpu_has_avx2_fma() -> bool:
     cap = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
     return cap in ("AVX2", "AVX512")
+
+
+def clear_stale_lock(build_dir: Path, stale_s: float = STALE_LOCK_S,
+                     poll_s: float = 1.0) -> bool:
+    """Wait while another process builds the kernel (its lock in ``build_dir`` is fresh); remove
+    a lock older than ``stale_s`` seconds, which a process killed mid-build leaves behind and
+    torch's loader would wait on forever (a daemon that never starts). True if one was removed."""
+    lock = Path(build_dir) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age > stale_s:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+            log.warning("removed %s, left %.0f s ago by a build that did not finish; "
+                        "building the CPU few-rows GEMM kernel again", lock, age)
+            return True
+        time.sleep(poll_s)
+
+
+def _build_dir(name: str) -> Path | None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # noqa: PLC0415
+    except ImportError:  # a torch without it: its loader's own wait applies
+        return None
+    return Path(_get_build_directory(name, verbose=False))
 
 
 def ensure() -> bool:
@@ -77,6 +111,9 @@ def ensure() -> bool:
                 from torch.utils.cpp_extension import load  # noqa: PLC0415
 
                 src = _source()
+                build_dir = _build_dir("itif_seg_gemm_cpu")
+                if build_dir is not None:
+                    clear_stale_lock(build_dir)
                 log.info("loading the CPU few-rows GEMM kernel (%s; the first build in a "
                          "fresh environment compiles it, about 30 s)", src.name)
                 # -fopenmp: at::parallel_for is OpenMP inside torch; without it the pragma is
