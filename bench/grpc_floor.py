@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from itif.bench.serving import process_cpu_seconds  # noqa: E402
+from itif.bench.serving import _free_ports, process_cpu_seconds  # noqa: E402
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: E402
 
 SERVER = r"""
@@ -70,14 +69,8 @@ else:
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(kind: str, rates: list[float], seconds: float, seed: int = 0) -> list[dict]:
-    addr = f"127.0.0.1:{_port()}"
+    addr = f"127.0.0.1:{_free_ports(1)[0]}"
     proc = subprocess.Popen([sys.executable, "-c", SERVER, kind, addr, str(ROOT)])
     rows = []
     try:

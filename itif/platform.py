@@ -228,10 +228,10 @@ def cudnn_attention_allowed() -> bool:
     shapes under a serving load (each request's length, each group's size). On an H100 the
     first pass over 100 serving batches of bert-base took 154 ms a batch and the same batches
     again 16 ms (bench/results/gpu-h100-2026-11-26-serve/graph_policy.json, CUDA graphs off,
-    round 0 against round 1); those plan builds are the per-shape cost on that path we know of,
-    and whether leaving cuDNN out removes all of it is for the next GPU run to measure
-    (``bench/graph_policy.py`` runs both). Flash and memory-efficient attention build nothing
-    per shape.
+    round 0 against round 1). Leaving cuDNN out, a first pass over fresh serving batches took
+    36.6 ms a batch against 199.7 with it (bench/results/gpu-h100-2026-11-26-serve2/
+    before-graph_policy.json, ``bench/graph_policy.py --attention itif cudnn``). Flash and
+    memory-efficient attention build nothing per shape.
     """
     return os.environ.get("ITIF_CUDNN_SDPA", "") == "1"
 

@@ -313,7 +313,6 @@ def _varlen(layout: Layout, T: int, pk: Packer) -> int:
     start = layout.offset.astype(np.int64)
     cuts = np.unique(np.concatenate([[0, T], start, start + layout.length,
                                      start + layout.padded_len]))
-    cuts = cuts[(cuts >= 0) & (cuts <= T)]
     pk.add("varlen.cu", cuts)
     return int(np.diff(cuts).max())
 

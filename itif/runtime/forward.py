@@ -101,8 +101,8 @@ class _Bound:
 
 
 class _LazyGroups(Sequence):
-    """The batch's attention groups, built on first use. A backend that runs the batch as one
-    variable-length call (``varlen``) never reads them, and building them is about a dozen
+    """The batch's attention groups, built on first use (once a forward). A backend that runs
+    the batch as one variable-length call (``varlen``) never reads them, and building them is about a dozen
     Python calls into torch per gathered group, each of which gives the GIL away under load."""
 
     def __init__(self, d: _Bound) -> None:
@@ -156,7 +156,7 @@ def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     eps, heads = spec.layer_norm_eps, spec.heads
     x = _embed(spec, d, dtype)
     varlen = d.varlen()
-    groups = d.attn_groups() if varlen is None else _LazyGroups(d)
+    groups = _LazyGroups(d)
     T, H = x.shape
     if spec.pre_ln:
         # ViT: LN before each block; the sum of each residual add is kept in place (keep_sum)
