@@ -102,8 +102,9 @@ class _Bound:
 
 class _LazyGroups(Sequence):
     """The batch's attention groups, built on first use (once a forward). A backend that runs
-    the batch as one variable-length call (``varlen``) never reads them, and building them is about a dozen
-    Python calls into torch per gathered group, each of which gives the GIL away under load."""
+    the batch as one variable-length call (``varlen``) never reads them, and building them is
+    about a dozen Python calls into torch per gathered group, each of which gives the GIL away
+    under load."""
 
     def __init__(self, d: _Bound) -> None:
         self._d = d
