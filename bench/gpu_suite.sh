@@ -260,7 +260,8 @@ if has_step serve; then
   run_step serve "$TO" "$OUT/bench.log" "$PY" -m itif bench --suites serve \
     --serve-model "$SERVE_MODEL" --serve-tenants "$SERVE_TENANTS" --mixes "$SERVE_MIX" \
     --serve-duration "$SERVE_DURATION_S" --serve-p99-at 0.7 --device "$DEVICE" --dtype "$DTYPE" \
-    --no-plots --out "$OUT/serve.json" $QUICK ${SERVE_ARGS:-}
+    --serve-budget $((TO > 60 ? TO - 30 : TO / 2)) --no-plots --out "$OUT/serve.json" $QUICK \
+    ${SERVE_ARGS:-}
   "$PY" -m itif.bench.suite summary-serve "$OUT/serve.json" | sed 's/^/  /' | tee -a "$LOG"
 else
   say "step serve: not selected (--steps $STEPS; on the GPU it runs in its own call: --steps serve)"

@@ -194,6 +194,74 @@ def test_serving_sweep_batch_limits_reach_every_daemon():
         assert 1 <= r["mean_batch_size"] <= 2, r
 
 
+class _FakeGen:
+    """A LoadGen stand-in: records what it was sent; answers ``capacity`` req/s at most."""
+
+    def __init__(self, name: str, capacity: float, log: list) -> None:
+        self.name, self.capacity, self.log = name, capacity, log
+
+    def requests(self, mix, n, rng):
+        return [("t0", object(), 10) for _ in range(n)]
+
+    def send(self, arrivals, reqs, timeout_s, drain_s):
+        offered = len(arrivals) / max(float(arrivals[-1]), 1e-9)
+        self.log.append((self.name, id(reqs), len(reqs)))
+        got = min(offered, self.capacity)
+        return dict(sent=len(reqs), completed=len(reqs), offered_rps=offered,
+                    throughput_rps=got, p50_ms=1.0, p99_ms=2.0)
+
+
+def _serve_settings(**kw):
+    from itif.bench.serving import ServeSettings  # noqa: PLC0415
+
+    base = dict(model="bert-tiny", tenants=2, device="cpu", dtype="float32",
+                mixes=(ServeMix("uniform:2-20"),), strategies=("packed",),
+                fractions=(0.5, 1.0, 2.0), rates=None, duration_s=5.0, max_requests=10_000,
+                timeout_s=1.0, max_wait_ms=1.0, calibrate_requests=8, extra_rates=0,
+                p99_at=0.7)
+    base.update(kw)
+    return ServeSettings(**base)
+
+
+def test_serve_sweep_takes_turns_on_the_same_requests_and_saves_as_it_goes():
+    """The modes take turns rate by rate (alternating which goes first), every mode gets the
+    very same arrivals and requests at a rate, and after every point the caller hears every
+    row so far, saturation rows included and marked partial until the end."""
+    from itif.bench.serving import _sweep_mix  # noqa: PLC0415
+
+    log: list = []
+    gens = [_FakeGen("fused", 400.0, log), _FakeGen("alone", 150.0, log)]
+    modes = [("itif", "packed", False, False), ("per_tenant", "packed", True, False)]
+    heard: list[list[dict]] = []
+    cfg = _serve_settings()
+    rows = _sweep_mix(cfg, load_spec("bert-tiny"), cfg.mixes[0], modes, gens,
+                      np.random.default_rng(0), heard.append)
+    points = log[3:]  # after two warm-ups and the calibration burst (on the first mode)
+    assert [n for n, _, _ in points[:6]] == ["fused", "alone", "alone", "fused", "fused", "alone"]
+    for k in range(0, 6, 2):  # one rate: both modes sent the same request list
+        assert points[k][1] == points[k + 1][1] and points[k][2] == points[k + 1][2]
+    serve = [r for r in rows if r["suite"] == "serve"]
+    assert len(serve) == 6 and len(heard) == 6 + 2  # one report a point, p99 points included
+    sat = {r["system"]: r for r in rows if r["suite"] == "serve_saturation"}
+    assert sat["per_tenant"]["throughput_rps"] == pytest.approx(150.0, rel=0.2)
+    assert not any(r.get("partial") for r in rows)
+    first = heard[0]
+    assert [r["suite"] for r in first] == ["serve", "serve_saturation"] and first[1]["partial"]
+    assert len([r for r in heard[-1] if r["suite"] == "serve_at_fraction"]) == 2
+
+
+def test_serve_sweep_starts_no_point_past_its_deadline():
+    from itif.bench.serving import _sweep_mix  # noqa: PLC0415
+
+    log: list = []
+    gens = [_FakeGen("fused", 400.0, log), _FakeGen("alone", 150.0, log)]
+    modes = [("itif", "packed", False, False), ("per_tenant", "packed", True, False)]
+    cfg = _serve_settings()
+    rows = _sweep_mix(cfg, load_spec("bert-tiny"), cfg.mixes[0], modes, gens,
+                      np.random.default_rng(0), deadline=time.monotonic() - 1)
+    assert rows == [] and len(log) == 3  # warm-ups and calibration only
+
+
 # ---- roofline --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,dtype,tflops,tbs", [
     ("NVIDIA H100 80GB HBM3", torch.float16, 989.4, 3.35),

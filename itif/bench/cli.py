@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every daemon's scheduler.max_batch_size (default: the daemon's)")
     g.add_argument("--serve-latency-sizing", action="store_true",
                    help="one more fused daemon with scheduler.latency_sizing on (itif_sized)")
+    g.add_argument("--serve-budget", type=float,
+                   help="seconds for the whole sweep: no new point starts after them, so a "
+                        "caller's timeout finds the rows written (default: no limit)")
     g.add_argument("--serve-p99-at", type=float, default=0.7,
                    help="after each mode's sweep, one more point at this fraction of its own "
                    "saturation throughput (its p99 goes on the saturation row); 0: none")
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path("bench/results") / f"{name}.json"
     rows: list[dict] = []
 
-    def write(partial: bool) -> dict:
+    def write(partial: bool, more: list[dict] | None = None) -> dict:
         meta = collect_meta(device, dtype, peak, args, dict(
             settings, wall_s=round(time.monotonic() - t_start, 1)))
         if bandwidth is not None:
@@ -188,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_name(out.name + ".tmp")
-            tmp.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+            tmp.write_text(json.dumps(dict(meta=meta, rows=rows + (more or [])), indent=1)
+                           + "\n")
             tmp.replace(out)  # a run killed mid-way leaves the last complete group's rows
         return meta
 
@@ -208,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
         write(partial=True)
 
     if "serve" in suites:
-        rows += _serve(args, quick, gpu, models, strategies, device, dtype_name, blog)
+        rows += _serve(args, quick, models, strategies, device, dtype_name, blog,
+                       lambda part: write(partial=True, more=part))
 
     if "tenants" in suites:
         from itif.bench import tenant_scale  # noqa: PLC0415
@@ -239,7 +244,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args, quick, gpu, models, strategies, device, dtype_name, blog) -> list[dict]:
+def _serve(args, quick, models, strategies, device, dtype_name, blog, save) -> list[dict]:
+    """The serving sweep's rows; ``save(rows)`` keeps a partial result after every point."""
+    import time  # noqa: PLC0415
+
     from itif.backbones.spec import load_spec  # noqa: PLC0415
     from itif.bench import serving  # noqa: PLC0415
     from itif.bench import workloads as wl  # noqa: PLC0415
@@ -269,11 +277,16 @@ def _serve(args, quick, gpu, models, strategies, device, dtype_name, blog) -> li
         latency_sizing_mode=args.serve_latency_sizing,
         max_batch_tokens=args.serve_max_batch_tokens, max_batch_size=args.serve_max_batch_size,
         fine_tune=args.fine_tune, seed=args.seed)
-    try:
-        rows = serving.serve_sweep(cfg)
+    name = device_name(device)
+
+    def named(rows: list[dict]) -> list[dict]:
         for r in rows:
-            r.update(device=device_name(device), dtype=dtype_name)
+            r.update(device=name, dtype=dtype_name)
         return rows
+
+    deadline = (time.monotonic() + args.serve_budget) if args.serve_budget else None
+    try:
+        return named(serving.serve_sweep(cfg, lambda part: save(named(part)), deadline))
     except Exception as e:  # noqa: BLE001 - report the sweep as failed, keep the offline rows
         blog.warning("serving sweep failed: %s: %s", type(e).__name__, e)
         return [dict(suite="serve", model=model, tenants=tenants, requests_per_tenant=None,

@@ -12,11 +12,14 @@ tenants uploaded over gRPC as Hugging Face-named safetensors):
   instances sharing one device are under load).
 
 Rates are fractions of a capacity calibrated on the ``itif`` daemon (a burst of requests sent at
-once); every mode gets the same absolute rates. Each point sends Poisson arrivals for a bounded
-time and count, one channel, ``Infer.future`` per request; latency runs from each request's
-*scheduled* arrival (so a lagging sender cannot hide queueing) to its answer. Throughput is the
-answered requests over the time from the first arrival to the last answer (past saturation the
-queue drains after the window, so this converges to the service capacity).
+once); every mode gets the same absolute rates, and at each rate the same arrivals and requests.
+The daemons run side by side, idle but for the one under load, and the modes take turns rate by
+rate: on one H100, the same per-tenant daemon saturated at 1164.6 and then 958.4 req/s in two
+sweeps minutes apart; taking turns, such drift moves every mode alike. Each point sends Poisson
+arrivals for a bounded time and count, one channel, ``Infer.future`` per request; latency runs
+from each request's *scheduled* arrival (so a lagging sender cannot hide queueing) to its answer.
+Throughput is the answered requests over the time from the first arrival to the last answer
+(past saturation the queue drains after the window, so this converges to the service capacity).
 """
 
 from __future__ import annotations
@@ -386,8 +389,13 @@ class ServeSettings:
     max_batch_size: int | None = None
 
 
-def serve_sweep(cfg: ServeSettings) -> list[dict]:
-    """Rows of the sweep: one per (mode, mix, rate), plus one saturation row per (mode, mix)."""
+def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | None = None,
+                deadline: float | None = None) -> list[dict]:
+    """Rows of the sweep: one per (mode, mix, rate), plus one saturation row per (mode, mix).
+
+    ``progress(rows)`` hears every row so far after each point (to save a partial result: a
+    sweep cut short by its caller's timeout keeps what it measured); no point starts after
+    ``deadline`` (``time.monotonic()``), so a sweep given a budget ends with its rows."""
     spec = load_spec(cfg.model)
     if not spec.is_text:
         raise ValueError(f"the serving sweep takes a text backbone; {cfg.model!r} is {spec.family}")
@@ -421,7 +429,9 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
             gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds, d.figures) for d in daemons]
             try:
                 for mix in cfg.mixes:
-                    rows += _sweep_mix(cfg, spec, mix, modes, gens, rng)
+                    done = list(rows)
+                    step = None if progress is None else (lambda rs: progress(done + rs))
+                    rows += _sweep_mix(cfg, spec, mix, modes, gens, rng, step, deadline)
             finally:
                 for g in gens:
                     g.close()
@@ -431,7 +441,39 @@ def serve_sweep(cfg: ServeSettings) -> list[dict]:
     return rows
 
 
-def _sweep_mix(cfg, spec, mix, modes, gens, rng) -> list[dict]:
+def _point(cfg, g, base, system, strategy, rate, arrivals, reqs, **extra) -> dict:
+    """One point: ``reqs`` sent to one daemon at ``arrivals``, as a row."""
+    res = g.send(arrivals, reqs, cfg.timeout_s,
+                 drain_s=max(5.0, 2 * cfg.duration_s) + cfg.timeout_s / 4)
+    row = dict(base, system=system, strategy=strategy, rate_rps=rate,
+               requests_per_tenant=round(len(reqs) / cfg.tenants, 2),
+               seq_len=int(round(np.mean([r[2] for r in reqs]))),
+               latency_ms=res["p50_ms"], **extra, **res)
+    if base["suite"] == "serve":
+        offered = res["offered_rps"] or rate
+        row["saturated"] = bool(res["throughput_rps"] < SATURATED * offered)
+    return row
+
+
+def _saturation(base, system, strategy, points) -> dict:
+    """The saturation row of one mode: its best-answering point."""
+    best = max(points, key=lambda r: r["throughput_rps"])
+    return dict(base, suite="serve_saturation", system=system, strategy=strategy,
+                requests_per_tenant=best["requests_per_tenant"], seq_len=best["seq_len"],
+                rate_rps=best["rate_rps"], throughput_rps=best["throughput_rps"],
+                latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"],
+                **{k: best[k] for k in ("daemon_cpu_cores", "loadgen_cpu_cores",
+                                        "mean_batch_size", "row_compute_ms", "graph_replays",
+                                        "graph_eager", "graph_captures")
+                   if k in best})
+
+
+def _sweep_mix(cfg, spec, mix, modes, gens, rng, progress=None, deadline=None) -> list[dict]:
+    """Every mode at every rate, the modes interleaved rate by rate and each rate's arrivals and
+    requests the same for every mode (a paired comparison: a machine that drifts during the
+    sweep moves every mode alike). ``progress(rows)`` hears the rows after every point, with the
+    saturation rows so far marked ``partial``; past ``deadline`` (time.monotonic()) no new point
+    starts."""
     n_cal = cfg.calibrate_requests
     for g in gens:  # warm-up: first batches, cost-model profiling of the DP planners
         reqs = g.requests(mix, max(8, n_cal // 4), rng)
@@ -450,56 +492,64 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng) -> list[dict]:
                 status="ok", calibrated_rps=capacity,
                 max_batch_tokens=cfg.max_batch_tokens or SchedulerConfig.max_batch_tokens,
                 max_batch_size=cfg.max_batch_size or SchedulerConfig.max_batch_size)
-    rows = []
-    for k, ((system, strategy, *_), g) in enumerate(zip(modes, gens)):
-        points = []
-        i = 0
-        while i < len(rates):
-            rate = rates[i]
-            arrivals = poisson_arrivals(rate, cfg.duration_s, cfg.max_requests, rng)
-            reqs = g.requests(mix, len(arrivals), rng)
-            res = g.send(arrivals, reqs, cfg.timeout_s,
-                         drain_s=max(5.0, 2 * cfg.duration_s) + cfg.timeout_s / 4)
-            row = dict(base, system=system, strategy=strategy, rate_rps=rate,
-                       requests_per_tenant=round(len(reqs) / cfg.tenants, 2),
-                       seq_len=int(round(np.mean([r[2] for r in reqs]))),
-                       latency_ms=res["p50_ms"], **res)
-            offered = res["offered_rps"] or rate
-            row["saturated"] = bool(res["throughput_rps"] < SATURATED * offered)
-            points.append(row)
+    points: list[list[dict]] = [[] for _ in modes]
+    extra: list[dict] = []  # the points at a fraction of each mode's saturation
+
+    def rows(final: bool) -> list[dict]:
+        out = [r for ps in points for r in ps]
+        for k, (system, strategy, *_) in enumerate(modes):
+            if points[k]:
+                sat = _saturation(base, system, strategy, points[k])
+                at = [r for r in extra if r["system"] == system and r["strategy"] == strategy]
+                if at:
+                    sat.update(at_fraction=cfg.p99_at, at_fraction_rate_rps=at[0]["rate_rps"],
+                               p50_at_fraction_ms=at[0]["p50_ms"],
+                               p99_at_fraction_ms=at[0]["p99_ms"])
+                if not final:
+                    sat["partial"] = True
+                out.append(sat)
+        return out + extra
+
+    def late() -> bool:
+        if deadline is not None and time.monotonic() > deadline:
+            log.warning("serve %s: out of time; no more points", mix.name)
+            return True
+        return False
+
+    i = 0
+    while i < len(rates) and not late():
+        rate = rates[i]
+        arrivals = poisson_arrivals(rate, cfg.duration_s, cfg.max_requests, rng)
+        reqs = gens[0].requests(mix, len(arrivals), rng)
+        order = range(len(modes)) if i % 2 == 0 else reversed(range(len(modes)))
+        for k in order:
+            system, strategy, *_ = modes[k]
+            row = _point(cfg, gens[k], base, system, strategy, rate, arrivals, reqs)
+            points[k].append(row)
             log.info("serve %s %s/%s rate %.1f: %.1f req/s p50 %s p99 %s ms", mix.name, system,
-                     strategy, rate, res["throughput_rps"], res["p50_ms"], res["p99_ms"])
-            i += 1
-            # The first mode sets the rates: past the planned ones, keep rising until it
-            # saturates (the calibration burst can underestimate the capacity).
-            if (k == 0 and not cfg.rates and i == len(rates) and not row["saturated"]
-                    and len(rates) < len(cfg.fractions) + cfg.extra_rates):
-                rates.append(round(rate * 1.5, 2))
-        rows += points
-        best = max(points, key=lambda r: r["throughput_rps"])
-        sat = dict(base, suite="serve_saturation", system=system, strategy=strategy,
-                   requests_per_tenant=best["requests_per_tenant"], seq_len=best["seq_len"],
-                   rate_rps=best["rate_rps"], throughput_rps=best["throughput_rps"],
-                   latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"],
-                   **{k: best[k] for k in ("daemon_cpu_cores", "loadgen_cpu_cores",
-                                           "mean_batch_size", "row_compute_ms", "graph_replays",
-                                           "graph_eager", "graph_captures")
-                      if k in best})
-        if cfg.p99_at and best["throughput_rps"] > 0:
+                     strategy, rate, row["throughput_rps"], row["p50_ms"], row["p99_ms"])
+            if progress is not None:
+                progress(rows(final=False))
+        i += 1
+        # Past the planned rates, keep rising while the first (fused) mode is not saturated
+        # (the calibration burst can underestimate the capacity).
+        if (not cfg.rates and i == len(rates) and not points[0][-1]["saturated"]
+                and len(rates) < len(cfg.fractions) + cfg.extra_rates):
+            rates.append(round(rate * 1.5, 2))
+    if cfg.p99_at:
+        for k, (system, strategy, *_) in enumerate(modes):
+            best = max((r["throughput_rps"] for r in points[k]), default=0.0)
+            if best <= 0 or late():
+                continue
             # p99 below saturation: Poisson arrivals at a fraction of this mode's own capacity
-            rate = round(cfg.p99_at * best["throughput_rps"], 2)
+            rate = round(cfg.p99_at * best, 2)
             arrivals = poisson_arrivals(rate, cfg.duration_s, cfg.max_requests, rng)
-            reqs = g.requests(mix, len(arrivals), rng)
-            res = g.send(arrivals, reqs, cfg.timeout_s,
-                         drain_s=max(5.0, 2 * cfg.duration_s) + cfg.timeout_s / 4)
-            rows.append(dict(base, suite="serve_at_fraction", system=system, strategy=strategy,
-                             rate_rps=rate, fraction_of_saturation=cfg.p99_at,
-                             requests_per_tenant=round(len(reqs) / cfg.tenants, 2),
-                             seq_len=int(round(np.mean([r[2] for r in reqs]))),
-                             latency_ms=res["p50_ms"], **res))
-            sat.update(at_fraction=cfg.p99_at, at_fraction_rate_rps=rate,
-                       p50_at_fraction_ms=res["p50_ms"], p99_at_fraction_ms=res["p99_ms"])
+            reqs = gens[k].requests(mix, len(arrivals), rng)
+            extra.append(_point(cfg, gens[k], dict(base, suite="serve_at_fraction"), system,
+                                strategy, rate, arrivals, reqs,
+                                fraction_of_saturation=cfg.p99_at))
             log.info("serve %s %s/%s at %.0f%% of saturation (%.1f req/s): p99 %s ms", mix.name,
-                     system, strategy, 100 * cfg.p99_at, rate, res["p99_ms"])
-        rows.append(sat)
-    return rows
+                     system, strategy, 100 * cfg.p99_at, rate, extra[-1]["p99_ms"])
+            if progress is not None:
+                progress(rows(final=False))
+    return rows(final=True)

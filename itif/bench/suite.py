@@ -347,6 +347,8 @@ def summary_serve(path: Path) -> int:
     sat = [r for r in rows if r.get("suite") == "serve_saturation"]
     bad = [r for r in rows if r.get("status") not in (None, "ok")]
     print(f"SUMMARY {len(rows)} rows, {len(sat)} saturation rows, {len(bad)} failed")
+    if d.get("meta", {}).get("partial"):
+        print("  (partial: the sweep was cut short; saturation rows are of the points it ran)")
     for r in sat:
         print(f"  {r.get('mix')} {r['system']}: saturation {r['throughput_rps']:.1f} req/s, p99 "
               f"there {r.get('p99_ms')} ms; p99 at {r.get('at_fraction')} of it "
@@ -356,6 +358,11 @@ def summary_serve(path: Path) -> int:
               f"rows, {r.get('row_compute_ms')} ms a forward (as its rows waited on it), "
               f"graph replays/eager/captures {r.get('graph_replays', '-')}/"
               f"{r.get('graph_eager', '-')}/{r.get('graph_captures', '-')}")
+    by = {(r.get("mix"), r["system"], r.get("strategy")): r["throughput_rps"] for r in sat}
+    for (mix, system, strategy), rps in by.items():
+        base = next((v for (m, s, _), v in by.items() if m == mix and s == "per_tenant"), None)
+        if system != "per_tenant" and base:
+            print(f"  {mix} {system}/{strategy} over per_tenant at saturation: {rps / base:.2f}x")
     for r in bad:
         print(f"  ERROR serve/{r.get('system')}: {r.get('reason')}")
     return 0
