@@ -359,6 +359,10 @@ def _cores(before: tuple, after: tuple) -> dict:
 
 
 SATURATED = 0.9  # a point is saturated when it answers less than this share of the offered rate
+#: p99 targets (ms) of the goodput figures: the most a mode answered at a point that kept up
+#: with its arrivals and had its p99 within the target (several targets, none picked after the
+#: fact)
+SLO_MS = (100, 250, 500, 1000)
 
 
 def _pct(x: np.ndarray, q: float):
@@ -455,10 +459,21 @@ def _point(cfg, g, base, system, strategy, rate, arrivals, reqs, **extra) -> dic
     return row
 
 
+def goodput(points: list[dict], slo_ms: float) -> float:
+    """The most req/s a mode answered at a point of the sweep that kept up with its arrivals
+    (not ``saturated``) with a p99 within ``slo_ms``; 0.0 when no point did. The sweep's rates
+    are steps of 25-50%, so this is a lower bound on the true figure, within a step."""
+    ok = [r["throughput_rps"] for r in points if not r.get("saturated")
+          and r.get("p99_ms") is not None and r["p99_ms"] <= slo_ms]
+    return max(ok, default=0.0)
+
+
 def _saturation(base, system, strategy, points) -> dict:
-    """The saturation row of one mode: its best-answering point."""
+    """The saturation row of one mode: its best-answering point, and its goodput at each p99
+    target of :data:`SLO_MS`."""
     best = max(points, key=lambda r: r["throughput_rps"])
     return dict(base, suite="serve_saturation", system=system, strategy=strategy,
+                goodput_rps={str(t): goodput(points, t) for t in SLO_MS},
                 requests_per_tenant=best["requests_per_tenant"], seq_len=best["seq_len"],
                 rate_rps=best["rate_rps"], throughput_rps=best["throughput_rps"],
                 latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"],

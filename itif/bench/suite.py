@@ -358,11 +358,18 @@ def summary_serve(path: Path) -> int:
               f"rows, {r.get('row_compute_ms')} ms a forward (as its rows waited on it), "
               f"graph replays/eager/captures {r.get('graph_replays', '-')}/"
               f"{r.get('graph_eager', '-')}/{r.get('graph_captures', '-')}")
-    by = {(r.get("mix"), r["system"], r.get("strategy")): r["throughput_rps"] for r in sat}
-    for (mix, system, strategy), rps in by.items():
+    by = {(r.get("mix"), r["system"], r.get("strategy")): r for r in sat}
+    for (mix, system, strategy), r in by.items():
         base = next((v for (m, s, _), v in by.items() if m == mix and s == "per_tenant"), None)
-        if system != "per_tenant" and base:
-            print(f"  {mix} {system}/{strategy} over per_tenant at saturation: {rps / base:.2f}x")
+        if system == "per_tenant" or base is None:
+            continue
+        if base["throughput_rps"]:
+            print(f"  {mix} {system}/{strategy} over per_tenant at saturation: "
+                  f"{r['throughput_rps'] / base['throughput_rps']:.2f}x")
+        for slo, rps in (r.get("goodput_rps") or {}).items():
+            other = (base.get("goodput_rps") or {}).get(slo)
+            ratio = f"{rps / other:.2f}x" if other else "per_tenant none"
+            print(f"    goodput at p99 <= {slo} ms: {rps:.1f} vs {other} req/s ({ratio})")
     for r in bad:
         print(f"  ERROR serve/{r.get('system')}: {r.get('reason')}")
     return 0
