@@ -110,6 +110,10 @@ class Daemon:
              server_extra: dict | None = None) -> str:
         server = {"listen": self.addr, "data_dir": "./data",
                   "admin_token_sha256": hash_token(ADMIN),
+                  # ITIF_TEST_INGRESS=N runs every harness daemon behind N ingress processes
+                  # (``server.ingress_processes``) unless a test sets it
+                  **({"ingress_processes": int(os.environ["ITIF_TEST_INGRESS"])}
+                     if os.environ.get("ITIF_TEST_INGRESS") else {}),
                   **(self.server_extra if server_extra is None else server_extra)}
         out = ["server:"]
         for k, v in server.items():

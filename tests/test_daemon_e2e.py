@@ -31,9 +31,12 @@ def weights(tmp_path_factory):
     return models, files
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory, weights):
-    d = Daemon(tmp_path_factory.mktemp("daemon"), dict(TOKENS)).start()
+@pytest.fixture(scope="module", params=[0, 2], ids=["port", "ingress"])
+def daemon(request, tmp_path_factory, weights):
+    """The daemon serving its port itself, and behind two ingress processes
+    (``server.ingress_processes``): every test here must pass against both."""
+    extra = {"ingress_processes": request.param} if request.param else {}
+    d = Daemon(tmp_path_factory.mktemp("daemon"), dict(TOKENS), server_extra=extra).start()
     _, files = weights
     for tid, tok in TOKENS.items():
         with d.client(tok) as c:

@@ -391,6 +391,7 @@ class ServeSettings:
     latency_sizing_mode: bool = False  # one more fused daemon with scheduler.latency_sizing on
     max_batch_tokens: int | None = None  # every daemon's scheduler limits (None: its defaults)
     max_batch_size: int | None = None
+    ingress_processes: int = 0  # every daemon's server.ingress_processes
 
 
 def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | None = None,
@@ -421,7 +422,9 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
                                strategy, isolate, cfg.max_wait_ms, sizing,
                                metrics_port=ports[len(modes) + k],
                                max_batch_tokens=cfg.max_batch_tokens,
-                               max_batch_size=cfg.max_batch_size)
+                               max_batch_size=cfg.max_batch_size,
+                               server_extra=((("ingress_processes", cfg.ingress_processes),)
+                                             if cfg.ingress_processes else ()))
                    for k, (_, strategy, isolate, sizing) in enumerate(modes)]
         try:
             for d in daemons:  # start together: the slow part (imports) overlaps
@@ -504,7 +507,7 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng, progress=None, deadline=None) -
         log.info("serve %s: calibrated capacity %.1f req/s -> rates %s", mix.name, capacity, rates)
     base = dict(suite="serve", model=cfg.model, tenants=cfg.tenants, workload=mix.lengths,
                 skew=mix.skew, mix=mix.name, fine_tune=cfg.fine_tune, device=cfg.device,
-                status="ok", calibrated_rps=capacity,
+                status="ok", calibrated_rps=capacity, ingress_processes=cfg.ingress_processes,
                 max_batch_tokens=cfg.max_batch_tokens or SchedulerConfig.max_batch_tokens,
                 max_batch_size=cfg.max_batch_size or SchedulerConfig.max_batch_size)
     points: list[list[dict]] = [[] for _ in modes]

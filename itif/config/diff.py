@@ -19,7 +19,8 @@ __all__ = ["ConfigDiff", "diff_configs"]
 
 # server keys that are baked into listeners / the gRPC server at start-up.
 _RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "http_listen", "max_message_bytes",
-                        "tls", "max_pending_calls", "max_streams_per_connection")
+                        "tls", "max_pending_calls", "max_streams_per_connection",
+                        "ingress_processes")
 _LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s",
                      "max_inflight_calls", "max_active_calls", "max_pending_reply_bytes",
                      "max_new_tokens")

@@ -92,6 +92,12 @@ class ServerConfig:
     #: over it answers INVALID_ARGUMENT naming max_new_tokens. Live: a reload applies it to the
     #: next request.
     max_new_tokens: int = setting(F.integer, 512, lo=1, hi=MAX_NEW_TOKENS_LIMIT)
+    #: Processes that take the gRPC port's calls off the daemon's interpreter
+    #: (``itif.server.ingress``): each serves ``listen`` (the port shared, SO_REUSEPORT) and
+    #: hands Infer, InferBatch and ModelInfer calls to the daemon as raw bytes over a local
+    #: socket, so gRPC's own per-call work no longer holds the GIL the forward needs. 0: the
+    #: daemon serves the port itself.
+    ingress_processes: int = setting(F.integer, 0, lo=0, hi=64)
     #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
     tls: TLSConfig | None = None
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
+import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,11 +23,13 @@ from grpc_reflection.v1alpha import reflection
 
 from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon
+from itif.errors import InvalidConfig
 from itif.metrics import Metrics, MetricsInterceptor
 from itif.platform import tune_gc
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server import kserve
 from itif.server.admission import Admission
+from itif.server.ingress_host import FrameServer, IngressPool, Recorder
 from itif.server.service import SERVICE, HealthService, ItifService
 
 log = logging.getLogger("itif.server")
@@ -50,10 +55,11 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     metrics = daemon.metrics = Metrics(daemon)
     limit = cfg.server.max_message_bytes
     admission = Admission(daemon)  # calls in flight, unread reply bytes (itif.server.admission)
+    # metrics first: it sees the final status of every call, auth and admission refusals
+    # included
+    interceptors = [MetricsInterceptor(metrics), kserve.ProbeAuthInterceptor(daemon, admission)]
     server = grpc.aio.server(
-        # metrics first: it sees the final status of every call, auth and admission refusals
-        # included
-        interceptors=[MetricsInterceptor(metrics), kserve.ProbeAuthInterceptor(daemon, admission)],
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -70,19 +76,27 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
         ],
         maximum_concurrent_rpcs=None,  # the bound is admission's: per tenant, and counted
     )
-    itif_pb2_grpc.add_ItifServicer_to_server(ItifService(daemon), server)
+    reg = Recorder(server)  # keeps the handlers for calls that come by frame (ingress)
+    itif_pb2_grpc.add_ItifServicer_to_server(ItifService(daemon), reg)
     health = HealthService(daemon)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    kserve.add_to_server(daemon, server, health)  # KServe v2 / Triton, same port and auth
+    health_pb2_grpc.add_HealthServicer_to_server(health, reg)
+    kserve.add_to_server(daemon, reg, health)  # KServe v2 / Triton, same port and auth
     reflection.enable_server_reflection(
         (SERVICE, kserve.SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     creds = _credentials(cfg)
     listen = cfg.server.listen
-    port = server.add_secure_port(listen, creds) if creds else server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    ingress = None
+    if cfg.server.ingress_processes:
+        # the port is the ingress processes'; this server listens on a private socket
+        ingress = await _start_ingress(cfg, server, reg, interceptors)
+    else:
+        port = server.add_secure_port(listen, creds) if creds else server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}")
     await server.start()
+    if ingress is not None:
+        await ingress.start()
     if cfg.server.metrics_listen:
         metrics.serve(cfg.server.metrics_listen)
     http = await _start_http(daemon, cfg, health, admission)  # one admission for both
@@ -111,10 +125,73 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     await asyncio.to_thread(daemon.stop, grace)  # refuse new work, finish queued and in-flight
     if http is not None:  # the HTTP APIs (server.http_listen): in flight answered, then closed
         await http.stop(max(0.0, grace - (time.monotonic() - t0)))
+    if ingress is not None:  # their calls in flight are answered by now: close the port
+        await ingress.stop(max(0.0, grace - (time.monotonic() - t0)))
     await server.stop(max(0.0, grace - (time.monotonic() - t0)))  # one grace period in all
     metrics.close()
     log.info("stopped")
     return 0
+
+
+class _Ingress:
+    """The ingress processes and the daemon's ends of their sockets (``itif.server.ingress``)."""
+
+    def __init__(self, frames: FrameServer, pool: IngressPool, sockets: str) -> None:
+        self.frames, self.pool, self.sockets = frames, pool, sockets
+
+    async def start(self) -> None:
+        await self.pool.start()
+        log.info("%d ingress processes serve the port (pids %s)", self.pool.count,
+                 self.pool.pids())
+
+    async def stop(self, grace_s: float) -> None:
+        await self.pool.stop(grace_s)
+        await self.frames.close()
+        shutil.rmtree(self.sockets, ignore_errors=True)
+
+
+async def _start_ingress(cfg: Config, server, reg: Recorder, interceptors) -> _Ingress:
+    """The daemon's gRPC server on a private unix socket, the frame socket, and the pool that
+    will serve ``server.listen`` (started once the server is)."""
+    host, _, port = cfg.server.listen.rpartition(":")
+    if port in ("", "0"):
+        raise InvalidConfig("server.ingress_processes: needs a fixed port in server.listen, "
+                            f"got {cfg.server.listen!r}")
+    _port_free(host, int(port))
+    sockets = tempfile.mkdtemp(prefix="itif-ingress-")
+    target = f"unix:{sockets}/grpc.sock"
+    if server.add_insecure_port(target) == 0:
+        raise OSError(f"cannot listen on {target}")
+    frames = FrameServer(interceptors, reg.generic)
+    await frames.start(f"{sockets}/frames.sock")
+    tls = cfg.server.tls
+    spec = dict(listen=cfg.server.listen, frames=f"{sockets}/frames.sock", grpc=target,
+                max_message_bytes=cfg.server.max_message_bytes,
+                max_pending_calls=cfg.server.max_pending_calls,
+                max_streams_per_connection=cfg.server.max_streams_per_connection,
+                grace_s=cfg.server.grace_s,
+                tls=None if tls is None else dict(
+                    cert=str(tls.cert), key=str(tls.key),
+                    client_ca=str(tls.client_ca) if tls.client_ca else None))
+    return _Ingress(frames, IngressPool(cfg.server.ingress_processes, spec), sockets)
+
+
+def _port_free(host: str, port: int) -> None:
+    """OSError when ``host:port`` is taken: the ingress processes bind it with SO_REUSEPORT,
+    which would not fail where another daemon's ingress already listens there."""
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = "::1" if host == "::" else ("127.0.0.1" if host == "0.0.0.0" else host)
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        if s.connect_ex((probe, port)) == 0:
+            raise OSError(f"cannot listen on {host}:{port}: something already accepts calls there")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e}") from e
 
 
 async def _start_http(daemon: Daemon, cfg: Config, health: HealthService,

@@ -1,0 +1,323 @@
+"""Ingress processes: the gRPC port served outside the daemon's interpreter.
+
+Under load the daemon is bound by one GIL: gRPC's own per-call work (about 0.35 ms a unary call
+on one core, `bench/grpc_floor.py`) runs on the interpreter the forward needs, and each of a
+forward's Python calls into torch hands the GIL to the front end (docs/gpu.md, "A third
+session"). With ``server.ingress_processes: N`` the daemon keeps its gRPC server (every
+servicer, interceptor and limit as before) but on a private unix socket, and N processes of this
+module serve ``server.listen`` instead (the port shared with SO_REUSEPORT, so the kernel spreads
+connections over them):
+
+- **Infer, InferBatch and ModelInfer** (:data:`HOT`) cross to the daemon as raw bytes over a
+  second unix socket, one length-prefixed frame a call each way (:func:`pack`); the daemon runs
+  the very interceptors and handler the gRPC server would (``itif.server.ingress_host``: auth,
+  admission, metrics, the same status codes) and answers with the reply's bytes or a status.
+  Neither side parses what it only passes on.
+- **Every other method** (uploads, management, health, reflection, KServe's repository and
+  metadata calls) is relayed to the daemon's gRPC server on its unix socket, as raw bytes, the
+  caller's metadata and deadline passed on.
+
+What differs from a daemon serving its port itself: admission's per-connection reply-byte limit
+sees an ingress process's socket as one connection for relayed calls; a call cancelled by its
+client is still computed (its answer is dropped). A daemon that loses an ingress process starts
+another (the port stays served by the others); an ingress process that loses the daemon exits.
+
+Run by the daemon (``itif.server.ingress_host.IngressPool``), never by hand:
+``python -m itif.server.ingress --spec JSON``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import pickle
+import queue
+import signal
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import FileDescriptor
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+from tritonclient.grpc import service_pb2 as kserve_pb2
+
+from itif.server._proto.itif.v1 import itif_pb2
+
+log = logging.getLogger("itif.server.ingress")
+
+#: Methods served by a frame to the daemon; the rest are relayed over gRPC.
+HOT = frozenset({"/itif.v1.Itif/Infer", "/itif.v1.Itif/InferBatch",
+                 "/inference.GRPCInferenceService/ModelInfer"})
+#: Metadata gRPC sets itself: never passed on.
+_TRANSPORT_KEYS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-encoding", "te",
+                             "content-type", "grpc-timeout", "grpc-message-type"})
+_LEN = struct.Struct(">I")
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def pack(obj: Any) -> bytes:
+    """One frame: a 4-byte big-endian length, then the pickled object."""
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LEN.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next frame's object; IncompleteReadError at the end of the stream."""
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    return pickle.loads(await reader.readexactly(n))
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def method_kinds(files: tuple[FileDescriptor, ...] = (
+        itif_pb2.DESCRIPTOR, kserve_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR,
+        reflection_pb2.DESCRIPTOR)) -> dict[str, tuple[bool, bool]]:
+    """``/service/Method`` -> (client streaming, server streaming) of every method the daemon's
+    gRPC server offers."""
+    return {f"/{svc.full_name}/{m.name}": (m.client_streaming, m.server_streaming)
+            for fd in files for svc in fd.services_by_name.values() for m in svc.methods}
+
+
+def passed_metadata(context) -> tuple[tuple[str, Any], ...]:
+    """The caller's metadata, less what gRPC sets itself."""
+    return tuple((k, v) for k, v in (context.invocation_metadata() or ())
+                 if not k.startswith(":") and k not in _TRANSPORT_KEYS)
+
+
+class EngineLink:
+    """The frame connection to the daemon: calls go out as frames, answers come back by id."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._next = 0
+        self.closed = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._read())
+
+    @classmethod
+    async def connect(cls, path: str) -> "EngineLink":
+        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 26)
+        return cls(reader, writer)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                rid, code, details, body = await read_frame(self._reader)
+                fut = self._waiting.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result((code, details, body))
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            err = e
+        except Exception as e:  # noqa: BLE001 - a broken frame ends the link like a close
+            log.exception("frame link to the daemon broke")
+            err = e
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"the daemon closed the link: {err!r}"))
+        self._waiting.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    async def call(self, method: str, metadata, timeout: float | None, peer: str,
+                   body: bytes) -> tuple[int, str, bytes | None]:
+        if self.closed.done():
+            raise ConnectionError("the daemon closed the link")
+        self._next += 1
+        rid = self._next
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        self._writer.write(pack((rid, method, metadata, timeout, peer, body)))
+        try:
+            return await fut
+        finally:
+            self._waiting.pop(rid, None)
+
+
+class Router(grpc.GenericRpcHandler):
+    """Every method of the daemon's gRPC server: HOT ones by frame, the others relayed."""
+
+    def __init__(self, link: EngineLink, channel: grpc.aio.Channel,
+                 sync_channel: grpc.Channel) -> None:
+        self.link = link
+        self.channel = channel
+        self.sync_channel = sync_channel
+        self.kinds = method_kinds()
+
+    def service(self, details):
+        method = details.method
+        if method in HOT:
+            return grpc.unary_unary_rpc_method_handler(self._framed(method))
+        kind = self.kinds.get(method)
+        if kind is None:
+            return None  # UNIMPLEMENTED, as the daemon would answer
+        return _relay_handler(self.channel, self.sync_channel, method, *kind)
+
+    def _framed(self, method: str):
+        link = self.link
+
+        async def call(request: bytes, context) -> bytes:
+            try:
+                code, details, body = await link.call(method, passed_metadata(context),
+                                                      context.time_remaining(),
+                                                      context.peer() or "", request)
+            except ConnectionError:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "the daemon is not reachable; retry")
+            if code:
+                await context.abort(status_code(code), details)
+            return body
+
+        return call
+
+
+def _stream_unary_relay(channel: grpc.Channel, method: str):
+    """A client-streaming relay through the *sync* API, in grpc's threads: when the daemon
+    ends such a call early (a refused upload), an asyncio client's next write replaces the
+    daemon's status with INTERNAL "Internal error from Core" (grpc/grpc#36066), while the sync
+    client reports the daemon's own. The caller's messages go over through a small queue (the
+    caller's stream is read no faster than the daemon takes it)."""
+    stub = channel.stream_unary(method)
+
+    async def relay(requests, context):
+        loop = asyncio.get_running_loop()
+        box: queue.Queue = queue.Queue(maxsize=4)
+
+        def messages():
+            while (item := box.get()) is not _END:
+                yield item
+
+        async def put(item) -> bool:
+            while not call.done():
+                try:
+                    box.put_nowait(item)
+                    return True
+                except queue.Full:
+                    await asyncio.sleep(0.002)
+            return False
+
+        call = stub.future(messages(), **_call_options(context))
+        finished = loop.create_future()
+        call.add_done_callback(lambda _: loop.call_soon_threadsafe(
+            lambda: finished.done() or finished.set_result(None)))
+        async for message in requests:
+            if not await put(message):
+                break  # the daemon ended the call: its status says why
+        else:
+            await put(_END)
+        await finished
+        while True:  # a call ended early leaves grpc's sender thread waiting: let it go
+            try:
+                box.put_nowait(_END)
+                break
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    box.get_nowait()
+        try:
+            return call.result()
+        except grpc.RpcError as e:
+            await context.abort(e.code(), e.details() or "")
+
+    return relay
+
+
+_END = object()
+
+
+def _call_options(context) -> dict:
+    return dict(metadata=passed_metadata(context), timeout=context.time_remaining())
+
+
+def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method: str,
+                   client_streaming: bool, server_streaming: bool) -> grpc.RpcMethodHandler:
+    """A handler that makes the same call, raw bytes in and out, on the daemon's own server."""
+
+    async def fail(context, e: grpc.aio.AioRpcError):
+        await context.abort(e.code(), e.details() or "")
+
+    if not client_streaming and not server_streaming:
+        stub = channel.unary_unary(method)
+
+        async def uu(request, context):
+            try:
+                return await stub(request, **_call_options(context))
+            except grpc.aio.AioRpcError as e:
+                await fail(context, e)
+
+        return grpc.unary_unary_rpc_method_handler(uu)
+    if client_streaming and not server_streaming:
+        return grpc.stream_unary_rpc_method_handler(_stream_unary_relay(sync_channel, method))
+    stub = channel.stream_stream(method) if client_streaming else channel.unary_stream(method)
+
+    async def ss(request, context):
+        try:
+            async for item in stub(request, **_call_options(context)):
+                yield item
+        except grpc.aio.AioRpcError as e:
+            await fail(context, e)
+
+    if client_streaming:
+        return grpc.stream_stream_rpc_method_handler(ss)
+    return grpc.unary_stream_rpc_method_handler(ss)
+
+
+async def serve(spec: dict) -> int:
+    """One ingress process: serve ``spec["listen"]`` until SIGTERM or until the daemon goes."""
+    limit = spec["max_message_bytes"]
+    sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    link = await EngineLink.connect(spec["frames"])
+    channel = grpc.aio.insecure_channel(spec["grpc"], options=sizes)
+    sync_channel = grpc.insecure_channel(spec["grpc"], options=sizes)
+    server = grpc.aio.server(options=[
+        *sizes, ("grpc.so_reuseport", 1),
+        ("grpc.server.max_pending_requests", spec["max_pending_calls"]),
+        ("grpc.server.max_pending_requests_hard_limit", spec["max_pending_calls"]),
+        ("grpc.max_concurrent_streams", spec["max_streams_per_connection"]),
+    ], maximum_concurrent_rpcs=None)
+    server.add_generic_rpc_handlers((Router(link, channel, sync_channel),))
+    tls = spec.get("tls")
+    if tls:
+        ca = tls.get("client_ca")
+        creds = grpc.ssl_server_credentials(
+            [(Path(tls["key"]).read_bytes(), Path(tls["cert"]).read_bytes())],
+            root_certificates=Path(ca).read_bytes() if ca else None,
+            require_client_auth=bool(ca))
+        port = server.add_secure_port(spec["listen"], creds)
+    else:
+        port = server.add_insecure_port(spec["listen"])
+    if port == 0:
+        print(f"itif-ingress: cannot listen on {spec['listen']}", file=sys.stderr, flush=True)
+        return 2
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"itif-ingress: serving {spec['listen']}", flush=True)
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, link.closed], return_when=asyncio.FIRST_COMPLETED)
+    gone = link.closed.done()
+    await server.stop(0 if gone else spec.get("grace_s", 10.0))
+    await channel.close()
+    sync_channel.close()
+    return 3 if gone else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m itif.server.ingress")
+    p.add_argument("--spec", required=True, help="JSON: listen, frames, grpc, limits, tls")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(json.loads(args.spec)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

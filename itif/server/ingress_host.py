@@ -1,0 +1,236 @@
+"""The daemon's side of the ingress processes (``itif.server.ingress``, which says why).
+
+- :class:`Recorder` stands in for the gRPC server while the servicers register, keeping their
+  method handlers (and registering them on the real server too);
+- :class:`FrameServer` answers the ingress processes' frames on a unix socket: each call runs
+  through the gRPC server's own interceptors and the servicer's handler, with :class:`_Context`
+  standing in for gRPC's (metadata, deadline, peer, abort, done callbacks), so a call that comes
+  in by frame is authenticated, admitted, counted and answered exactly as one on the port;
+- :class:`IngressPool` starts the processes, starts another when one dies, and stops them first
+  on shutdown (they finish their calls, which the daemon is still there to answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from typing import Any
+
+import grpc
+
+from itif.server.ingress import HOT, pack, read_frame
+
+log = logging.getLogger("itif.server.ingress")
+
+_Details = namedtuple("_Details", ["method", "invocation_metadata"])
+
+
+class Recorder:
+    """Passes registrations on to ``server`` and keeps the generic handlers."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.generic.extend(handlers)
+        self.server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service, handlers) -> None:
+        self.server.add_registered_method_handlers(service, handlers)
+
+
+class _Abort(grpc.aio.AbortError):
+    pass
+
+
+class _Context:
+    """The parts of ``grpc.aio.ServicerContext`` itif's interceptors and handlers use."""
+
+    __slots__ = ("_metadata", "_deadline", "_peer", "_code", "_details", "_done")
+
+    def __init__(self, metadata, timeout: float | None, peer: str) -> None:
+        self._metadata = metadata
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._done: list = []
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def peer(self) -> str:
+        return self._peer
+
+    def add_done_callback(self, callback) -> None:
+        self._done.append(callback)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+        self._code, self._details = code, details
+        raise _Abort()
+
+    def set_code(self, code) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self):
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False
+
+    def finish(self) -> None:
+        for cb in self._done:
+            try:
+                cb(self)
+            except Exception:  # noqa: BLE001 - one callback's failure must not stop the rest
+                log.exception("a done callback of a framed call failed")
+
+
+class FrameServer:
+    """Answers HOT calls sent as frames by the ingress processes, on a unix socket."""
+
+    def __init__(self, interceptors, generic) -> None:
+        self.interceptors = list(interceptors)
+        self.generic = list(generic)
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._connection, path, limit=1 << 26)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def handler(self, method: str, metadata) -> grpc.RpcMethodHandler | None:
+        """The handler the gRPC server would run for ``method``: its interceptors, in order,
+        around the servicer's."""
+        async def servicer(details):
+            for g in self.generic:
+                h = g.service(details)
+                if h is not None:
+                    return h
+            return None
+
+        chain = servicer
+        for icpt in reversed(self.interceptors):
+            chain = (lambda i, nxt: lambda d: i.intercept_service(nxt, d))(icpt, chain)
+        return await chain(_Details(method, metadata))
+
+    async def _connection(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                frame = await read_frame(reader)
+                task = asyncio.create_task(self._call(writer, *frame))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the ingress process went away; its calls' answers have nowhere to go
+        finally:
+            writer.close()
+
+    async def _call(self, writer, rid: int, method: str, metadata, timeout, peer: str,
+                    body: bytes) -> None:
+        context = _Context(metadata, timeout, peer)
+        try:
+            if method not in HOT:
+                raise ValueError(f"{method} does not come by frame")
+            h = await self.handler(method, metadata)
+            if h is None or h.unary_unary is None:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not offered")
+            request = h.request_deserializer(body) if h.request_deserializer else body
+            reply = await h.unary_unary(request, context)
+            out = h.response_serializer(reply) if h.response_serializer else reply
+            answer = (rid, 0, "", out)
+        except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            answer = (rid, code.value[0], context.details(), None)
+        except Exception:  # noqa: BLE001 - what gRPC answers for an escaping exception
+            log.exception("framed %s failed", method)
+            answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None)
+        try:
+            writer.write(pack(answer))
+        except (ConnectionError, RuntimeError):
+            pass  # the ingress process is gone
+        context.finish()
+
+
+class IngressPool:
+    """The ingress processes: started after the daemon's gRPC server, restarted when one dies,
+    stopped before the daemon drains."""
+
+    RESTART_DELAY_S = 1.0
+
+    def __init__(self, count: int, spec: dict) -> None:
+        self.count = count
+        self.spec = spec
+        self.procs: list[subprocess.Popen | None] = [None] * count
+        self.restarts = 0
+        self._stopping = False
+        self._watch: asyncio.Task | None = None
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "itif.server.ingress", "--spec", json.dumps(self.spec)],
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    async def start(self) -> None:
+        self.procs = [self._spawn() for _ in range(self.count)]
+        self._watch = asyncio.create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.RESTART_DELAY_S)
+            for i, p in enumerate(self.procs):
+                if self._stopping:
+                    return
+                if p is not None and p.poll() is not None:
+                    log.warning("ingress process %d (pid %d) exited with %s; starting another",
+                                i, p.pid, p.returncode)
+                    self.restarts += 1
+                    self.procs[i] = self._spawn()
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM to every process (each finishes its calls within ``grace_s``), then wait."""
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace_s + 5.0
+        for p in self.procs:
+            if p is None:
+                continue
+            while p.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p is not None and p.poll() is None]
+
+
+__all__ = ["FrameServer", "IngressPool", "Recorder"]
