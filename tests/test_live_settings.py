@@ -86,6 +86,7 @@ RESTART = {
     "server.max_message_bytes": 2 << 20,
     "server.max_pending_calls": 1024,
     "server.max_streams_per_connection": 8,
+    "server.ingress_processes": 2,
     "server.tls": "tls",
     "backbone.config": "bert-small",
     "backbone.device": "auto",

@@ -38,6 +38,7 @@ import queue
 import signal
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,10 @@ class EngineLink:
         self._writer.write(pack((rid, method, metadata, timeout, peer, body)))
         try:
             return await fut
+        except asyncio.CancelledError:  # the caller cancelled: so does the daemon's handler
+            if not self.closed.done():
+                self._writer.write(pack((rid,)))
+            raise
         finally:
             self._waiting.pop(rid, None)
 
@@ -178,48 +183,67 @@ class Router(grpc.GenericRpcHandler):
         return call
 
 
+class _Outbox:
+    """The caller's stream handed to a sync call's sender thread through a small queue (read
+    no faster than the daemon takes it); ``close`` releases the thread whatever it waits on."""
+
+    def __init__(self) -> None:
+        self.box: queue.Queue = queue.Queue(maxsize=4)
+
+    def messages(self):
+        while (item := self.box.get()) is not _END:
+            yield item
+
+    async def put(self, item, call) -> bool:
+        """False once ``call`` is over (the daemon ended it: its status says why)."""
+        while not call.done():
+            try:
+                self.box.put_nowait(item)
+                return True
+            except queue.Full:
+                await asyncio.sleep(0.002)
+        return False
+
+    async def feed(self, requests, call) -> None:
+        async for message in requests:
+            if not await self.put(message, call):
+                return
+        await self.put(_END, call)
+
+    def close(self) -> None:
+        while True:
+            try:
+                self.box.put_nowait(_END)
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self.box.get_nowait()
+
+
+_END = object()
+
+
 def _stream_unary_relay(channel: grpc.Channel, method: str):
     """A client-streaming relay through the *sync* API, in grpc's threads: when the daemon
     ends such a call early (a refused upload), an asyncio client's next write replaces the
     daemon's status with INTERNAL "Internal error from Core" (grpc/grpc#36066), while the sync
-    client reports the daemon's own. The caller's messages go over through a small queue (the
-    caller's stream is read no faster than the daemon takes it)."""
+    client reports the daemon's own."""
     stub = channel.stream_unary(method)
 
     async def relay(requests, context):
         loop = asyncio.get_running_loop()
-        box: queue.Queue = queue.Queue(maxsize=4)
-
-        def messages():
-            while (item := box.get()) is not _END:
-                yield item
-
-        async def put(item) -> bool:
-            while not call.done():
-                try:
-                    box.put_nowait(item)
-                    return True
-                except queue.Full:
-                    await asyncio.sleep(0.002)
-            return False
-
-        call = stub.future(messages(), **_call_options(context))
+        out = _Outbox()
+        call = stub.future(out.messages(), **_call_options(context))
         finished = loop.create_future()
         call.add_done_callback(lambda _: loop.call_soon_threadsafe(
             lambda: finished.done() or finished.set_result(None)))
-        async for message in requests:
-            if not await put(message):
-                break  # the daemon ended the call: its status says why
-        else:
-            await put(_END)
-        await finished
-        while True:  # a call ended early leaves grpc's sender thread waiting: let it go
-            try:
-                box.put_nowait(_END)
-                break
-            except queue.Full:
-                with contextlib.suppress(queue.Empty):
-                    box.get_nowait()
+        feeder = asyncio.create_task(out.feed(requests, call))
+        try:  # over when the daemon answers: after the caller's last message, or before it
+            await finished  # (a refusal, an idle upload aborted) while the caller is silent
+        finally:
+            feeder.cancel()
+            out.close()
+            call.cancel()  # a no-op once it is over; the caller's cancellation otherwise
         try:
             return call.result()
         except grpc.RpcError as e:
@@ -228,7 +252,43 @@ def _stream_unary_relay(channel: grpc.Channel, method: str):
     return relay
 
 
-_END = object()
+def _stream_stream_relay(channel: grpc.Channel, method: str):
+    """A bidirectional relay through the sync API (the same reason as
+    :func:`_stream_unary_relay`); the daemon's answers come back through a thread that reads
+    them as they arrive, so an interactive caller (reflection) gets each before it sends more."""
+    stub = channel.stream_stream(method)
+
+    async def relay(requests, context):
+        loop = asyncio.get_running_loop()
+        out = _Outbox()
+        answers: asyncio.Queue = asyncio.Queue()
+        call = stub(out.messages(), **_call_options(context))
+
+        def read() -> None:
+            try:
+                for answer in call:
+                    loop.call_soon_threadsafe(answers.put_nowait, (True, answer))
+                loop.call_soon_threadsafe(answers.put_nowait, (False, None))
+            except grpc.RpcError as e:
+                loop.call_soon_threadsafe(answers.put_nowait, (False, e))
+
+        threading.Thread(target=read, daemon=True, name="itif-ingress-relay").start()
+        feeder = asyncio.create_task(out.feed(requests, call))
+        try:
+            while True:
+                more, item = await answers.get()
+                if more:
+                    yield item
+                elif item is None:
+                    return
+                else:
+                    await context.abort(item.code(), item.details() or "")
+        finally:
+            feeder.cancel()
+            out.close()
+            call.cancel()
+
+    return relay
 
 
 def _call_options(context) -> dict:
@@ -254,18 +314,18 @@ def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method
         return grpc.unary_unary_rpc_method_handler(uu)
     if client_streaming and not server_streaming:
         return grpc.stream_unary_rpc_method_handler(_stream_unary_relay(sync_channel, method))
-    stub = channel.stream_stream(method) if client_streaming else channel.unary_stream(method)
+    if client_streaming:
+        return grpc.stream_stream_rpc_method_handler(_stream_stream_relay(sync_channel, method))
+    stub = channel.unary_stream(method)
 
-    async def ss(request, context):
+    async def us(request, context):
         try:
             async for item in stub(request, **_call_options(context)):
                 yield item
         except grpc.aio.AioRpcError as e:
             await fail(context, e)
 
-    if client_streaming:
-        return grpc.stream_stream_rpc_method_handler(ss)
-    return grpc.unary_stream_rpc_method_handler(ss)
+    return grpc.unary_stream_rpc_method_handler(us)
 
 
 async def serve(spec: dict) -> int:

@@ -139,41 +139,57 @@ class FrameServer:
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
+        running: dict[int, asyncio.Task] = {}  # this connection's calls by id
         try:
             while True:
                 frame = await read_frame(reader)
+                if len(frame) == 1:  # (id,): the caller cancelled that call
+                    task = running.get(frame[0])
+                    if task is not None:
+                        task.cancel()
+                    continue
+                rid = frame[0]
                 task = asyncio.create_task(self._call(writer, *frame))
+                running[rid] = task
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the ingress process went away; its calls' answers have nowhere to go
+            pass  # the ingress process went away: so did its callers
         finally:
+            for task in running.values():
+                task.cancel()
             writer.close()
 
     async def _call(self, writer, rid: int, method: str, metadata, timeout, peer: str,
                     body: bytes) -> None:
+        """One framed call, as gRPC would run it; cancelled (by a cancel frame) as gRPC
+        cancels a handler whose caller went away: no answer, done callbacks still run."""
         context = _Context(metadata, timeout, peer)
         try:
-            if method not in HOT:
-                raise ValueError(f"{method} does not come by frame")
-            h = await self.handler(method, metadata)
-            if h is None or h.unary_unary is None:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method} is not offered")
-            request = h.request_deserializer(body) if h.request_deserializer else body
-            reply = await h.unary_unary(request, context)
-            out = h.response_serializer(reply) if h.response_serializer else reply
-            answer = (rid, 0, "", out)
-        except grpc.aio.AbortError:
-            code = context.code() or grpc.StatusCode.UNKNOWN
-            answer = (rid, code.value[0], context.details(), None)
-        except Exception:  # noqa: BLE001 - what gRPC answers for an escaping exception
-            log.exception("framed %s failed", method)
-            answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None)
-        try:
-            writer.write(pack(answer))
-        except (ConnectionError, RuntimeError):
-            pass  # the ingress process is gone
-        context.finish()
+            try:
+                if method not in HOT:
+                    raise ValueError(f"{method} does not come by frame")
+                h = await self.handler(method, metadata)
+                if h is None or h.unary_unary is None:
+                    await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                        f"{method} is not offered")
+                request = h.request_deserializer(body) if h.request_deserializer else body
+                reply = await h.unary_unary(request, context)
+                out = h.response_serializer(reply) if h.response_serializer else reply
+                answer = (rid, 0, "", out)
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                answer = (rid, code.value[0], context.details(), None)
+            except Exception:  # noqa: BLE001 - what gRPC answers for an escaping exception
+                log.exception("framed %s failed", method)
+                answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None)
+            try:
+                writer.write(pack(answer))
+            except (ConnectionError, RuntimeError):
+                pass  # the ingress process is gone
+        finally:
+            context.finish()
 
 
 class IngressPool:
