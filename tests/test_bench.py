@@ -178,13 +178,15 @@ def test_quick_serving_sweep(quick_rows):
 def test_serving_sweep_batch_limits_reach_every_daemon():
     """--serve-max-batch-size / --serve-max-batch-tokens go into each daemon's scheduler: with
     at most 2 requests a batch, no point's mean batch exceeds 2 (without the limit this burst
-    forms batches of 100+), and the rows say so."""
+    forms batches of 100+), and the rows say so. --serve-ingress too: every daemon behind one
+    ingress process, whose CPU the rows report beside the daemon's."""
     proc = subprocess.run(
         [sys.executable, "-m", "itif", "bench", "--suites", "serve", "--device", "cpu",
          "--serve-model", "bert-tiny", "--serve-tenants", "2", "--mixes", "uniform:2-20",
          "--serve-rates", "2000", "--serve-duration", "0.5", "--serve-strategies", "packed",
          "--serve-p99-at", "0", "--serve-max-batch-size", "2", "--serve-max-batch-tokens", "4096",
-         "--json", "--no-plots"], capture_output=True, text=True, timeout=300)
+         "--serve-ingress", "1", "--json", "--no-plots"], capture_output=True, text=True,
+        timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in json.loads(proc.stdout) if r["suite"] == "serve"]
     assert {r["system"] for r in rows} == {"itif", "per_tenant"}
@@ -192,6 +194,7 @@ def test_serving_sweep_batch_limits_reach_every_daemon():
         assert r["status"] == "ok" and r["completed"] > 0, r
         assert r["max_batch_size"] == 2 and r["max_batch_tokens"] == 4096
         assert 1 <= r["mean_batch_size"] <= 2, r
+        assert r["ingress_processes"] == 1 and r["ingress_cpu_cores"] > 0, r
 
 
 class _FakeGen:

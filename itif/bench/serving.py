@@ -142,6 +142,15 @@ class ServeDaemon:
         """The daemon process's CPU time so far, all threads (Linux ``/proc``; else None)."""
         return process_cpu_seconds(self.proc.pid) if self.proc is not None else None
 
+    def children_cpu_seconds(self) -> float | None:
+        """The CPU time so far of the daemon's child processes (its ingress processes,
+        ``--serve-ingress``); None without any."""
+        if self.proc is None:
+            return None
+        times = [process_cpu_seconds(c) for c in child_pids(self.proc.pid)]
+        times = [t for t in times if t is not None]
+        return sum(times) if times else None
+
     def figures(self) -> dict[str, float] | None:
         """The daemon's cumulative batch and CUDA graph counters from its /metrics (None without
         a metrics port, or when the scrape fails): batches and the rows in them, the rows'
@@ -172,6 +181,19 @@ class ServeDaemon:
             self.proc.wait()
         self.proc = None
         self._log.close()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux ``/proc``)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -243,10 +265,12 @@ class LoadGen:
 
     def __init__(self, addr: str, tokens: dict[str, str], spec: BackboneSpec,
                  daemon_cpu: Callable[[], float | None] | None = None,
-                 daemon_figures: Callable[[], dict | None] | None = None) -> None:
+                 daemon_figures: Callable[[], dict | None] | None = None,
+                 children_cpu: Callable[[], float | None] | None = None) -> None:
         from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: PLC0415
 
         self.daemon_cpu = daemon_cpu
+        self.children_cpu = children_cpu
         self.daemon_figures = daemon_figures
         self._pb = itif_pb2
         opts = [("grpc.max_receive_message_length", 64 << 20),
@@ -340,10 +364,12 @@ class LoadGen:
                     send_lag_p99_ms=round(float(np.percentile(lag, 99) * 1e3), 3),
                     **_cores(cpu0, cpu1), **_batch_figures(fig0, fig1))
 
-    def _cpu(self) -> tuple[float, float, float | None]:
-        """(wall clock, this process's CPU time, the daemon's CPU time or None)."""
+    def _cpu(self) -> tuple[float, float, float | None, float | None]:
+        """(wall clock, this process's CPU time, the daemon's CPU time or None, its ingress
+        processes' or None)."""
         daemon = self.daemon_cpu() if self.daemon_cpu is not None else None
-        return time.perf_counter(), time.process_time(), daemon
+        children = self.children_cpu() if self.children_cpu is not None else None
+        return time.perf_counter(), time.process_time(), daemon, children
 
 
 def _cores(before: tuple, after: tuple) -> dict:
@@ -355,6 +381,8 @@ def _cores(before: tuple, after: tuple) -> dict:
     out = {"loadgen_cpu_cores": round((after[1] - before[1]) / wall, 3)}
     if before[2] is not None and after[2] is not None:
         out["daemon_cpu_cores"] = round((after[2] - before[2]) / wall, 3)
+    if before[3] is not None and after[3] is not None and after[3] >= before[3]:
+        out["ingress_cpu_cores"] = round((after[3] - before[3]) / wall, 3)
     return out
 
 
@@ -433,7 +461,9 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
                 d.wait_ready()
                 d.upload(files)
             rng = np.random.default_rng(cfg.seed)
-            gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds, d.figures) for d in daemons]
+            gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds, d.figures,
+                            d.children_cpu_seconds if cfg.ingress_processes else None)
+                    for d in daemons]
             try:
                 for mix in cfg.mixes:
                     done = list(rows)
@@ -480,7 +510,8 @@ def _saturation(base, system, strategy, points) -> dict:
                 requests_per_tenant=best["requests_per_tenant"], seq_len=best["seq_len"],
                 rate_rps=best["rate_rps"], throughput_rps=best["throughput_rps"],
                 latency_ms=best["p50_ms"], p50_ms=best["p50_ms"], p99_ms=best["p99_ms"],
-                **{k: best[k] for k in ("daemon_cpu_cores", "loadgen_cpu_cores",
+                **{k: best[k] for k in ("daemon_cpu_cores", "ingress_cpu_cores",
+                                        "loadgen_cpu_cores",
                                         "mean_batch_size", "row_compute_ms", "graph_replays",
                                         "graph_eager", "graph_captures")
                    if k in best})

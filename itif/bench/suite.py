@@ -350,11 +350,13 @@ def summary_serve(path: Path) -> int:
     if d.get("meta", {}).get("partial"):
         print("  (partial: the sweep was cut short; saturation rows are of the points it ran)")
     for r in sat:
+        ingress = f", ingress {r['ingress_cpu_cores']}" if "ingress_cpu_cores" in r else ""
         print(f"  {r.get('mix')} {r['system']}: saturation {r['throughput_rps']:.1f} req/s, p99 "
               f"there {r.get('p99_ms')} ms; p99 at {r.get('at_fraction')} of it "
               f"({r.get('at_fraction_rate_rps')} req/s): {r.get('p99_at_fraction_ms')} ms; "
-              f"CPU cores at saturation: daemon {r.get('daemon_cpu_cores')}, load generator "
-              f"{r.get('loadgen_cpu_cores')}; there a mean batch of {r.get('mean_batch_size')} "
+              f"CPU cores at saturation: daemon {r.get('daemon_cpu_cores')}{ingress}, load "
+              f"generator {r.get('loadgen_cpu_cores')}; there a mean batch of "
+              f"{r.get('mean_batch_size')} "
               f"rows, {r.get('row_compute_ms')} ms a forward (as its rows waited on it), "
               f"graph replays/eager/captures {r.get('graph_replays', '-')}/"
               f"{r.get('graph_eager', '-')}/{r.get('graph_captures', '-')}")
