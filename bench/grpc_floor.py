@@ -28,7 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from itif.bench.serving import _free_ports, process_cpu_seconds  # noqa: E402
+from itif.bench.daemon_probe import process_cpu_seconds  # noqa: E402
+from itif.bench.serving import _free_ports  # noqa: E402
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: E402
 
 SERVER = r"""

@@ -255,7 +255,7 @@ def flood_main() -> None:
 # ---- Prometheus -------------------------------------------------------------------------------
 def scrape(port: int) -> dict[tuple[str, frozenset], float]:
     """The daemon's /metrics as {(sample name, labels): value}."""
-    from itif.bench.serving import scrape_metrics  # noqa: PLC0415
+    from itif.bench.daemon_probe import scrape_metrics  # noqa: PLC0415
 
     return scrape_metrics(port)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from itif.bench.serving import scrape_metrics as scrape
+from itif.bench.daemon_probe import scrape_metrics as scrape
 from itif.platform import nvml
 from itif.weights.safetensors_io import save_safetensors
 from tests.daemon_harness import Daemon, free_port

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from collections import namedtuple
-from typing import Any
 
 import grpc
 
