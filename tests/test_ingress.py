@@ -8,7 +8,9 @@ and the configuration it needs.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import pickle
 import re
 import signal
 import time
@@ -110,10 +112,11 @@ def _count(port: int, method: str, code: str) -> float:
     return 0.0
 
 
-def test_a_framed_call_keeps_its_deadline(tmp_path, model_file):
-    """The client's deadline crosses to the daemon: with every forward taking 300 ms, a call
-    with a 100 ms deadline ends DEADLINE_EXCEEDED in the daemon itself (its own count says so;
-    without the deadline it would have waited for the forward and counted OK)."""
+def test_a_framed_call_ends_at_its_deadline(tmp_path, model_file):
+    """With every forward taking 300 ms, a call with a 100 ms deadline ends in the daemon too
+    (its own count: DEADLINE_EXCEEDED, or CANCELLED when the ingress's cancellation of the
+    expired call crosses first), never waits for the forward to answer OK; the next call is
+    answered."""
     _, f = model_file
     metrics = free_port()
     d = Daemon(tmp_path, dict(TOKENS), faults="slow:300", server_extra={
@@ -124,14 +127,77 @@ def test_a_framed_call_keeps_its_deadline(tmp_path, model_file):
             with pytest.raises(grpc.RpcError) as e:
                 c.infer("acme", [5, 6, 7], timeout=0.1)
             assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+            def ended() -> float:
+                return (_count(metrics, "Infer", "DEADLINE_EXCEEDED")
+                        + _count(metrics, "Infer", "CANCELLED"))
+
             end = time.monotonic() + 5
-            while _count(metrics, "Infer", "DEADLINE_EXCEEDED") < 1 and time.monotonic() < end:
+            while ended() < 1 and time.monotonic() < end:
                 time.sleep(0.05)
-            assert _count(metrics, "Infer", "DEADLINE_EXCEEDED") == 1
+            assert ended() == 1 and _count(metrics, "Infer", "OK") == 0
             assert c.infer("acme", [5, 6, 7], timeout=30)["logits"].shape == (3,)
             assert _count(metrics, "Infer", "OK") == 1
     finally:
         d.stop()
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.frames: list = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(pickle.loads(data[4:]))
+
+
+def test_frame_server_runs_the_handler_as_grpc_would():
+    """The daemon's side alone: a framed call's handler sees the caller's metadata, peer,
+    deadline and bytes; its reply, or its abort's status, goes back as one frame; done
+    callbacks run after it; a cancelled call sends nothing and still runs them."""
+    from itif.server.ingress_host import FrameServer  # noqa: PLC0415
+
+    seen: dict = {}
+    gate = asyncio.Event()
+
+    async def behaviour(request, context):
+        seen.update(request=request, metadata=context.invocation_metadata(),
+                    peer=context.peer(), left=context.time_remaining())
+        context.add_done_callback(lambda ctx: seen.setdefault("done", []).append(request))
+        if request == b"refuse":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such tenant")
+        if request == b"wait":
+            await gate.wait()
+        return b"answer to " + request
+
+    class Handlers(grpc.GenericRpcHandler):
+        def service(self, details):
+            if details.method == "/itif.v1.Itif/Infer":
+                return grpc.unary_unary_rpc_method_handler(behaviour)
+            return None
+
+    async def run() -> list:
+        server, w = FrameServer([], [Handlers()]), _Writer()
+        md = (("authorization", "Bearer x"),)
+        await server._call(w, 1, "/itif.v1.Itif/Infer", md, 5.0, "ipv4:10.0.0.1:4", b"ok")
+        assert seen["metadata"] == md and seen["peer"] == "ipv4:10.0.0.1:4"
+        assert 4.5 < seen["left"] <= 5.0 and seen["request"] == b"ok"
+        await server._call(w, 2, "/itif.v1.Itif/Infer", md, None, "p", b"refuse")
+        assert seen["left"] is None
+        await server._call(w, 3, "/itif.v1.Itif/Nope", md, None, "p", b"x")
+        task = asyncio.create_task(server._call(w, 4, "/itif.v1.Itif/Infer", md, None, "p",
+                                                b"wait"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return w.frames
+
+    frames = asyncio.run(run())
+    assert frames[0] == (1, 0, "", b"answer to ok")
+    assert frames[1] == (2, grpc.StatusCode.NOT_FOUND.value[0], "no such tenant", None)
+    assert frames[2][0] == 3 and frames[2][1] == grpc.StatusCode.UNKNOWN.value[0]
+    assert len(frames) == 3  # the cancelled call answered nothing
+    assert seen["done"] == [b"ok", b"refuse", b"wait"]
 
 
 def test_ingress_needs_a_fixed_port(tmp_path):
