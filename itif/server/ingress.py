@@ -155,15 +155,17 @@ class Router(grpc.GenericRpcHandler):
         self.channel = channel
         self.sync_channel = sync_channel
         self.kinds = method_kinds()
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}  # made once a method
 
     def service(self, details):
         method = details.method
-        if method in HOT:
-            return grpc.unary_unary_rpc_method_handler(self._framed(method))
-        kind = self.kinds.get(method)
-        if kind is None:
-            return None  # UNIMPLEMENTED, as the daemon would answer
-        return _relay_handler(self.channel, self.sync_channel, method, *kind)
+        h = self._handlers.get(method)
+        if h is None and (method in HOT or method in self.kinds):
+            h = self._handlers[method] = (
+                grpc.unary_unary_rpc_method_handler(self._framed(method)) if method in HOT
+                else _relay_handler(self.channel, self.sync_channel, method,
+                                    *self.kinds[method]))
+        return h  # None: UNIMPLEMENTED, as the daemon would answer
 
     def _framed(self, method: str):
         link = self.link
@@ -247,7 +249,7 @@ def _stream_unary_relay(channel: grpc.Channel, method: str):
         try:
             return call.result()
         except grpc.RpcError as e:
-            await context.abort(e.code(), e.details() or "")
+            await _abort_as(context, e)
 
     return relay
 
@@ -282,13 +284,18 @@ def _stream_stream_relay(channel: grpc.Channel, method: str):
                 elif item is None:
                     return
                 else:
-                    await context.abort(item.code(), item.details() or "")
+                    await _abort_as(context, item)
         finally:
             feeder.cancel()
             out.close()
             call.cancel()
 
     return relay
+
+
+async def _abort_as(context, e: grpc.RpcError) -> None:
+    """End the caller's call with the daemon's status."""
+    await context.abort(e.code(), e.details() or "")
 
 
 def _call_options(context) -> dict:
@@ -299,9 +306,6 @@ def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method
                    client_streaming: bool, server_streaming: bool) -> grpc.RpcMethodHandler:
     """A handler that makes the same call, raw bytes in and out, on the daemon's own server."""
 
-    async def fail(context, e: grpc.aio.AioRpcError):
-        await context.abort(e.code(), e.details() or "")
-
     if not client_streaming and not server_streaming:
         stub = channel.unary_unary(method)
 
@@ -309,7 +313,7 @@ def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method
             try:
                 return await stub(request, **_call_options(context))
             except grpc.aio.AioRpcError as e:
-                await fail(context, e)
+                await _abort_as(context, e)
 
         return grpc.unary_unary_rpc_method_handler(uu)
     if client_streaming and not server_streaming:
@@ -323,7 +327,7 @@ def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method
             async for item in stub(request, **_call_options(context)):
                 yield item
         except grpc.aio.AioRpcError as e:
-            await fail(context, e)
+            await _abort_as(context, e)
 
     return grpc.unary_stream_rpc_method_handler(us)
 

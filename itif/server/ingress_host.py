@@ -108,10 +108,12 @@ class FrameServer:
     """Answers HOT calls sent as frames by the ingress processes, on a unix socket."""
 
     def __init__(self, interceptors, generic) -> None:
-        self.interceptors = list(interceptors)
         self.generic = list(generic)
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task] = set()
+        chain = self._servicer
+        for icpt in reversed(list(interceptors)):  # the first interceptor outermost, as gRPC
+            chain = (lambda i, nxt: lambda d: i.intercept_service(nxt, d))(icpt, chain)
+        self._chain = chain
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._connection, path, limit=1 << 26)
@@ -121,20 +123,17 @@ class FrameServer:
             self._server.close()
             await self._server.wait_closed()
 
+    async def _servicer(self, details) -> grpc.RpcMethodHandler | None:
+        for g in self.generic:
+            h = g.service(details)
+            if h is not None:
+                return h
+        return None
+
     async def handler(self, method: str, metadata) -> grpc.RpcMethodHandler | None:
         """The handler the gRPC server would run for ``method``: its interceptors, in order,
         around the servicer's."""
-        async def servicer(details):
-            for g in self.generic:
-                h = g.service(details)
-                if h is not None:
-                    return h
-            return None
-
-        chain = servicer
-        for icpt in reversed(self.interceptors):
-            chain = (lambda i, nxt: lambda d: i.intercept_service(nxt, d))(icpt, chain)
-        return await chain(_Details(method, metadata))
+        return await self._chain(_Details(method, metadata))
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
@@ -149,9 +148,7 @@ class FrameServer:
                     continue
                 rid = frame[0]
                 task = asyncio.create_task(self._call(writer, *frame))
-                running[rid] = task
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                running[rid] = task  # also the task's one strong reference while it runs
                 task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the ingress process went away: so did its callers
@@ -201,7 +198,6 @@ class IngressPool:
         self.count = count
         self.spec = spec
         self.procs: list[subprocess.Popen | None] = [None] * count
-        self.restarts = 0
         self._stopping = False
         self._watch: asyncio.Task | None = None
 
@@ -223,7 +219,6 @@ class IngressPool:
                 if p is not None and p.poll() is not None:
                     log.warning("ingress process %d (pid %d) exited with %s; starting another",
                                 i, p.pid, p.returncode)
-                    self.restarts += 1
                     self.procs[i] = self._spawn()
 
     async def stop(self, grace_s: float) -> None:
