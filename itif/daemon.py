@@ -30,7 +30,7 @@ from typing import Iterable
 from itif import daemon_tiers, faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
-from itif.config import Config, ConfigDiff, Tenant, diff_configs, hash_token
+from itif.config import Config, ConfigDiff, Tenant, TokenDigests, diff_configs
 from itif.decoder_backend import DecoderBackend, build_generator
 from itif.errors import (
     InvalidRequest,
@@ -107,6 +107,7 @@ class Daemon:
         self.tiers = None  # itif.weights.tiers.TierManager with backbone.device_weight_bytes
         self._lock = threading.Lock()
         self._tenant_locks: dict[str, threading.Lock] = {}
+        self._digests = TokenDigests()
         self.reloads_ok = 0
         self.reloads_failed = 0
         self.last_reload_error = ""
@@ -272,13 +273,16 @@ class Daemon:
         authorization = (authorization or "").strip()  # perf_analyzer -H 'k: v' keeps the space
         if not authorization or not authorization.startswith("Bearer "):
             raise Unauthenticated("missing 'authorization: Bearer <token>' metadata")
-        digest = hash_token(authorization[len("Bearer "):].strip())
+        token = authorization[len("Bearer "):].strip()
+        digest, known = self._digests.lookup(token)
         cfg = self.config
         if hmac.compare_digest(digest, cfg.server.admin_token_sha256):
             return Identity(None, admin=True)
         found = cfg.tenant_by_token_sha256(digest)
         if found is None:
             raise Unauthenticated("invalid token")
+        if not known:
+            self._digests.keep(token, digest)
         self._note_tenant(found.id)
         return Identity(found.id)
 
@@ -398,7 +402,7 @@ class Daemon:
             raise Unimplemented(f"backbone {self.engine.spec.name!r} is a decoder: call "
                                 "Generate (itif generate); Infer serves encoder backbones")
         conf = self._ready_tenant(who, tenant)
-        requests = [replace(r, tenant=tenant) for r in requests]
+        requests = [r if r.tenant == tenant else replace(r, tenant=tenant) for r in requests]
         if self.tiers is None:
             self.engine.check(requests)
         else:  # a tenant not resident is checked without its weights

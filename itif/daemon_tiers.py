@@ -148,16 +148,16 @@ class _Room:
         self._io.__exit__(*exc)
 
 
-def tenant_info(d: Daemon, tenant: str, read: bool = True):
+def tenant_info(d: Daemon, tenant: str, read: bool = True, sizes: bool = True):
     """``Engine.tenant_info`` of ``tenant`` wherever its weights are: the engine's when it is
     resident; else its head and pooler as the tiers saw them, with 0 bytes on the device (KServe
     metadata, default outputs and reply reservations do not depend on residency). A stored
     tenant not seen since the daemon started has its file read (verified and validated, not
     installed) once when ``read``, else None is returned; a tenant without weights raises the
-    engine's TenantNotFound."""
+    engine's TenantNotFound. ``sizes=False``: the byte counts are left 0 (per-call callers)."""
     engine = d.engine
     if d.tiers is None or tenant in engine.store:
-        return engine.tenant_info(tenant)
+        return engine.tenant_info(tenant, sizes)
     from itif.runtime.engine import TenantInfo  # noqa: PLC0415 - encoder daemons only
 
     sig = d.tiers.signature(tenant)

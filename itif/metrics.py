@@ -233,6 +233,7 @@ class Metrics:
             "itif_tier_evictions", "Tenants' weights leaving a tier, by where they went: host "
             "or disk from the device tier, disk from the host tier", ("to",), registry=r)
         self._lock = threading.Lock()
+        self._children: dict[tuple, Any] = {}  # (metric id, labels) -> its child (_child)
         self._stats: dict[str, TenantCallStats] = {}
         self._nvml = _load_nvml() if nvml == "auto" else nvml
         self._gpus = _gpu_handles(self._nvml)
@@ -274,9 +275,17 @@ class Metrics:
     def tier_evicted(self, tenant: str, to: str) -> None:
         self.evictions.labels(to).inc()
 
+    def _child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once (no series is ever removed)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_rpc(self, tenant: str, method: str, code: str, seconds: float) -> None:
-        self.requests.labels(tenant, method, code).inc()
-        self.request_seconds.labels(method).observe(seconds)
+        self._child(self.requests, tenant, method, code).inc()
+        self._child(self.request_seconds, method).observe(seconds)
 
     def observe_http(self, tenant: str, api: str, method: str, status: int,
                      seconds: float) -> None:
@@ -309,11 +318,11 @@ class Metrics:
     def _row_done(self, call: _CallWatch, t: Ticket) -> None:
         err = t.exception(0)
         code = "OK" if err is None else getattr(err, "code", "INTERNAL")
-        self.rows.labels(call.tenant, code).inc()
-        self.queue_seconds.labels(call.tenant).observe(t.queued_ms / 1000.0)
+        self._child(self.rows, call.tenant, code).inc()
+        self._child(self.queue_seconds, call.tenant).observe(t.queued_ms / 1000.0)
         compute = t.compute_ms
         if compute is not None:
-            self.compute_seconds.labels(call.tenant).observe(compute / 1000.0)
+            self._child(self.compute_seconds, call.tenant).observe(compute / 1000.0)
         with self._lock:
             call.left -= 1
             if call.left:
@@ -331,16 +340,15 @@ class Metrics:
         computes = [t.compute_ms for t in ts if t.compute_ms is not None]
         s = self._stats.get(call.tenant, TenantCallStats())
         if ok:
-            s = replace(s, success=s.success + 1, success_ns=s.success_ns + total_ns,
-                        inferences=s.inferences + len(ts),
-                        last_inference_ms=int(time.time() * 1000))
+            new = dict(success=s.success + 1, success_ns=s.success_ns + total_ns,
+                       inferences=s.inferences + len(ts),
+                       last_inference_ms=int(time.time() * 1000))
         else:
-            s = replace(s, fail=s.fail + 1, fail_ns=s.fail_ns + total_ns)
-        s = replace(s, queue=s.queue + 1, queue_ns=s.queue_ns + queue_ns)
+            new = dict(fail=s.fail + 1, fail_ns=s.fail_ns + total_ns)
         if computes:
-            s = replace(s, compute=s.compute + 1,
-                        compute_ns=s.compute_ns + int(max(computes) * 1e6))
-        self._stats[call.tenant] = s
+            new.update(compute=s.compute + 1, compute_ns=s.compute_ns + int(max(computes) * 1e6))
+        self._stats[call.tenant] = replace(s, queue=s.queue + 1, queue_ns=s.queue_ns + queue_ns,
+                                           **new)
 
     def run_batch(self, engine: Engine) -> Callable[[list[Request]], list[Result]]:
         """A ``run_batch`` for the scheduler: ``engine.infer`` plus batch metrics. The batch's

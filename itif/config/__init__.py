@@ -45,6 +45,7 @@ from itif.config.schema import (
     ServerConfig,
     Tenant,
     TLSConfig,
+    TokenDigests,
     hash_token,
 )
 from itif.config.watch import ConfigWatcher
@@ -63,6 +64,7 @@ __all__ = [
     "Tenant",
     "backbone_presets",
     "diff_configs",
+    "TokenDigests",
     "hash_token",
     "load_config",
     "parse_config",

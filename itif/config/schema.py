@@ -244,3 +244,28 @@ def hash_token(token: str) -> str:
     if not isinstance(token, str):
         raise TypeError(f"token must be str, got {type(token).__name__}")
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+class TokenDigests:
+    """:func:`hash_token` of the tokens that named a caller, remembered: a call presents its
+    token twice (the auth interceptor, then the method), and under load every hash is the one
+    interpreter's time. A pure function of the token, so a config reload invalidates nothing;
+    at ``limit`` entries it starts over (a stream of distinct tokens costs no memory)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._known: dict[str, str] = {}
+
+    def __contains__(self, token: str) -> bool:
+        return token in self._known
+
+    def lookup(self, token: str) -> tuple[str, bool]:
+        """(the token's digest, whether it was remembered)."""
+        digest = self._known.get(token)
+        return (digest, True) if digest is not None else (hash_token(token), False)
+
+    def keep(self, token: str, digest: str) -> None:
+        """Remember a token that named a caller (never one that did not)."""
+        if len(self._known) >= self.limit:
+            self._known.clear()
+        self._known[token] = digest

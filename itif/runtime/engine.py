@@ -267,11 +267,13 @@ class Engine:
     def remove_tenant(self, tenant: str) -> None:
         self.store.remove(tenant)
 
-    def tenant_info(self, tenant: str) -> TenantInfo:
+    def tenant_info(self, tenant: str, sizes: bool = True) -> TenantInfo:
+        """The tenant's head and bytes; ``sizes=False`` leaves both byte counts 0 (a walk over
+        every slot of the tenant under the store's lock that a per-call caller does not need)."""
         entry = self.store.view.tenants.get(tenant)
         if entry is None:
             raise TenantNotFound(f"tenant {shown(tenant)} not found")
-        total, exclusive = self.store.tenant_bytes(tenant)
+        total, exclusive = self.store.tenant_bytes(tenant) if sizes else (0, 0)
         return TenantInfo(tenant, entry.num_labels, entry.has_pooler, total, exclusive)
 
     def tenants(self) -> list[str]:
@@ -295,11 +297,16 @@ class Engine:
             return self._results(requests, tenants, layout, inputs, out)
 
     def check(self, requests: Sequence[Request]) -> None:
-        """Validate requests exactly as ``infer`` would, without running them."""
+        """Validate requests exactly as ``infer`` would, without running them. Reads metadata
+        only (no buffers, so no snapshot is held) and skips the batch's tenant ordering: the
+        daemon runs this once per call, on its front end."""
         if requests:
-            with self.store.read() as view:
-                tenants = self._batch_tenants(view, [r.tenant for r in requests])
-                self._validate(requests, tenants, view)
+            view = self.store.view
+            tenants = tuple(dict.fromkeys(r.tenant for r in requests))
+            for t in tenants:
+                if t not in view.tenants:
+                    raise TenantNotFound(f"tenant {t!r} not found")
+            self._validate(requests, tenants, view)
 
     def request_tokens(self, request: Request) -> int:
         """Rows a request occupies in the token buffer (its length; patches + CLS for ViT)."""
@@ -393,13 +400,12 @@ class Engine:
                 raise InvalidRequest(f"request {i}: input_ids must be a 1-D list of integers, got shape {a.shape} {a.dtype}")
             ids_list.append(a.astype(np.int64, copy=False))
         lengths = np.fromiter((a.size for a in ids_list), np.int32, count=len(ids_list))
-        bad = np.flatnonzero((lengths < 1) | (lengths > self.max_seq_len))
-        if bad.size:
-            i = int(bad[0])
+        if lengths.min() < 1 or lengths.max() > self.max_seq_len:
+            i = int(np.flatnonzero((lengths < 1) | (lengths > self.max_seq_len))[0])
             raise InvalidRequest(
                 f"request {i}: input_ids length {int(lengths[i])} is outside "
                 f"1..{self.max_seq_len} (the backbone's maximum sequence length)")
-        ids = np.concatenate(ids_list)
+        ids = ids_list[0] if len(ids_list) == 1 else np.concatenate(ids_list)
         if ids.min() < 0 or ids.max() >= spec.vocab_size:
             pos = int(np.flatnonzero((ids < 0) | (ids >= spec.vocab_size))[0])
             i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))

@@ -212,7 +212,7 @@ def estimate_reply_bytes(daemon: Any, tenant: str, requests: list, *, padded_row
     padded to the longest (KServe)."""
     engine = daemon.engine
     try:
-        info = daemon_tiers.tenant_info(daemon, tenant, read=False)
+        info = daemon_tiers.tenant_info(daemon, tenant, read=False, sizes=False)
     except Exception:  # no weights: the submit refuses the call anyway
         return _MESSAGE_OVERHEAD
     labels = (info.num_labels or 0) if info is not None else 0  # None: stored, not seen yet
