@@ -118,12 +118,13 @@ class DecoderBackend:
     def tenants(self) -> list[str]:
         return list(self.gen.tenants())
 
-    def tenant_info(self, tenant: str) -> DecoderTenantInfo:
+    def tenant_info(self, tenant: str, sizes: bool = True) -> DecoderTenantInfo:
+        """As ``Engine.tenant_info`` (``sizes=False``: both byte counts 0)."""
         if tenant not in self.gen.store:
             from itif.errors import TenantNotFound, shown  # noqa: PLC0415
 
             raise TenantNotFound(f"tenant {shown(tenant)} not found")
-        total, exclusive = self.gen.store.tenant_bytes(tenant)
+        total, exclusive = self.gen.store.tenant_bytes(tenant) if sizes else (0, 0)
         return DecoderTenantInfo(tenant, 0, False, total, exclusive)
 
     # ---- weights ----------------------------------------------------------------------------

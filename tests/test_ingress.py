@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import signal
+import struct
 import time
 import urllib.request
 
@@ -143,11 +144,38 @@ def test_a_framed_call_ends_at_its_deadline(tmp_path, model_file):
 
 
 class _Writer:
+    """A stream writer: the frames of every chunk written, and how many writes it took."""
+
     def __init__(self) -> None:
         self.frames: list = []
+        self.writes = 0
 
     def write(self, data: bytes) -> None:
-        self.frames.append(pickle.loads(data[4:]))
+        self.writes += 1
+        while data:
+            (n,) = struct.unpack(">I", data[:4])
+            self.frames.append(pickle.loads(data[4 : 4 + n]))
+            data = data[4 + n :]
+
+
+def test_frames_written_in_one_turn_go_out_in_one_write():
+    from itif.server.ingress import FrameWriter  # noqa: PLC0415
+
+    async def run() -> _Writer:
+        w = _Writer()
+        out = FrameWriter(w)
+        for i in range(3):
+            out.write((i, "x" * i))
+        assert w.writes == 0  # nothing until the end of this turn of the loop
+        await asyncio.sleep(0)
+        assert w.writes == 1
+        out.write((3,))
+        await asyncio.sleep(0)
+        assert w.writes == 2
+        return w
+
+    w = asyncio.run(run())
+    assert w.frames == [(0, ""), (1, "x"), (2, "xx"), (3,)]
 
 
 def test_frame_server_runs_the_handler_as_grpc_would():
@@ -176,7 +204,10 @@ def test_frame_server_runs_the_handler_as_grpc_would():
             return None
 
     async def run() -> list:
-        server, w = FrameServer([], [Handlers()]), _Writer()
+        from itif.server.ingress import FrameWriter  # noqa: PLC0415
+
+        server, sink = FrameServer([], [Handlers()]), _Writer()
+        w = FrameWriter(sink)
         md = (("authorization", "Bearer x"),)
         await server._call(w, 1, "/itif.v1.Itif/Infer", md, 5.0, "ipv4:10.0.0.1:4", b"ok")
         assert seen["metadata"] == md and seen["peer"] == "ipv4:10.0.0.1:4"
@@ -190,7 +221,8 @@ def test_frame_server_runs_the_handler_as_grpc_would():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return w.frames
+        await asyncio.sleep(0)  # the last answer's write, at the end of its turn
+        return sink.frames
 
     frames = asyncio.run(run())
     assert frames[0] == (1, 0, "", b"answer to ok")

@@ -74,6 +74,30 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(n))
 
 
+class FrameWriter:
+    """Frames to one stream, sent together: every frame written during one turn of the event
+    loop goes out in one write (one system call) at its end. A batch of rows that finishes
+    together resumes its calls in one turn, and each used to send its answer alone."""
+
+    __slots__ = ("_writer", "_pending")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._pending: list[bytes] = []
+
+    def write(self, obj: Any) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(pack(obj))
+
+    def _flush(self) -> None:
+        frames, self._pending = self._pending, []
+        try:
+            self._writer.write(b"".join(frames))
+        except (ConnectionError, RuntimeError):
+            pass  # the other side is gone: its reader fails the calls waiting on it
+
+
 def status_code(value: int) -> grpc.StatusCode:
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
@@ -97,7 +121,7 @@ class EngineLink:
     """The frame connection to the daemon: calls go out as frames, answers come back by id."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
+        self._reader, self._writer = reader, FrameWriter(writer)
         self._waiting: dict[int, asyncio.Future] = {}
         self._next = 0
         self.closed = asyncio.get_running_loop().create_future()
@@ -135,12 +159,12 @@ class EngineLink:
         rid = self._next
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
-        self._writer.write(pack((rid, method, metadata, timeout, peer, body)))
+        self._writer.write((rid, method, metadata, timeout, peer, body))
         try:
             return await fut
         except asyncio.CancelledError:  # the caller cancelled: so does the daemon's handler
             if not self.closed.done():
-                self._writer.write(pack((rid,)))
+                self._writer.write((rid,))
             raise
         finally:
             self._waiting.pop(rid, None)

@@ -23,7 +23,7 @@ from collections import namedtuple
 
 import grpc
 
-from itif.server.ingress import HOT, pack, read_frame
+from itif.server.ingress import HOT, FrameWriter, read_frame
 
 log = logging.getLogger("itif.server.ingress")
 
@@ -138,6 +138,7 @@ class FrameServer:
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         running: dict[int, asyncio.Task] = {}  # this connection's calls by id
+        out = FrameWriter(writer)
         try:
             while True:
                 frame = await read_frame(reader)
@@ -147,7 +148,7 @@ class FrameServer:
                         task.cancel()
                     continue
                 rid = frame[0]
-                task = asyncio.create_task(self._call(writer, *frame))
+                task = asyncio.create_task(self._call(out, *frame))
                 running[rid] = task  # also the task's one strong reference while it runs
                 task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -157,8 +158,8 @@ class FrameServer:
                 task.cancel()
             writer.close()
 
-    async def _call(self, writer, rid: int, method: str, metadata, timeout, peer: str,
-                    body: bytes) -> None:
+    async def _call(self, out: FrameWriter, rid: int, method: str, metadata, timeout,
+                    peer: str, body: bytes) -> None:
         """One framed call, as gRPC would run it; cancelled (by a cancel frame) as gRPC
         cancels a handler whose caller went away: no answer, done callbacks still run."""
         context = _Context(metadata, timeout, peer)
@@ -172,18 +173,15 @@ class FrameServer:
                                         f"{method} is not offered")
                 request = h.request_deserializer(body) if h.request_deserializer else body
                 reply = await h.unary_unary(request, context)
-                out = h.response_serializer(reply) if h.response_serializer else reply
-                answer = (rid, 0, "", out)
+                raw = h.response_serializer(reply) if h.response_serializer else reply
+                answer = (rid, 0, "", raw)
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN
                 answer = (rid, code.value[0], context.details(), None)
             except Exception:  # noqa: BLE001 - what gRPC answers for an escaping exception
                 log.exception("framed %s failed", method)
                 answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None)
-            try:
-                writer.write(pack(answer))
-            except (ConnectionError, RuntimeError):
-                pass  # the ingress process is gone
+            out.write(answer)  # sent at the end of this turn of the loop, with the others
         finally:
             context.finish()
 
