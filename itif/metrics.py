@@ -3,9 +3,9 @@
 One :class:`Metrics` object per daemon (``daemon.metrics``, set by ``itif.server.app``). It is fed
 from three places and read by two:
 
-- :class:`MetricsInterceptor`, the first gRPC interceptor, sees the final status of every call on
-  every service (itif.v1, KServe v2, health), refusals by the auth interceptor included: this is
-  the ONE place where calls are counted by status code. The tenant label is the tenant the daemon
+- ``itif.server.call_metrics.MetricsInterceptor``, the first gRPC interceptor, sees the final
+  status of every call on every service (itif.v1, KServe v2, health), refusals by the auth
+  interceptor included: this is the ONE place where calls are counted by status code. The tenant label is the tenant the daemon
   authorised the call for (:meth:`Metrics.note_tenant`, which ``Daemon.identify`` and
   ``Daemon._visible`` call through ``daemon.metrics``, an ``itif.observer.DaemonObserver``):
   the target tenant once the caller may see it, else the calling tenant, else ``""`` (the admin,
@@ -25,7 +25,6 @@ registry, so nothing else in the process leaks into it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
@@ -47,7 +46,6 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from itif.daemon import Daemon, State
-from itif.server.handlers import wrap_handler
 
 if TYPE_CHECKING:  # pragma: no cover
     from itif.requests import Request, Result
@@ -56,7 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("itif.metrics")
 
-__all__ = ["Metrics", "MetricsInterceptor", "TenantCallStats", "call_tenant", "note_tenant",
+__all__ = ["Metrics", "TenantCallStats", "call_tenant", "note_tenant",
            "METRIC_NAMES"]
 
 #: Every metric itif exports (docs/ecosystem.md has the table).
@@ -552,49 +550,3 @@ def _gpu_handles(nv) -> list[tuple[int, Any]]:
     except Exception as e:
         log.info("NVML lists no GPUs (%s): GPU metrics are not exported", e)
         return []
-
-
-# ---- the counting interceptor -----------------------------------------------------------------
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Count every call by (tenant, method, final status code). Put it FIRST in the server's
-    interceptors, so it also wraps the handlers other interceptors substitute (auth refusals)."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        method = details.method.rpartition("/")[2] or details.method
-        return wrap_handler(handler, guard=lambda context: _Counted(self.metrics, method, context))
-
-
-class _Counted:
-    """Held for one call: the call's tenant holder is current inside it (``note_tenant``); on
-    the way out the call is counted with its final status code."""
-
-    __slots__ = ("metrics", "method", "context", "holder", "start", "token")
-
-    def __init__(self, metrics: Metrics, method: str, context: Any) -> None:
-        self.metrics, self.method, self.context = metrics, method, context
-
-    def __enter__(self) -> None:
-        self.holder, self.start = [""], time.perf_counter()
-        self.token = _CALL_TENANT.set(self.holder)
-
-    def __exit__(self, typ, exc, tb) -> bool:
-        if typ is None or issubclass(typ, grpc.aio.AbortError):
-            code = None  # the status the handler set, or OK
-        elif issubclass(typ, (asyncio.CancelledError, GeneratorExit)):
-            code = "CANCELLED"
-        else:
-            code = "UNKNOWN"  # what gRPC answers for an exception that escapes
-        try:
-            _CALL_TENANT.reset(self.token)
-        except ValueError:  # finalised in another context (a dropped stream)
-            pass
-        self.metrics.observe_rpc(self.holder[0], self.method,
-                                 code or _code_name(self.context.code()) or "OK",
-                                 time.perf_counter() - self.start)
-        return False

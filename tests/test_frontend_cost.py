@@ -162,3 +162,29 @@ def test_check_reads_metadata_only_and_keeps_its_errors(engine):
     full = e.tenant_info(t)
     assert (info.num_labels, info.has_pooler) == (full.num_labels, full.has_pooler)
     assert full.bytes > 0 and (info.bytes, info.exclusive_bytes) == (0, 0)
+
+
+def test_metrics_interceptor_wraps_each_kept_handler_once():
+    import grpc
+    from collections import namedtuple
+    from itif.metrics import Metrics
+    from itif.server.call_metrics import MetricsInterceptor
+
+    Details = namedtuple("Details", ["method", "invocation_metadata"])
+    kept = grpc.unary_unary_rpc_method_handler(lambda r, c: r)
+    icpt = MetricsInterceptor(Metrics(nvml=None))
+
+    async def chain(handler, method="/itif.v1.Itif/Infer"):
+        async def continuation(details):
+            return handler
+        return await icpt.intercept_service(continuation, Details(method, ()))
+
+    async def main():
+        a, b = await chain(kept), await chain(kept)
+        assert a is b and a is not kept  # wrapped, once
+        other = await chain(kept, "/itif.v1.Itif/InferBatch")  # another method: its own count
+        assert other is not a
+        fresh = grpc.unary_unary_rpc_method_handler(lambda r, c: r)  # a refusal, say
+        assert await chain(fresh) is not a
+        assert await chain(None) is None
+    asyncio.run(main())

@@ -370,9 +370,14 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
     with tempfile.TemporaryDirectory(prefix="itif-bench-serve-") as tmp:
         tmp = Path(tmp)
         files = {}
+        t0 = time.monotonic()
         for i, t in enumerate(names):
             files[t] = tmp / f"{t}.safetensors"
             save_safetensors(to_hf(spec, tenant_weights(spec, i, cfg.fine_tune)), files[t])
+        # the setup of many large tenants takes minutes (64 bert-base: 28 GB of checkpoints,
+        # uploaded to every daemon): say where the time goes, so a timeout shows it
+        log.info("serve: %d tenants' checkpoints written in %.1f s (%.1f GB)", len(names),
+                 time.monotonic() - t0, sum(f.stat().st_size for f in files.values()) / 1e9)
         ports = _free_ports(2 * len(modes))  # gRPC, then /metrics
         daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
                                strategy, isolate, cfg.max_wait_ms, sizing,
@@ -385,9 +390,12 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
         try:
             for d in daemons:  # start together: the slow part (imports) overlaps
                 d.start()
-            for d in daemons:
+            for k, d in enumerate(daemons):
                 d.wait_ready()
+                t0 = time.monotonic()
                 d.upload(files)
+                log.info("serve: daemon %d of %d (%s) ready, tenants uploaded in %.1f s", k + 1,
+                         len(daemons), modes[k][0], time.monotonic() - t0)
             rng = np.random.default_rng(cfg.seed)
             gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds, d.figures,
                             d.children_cpu_seconds if cfg.ingress_processes else None)

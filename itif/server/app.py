@@ -24,7 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon
 from itif.errors import InvalidConfig
-from itif.metrics import Metrics, MetricsInterceptor
+from itif.metrics import Metrics
+from itif.server.call_metrics import MetricsInterceptor
 from itif.platform import tune_gc
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server import kserve

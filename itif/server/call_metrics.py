@@ -1,0 +1,68 @@
+"""The counting interceptor: every gRPC call counted by (tenant, method, final status code) in
+``itif.metrics.Metrics``. Put it FIRST in the server's interceptors (``itif.server.app``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+
+from itif.metrics import _CALL_TENANT, Metrics, _code_name
+from itif.server.handlers import wrap_handler
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Count every call by (tenant, method, final status code). Put it FIRST in the server's
+    interceptors, so it also wraps the handlers other interceptors substitute (auth refusals)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        # the wrapper of each handler the chain returns, made once: the auth interceptor
+        # returns one handler per (method, caller), kept; a refusal's is new each call
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, str, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method.rpartition("/")[2] or details.method
+        hit = self._wrapped.get(id(handler))
+        if hit is not None and hit[0] is handler and hit[1] == method:
+            return hit[2]
+        wrapped = wrap_handler(handler, guard=lambda ctx: _Counted(self.metrics, method, ctx))
+        if len(self._wrapped) >= 4096:
+            self._wrapped.clear()
+        self._wrapped[id(handler)] = (handler, method, wrapped)
+        return wrapped
+
+
+class _Counted:
+    """Held for one call: the call's tenant holder is current inside it (``note_tenant``); on
+    the way out the call is counted with its final status code."""
+
+    __slots__ = ("metrics", "method", "context", "holder", "start", "token")
+
+    def __init__(self, metrics: Metrics, method: str, context: Any) -> None:
+        self.metrics, self.method, self.context = metrics, method, context
+
+    def __enter__(self) -> None:
+        self.holder, self.start = [""], time.perf_counter()
+        self.token = _CALL_TENANT.set(self.holder)
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if typ is None or issubclass(typ, grpc.aio.AbortError):
+            code = None  # the status the handler set, or OK
+        elif issubclass(typ, (asyncio.CancelledError, GeneratorExit)):
+            code = "CANCELLED"
+        else:
+            code = "UNKNOWN"  # what gRPC answers for an exception that escapes
+        try:
+            _CALL_TENANT.reset(self.token)
+        except ValueError:  # finalised in another context (a dropped stream)
+            pass
+        self.metrics.observe_rpc(self.holder[0], self.method,
+                                 code or _code_name(self.context.code()) or "OK",
+                                 time.perf_counter() - self.start)
+        return False
