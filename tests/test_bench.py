@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,22 +180,40 @@ def test_serving_sweep_batch_limits_reach_every_daemon():
     """--serve-max-batch-size / --serve-max-batch-tokens go into each daemon's scheduler: with
     at most 2 requests a batch, no point's mean batch exceeds 2 (without the limit this burst
     forms batches of 100+), and the rows say so. --serve-ingress too: every daemon behind one
-    ingress process, whose CPU the rows report beside the daemon's."""
+    ingress process, whose CPU the rows report beside the daemon's. --serve-grouped-gemm adds
+    a fused daemon with ITIF_GROUPED_GEMM=cublas in its environment (the CPU runs the loop)."""
     proc = subprocess.run(
         [sys.executable, "-m", "itif", "bench", "--suites", "serve", "--device", "cpu",
          "--serve-model", "bert-tiny", "--serve-tenants", "2", "--mixes", "uniform:2-20",
          "--serve-rates", "2000", "--serve-duration", "0.5", "--serve-strategies", "packed",
          "--serve-p99-at", "0", "--serve-max-batch-size", "2", "--serve-max-batch-tokens", "4096",
-         "--serve-ingress", "1", "--json", "--no-plots"], capture_output=True, text=True,
-        timeout=300)
+         "--serve-ingress", "1", "--serve-grouped-gemm", "--json", "--no-plots"],
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in json.loads(proc.stdout) if r["suite"] == "serve"]
-    assert {r["system"] for r in rows} == {"itif", "per_tenant"}
+    assert {r["system"] for r in rows} == {"itif", "per_tenant", "itif_cublas"}
+    for r in rows:
+        want = {"ITIF_GROUPED_GEMM": "cublas"} if r["system"] == "itif_cublas" else None
+        assert r.get("daemon_env") == want, r
     for r in rows:
         assert r["status"] == "ok" and r["completed"] > 0, r
         assert r["max_batch_size"] == 2 and r["max_batch_tokens"] == 4096
         assert 1 <= r["mean_batch_size"] <= 2, r
         assert r["ingress_processes"] == 1 and r["ingress_cpu_cores"] > 0, r
+
+
+def test_serve_daemon_environment_reaches_the_daemon(tmp_path):
+    from itif.bench.serving import ServeDaemon, _free_ports  # noqa: PLC0415
+
+    (port,) = _free_ports(1)
+    d = ServeDaemon(tmp_path, port, "bert-tiny", "cpu", "float32", {"t0": "tok"}, "packed",
+                    False, 1.0, env=(("ITIF_GROUPED_GEMM", "cublas"),))
+    d.start()
+    try:
+        environ = Path(f"/proc/{d.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"ITIF_GROUPED_GEMM=cublas" in environ
+    finally:
+        d.stop()
 
 
 class _FakeGen:

@@ -6,6 +6,9 @@ tenants uploaded over gRPC as Hugging Face-named safetensors):
 - ``itif``: the scheduler mixes every tenant's queued requests into one fused batch;
 - ``itif_sized`` (``--serve-latency-sizing``): the fused daemon with ``scheduler.latency_sizing:
   true`` (batches stop growing before a member would miss its latency target);
+- ``itif_cublas`` (``--serve-grouped-gemm``): the fused daemon with ``ITIF_GROUPED_GEMM=cublas``
+  in its environment (a ragged batch's products as one grouped cuBLAS call each, not one
+  ``torch.mm`` a tenant: ``itif.runtime.cublas_grouped``; CUDA only, the CPU runs the loop);
 - ``per_tenant``: the same daemon with ``scheduler.isolate_tenants: true``: a batch never mixes
   tenants, so each tenant is batched alone, as a separate model in Triton would be. Batches of
   different tenants then run one after another on the one engine (time-shared, as model
@@ -82,6 +85,7 @@ class ServeDaemon:
     proc: subprocess.Popen | None = None
     server_extra: tuple[tuple[str, object], ...] = ()  # more ``server:`` keys (bench/serve_burst.py)
     metrics_port: int | None = None  # /metrics on 127.0.0.1 (figures())
+    env: tuple[tuple[str, str], ...] = ()  # more environment variables of the daemon
     max_batch_tokens: int | None = None  # scheduler limits; None: the daemon's defaults
     max_batch_size: int | None = None
 
@@ -117,7 +121,7 @@ class ServeDaemon:
         cfg = self.root / "tenants.yaml"
         cfg.write_text("\n".join(lines) + "\n")
         self._log = open(self.root / "daemon.log", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **dict(self.env))
         self.proc = subprocess.Popen([sys.executable, "-m", "itif", "serve", "--config", str(cfg)],
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root,
                                      env=env)
@@ -345,6 +349,7 @@ class ServeSettings:
     fine_tune: str = "full"
     seed: int = 0
     latency_sizing_mode: bool = False  # one more fused daemon with scheduler.latency_sizing on
+    grouped_gemm_mode: bool = False  # one more fused daemon with ITIF_GROUPED_GEMM=cublas
     max_batch_tokens: int | None = None  # every daemon's scheduler limits (None: its defaults)
     max_batch_size: int | None = None
     ingress_processes: int = 0  # every daemon's server.ingress_processes
@@ -362,10 +367,14 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
         raise ValueError(f"the serving sweep takes a text backbone; {cfg.model!r} is {spec.family}")
     names = [f"t{i}" for i in range(cfg.tenants)]
     tokens = {t: secrets.token_urlsafe(12) for t in names}
-    modes = ([("itif", s, False, False) for s in cfg.strategies]
-             + [("per_tenant", cfg.strategies[0], True, False)])
+    # (system, strategy, isolate_tenants, latency_sizing, environment)
+    modes = ([("itif", s, False, False, ()) for s in cfg.strategies]
+             + [("per_tenant", cfg.strategies[0], True, False, ())])
     if cfg.latency_sizing_mode:
-        modes.append(("itif_sized", cfg.strategies[0], False, True))
+        modes.append(("itif_sized", cfg.strategies[0], False, True, ()))
+    if cfg.grouped_gemm_mode:
+        modes.append(("itif_cublas", cfg.strategies[0], False, False,
+                      (("ITIF_GROUPED_GEMM", "cublas"),)))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="itif-bench-serve-") as tmp:
         tmp = Path(tmp)
@@ -385,8 +394,8 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
                                max_batch_tokens=cfg.max_batch_tokens,
                                max_batch_size=cfg.max_batch_size,
                                server_extra=((("ingress_processes", cfg.ingress_processes),)
-                                             if cfg.ingress_processes else ()))
-                   for k, (_, strategy, isolate, sizing) in enumerate(modes)]
+                                             if cfg.ingress_processes else ()), env=env)
+                   for k, (_, strategy, isolate, sizing, env) in enumerate(modes)]
         try:
             for d in daemons:  # start together: the slow part (imports) overlaps
                 d.start()
@@ -509,7 +518,9 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng, progress=None, deadline=None) -
         order = range(len(modes)) if i % 2 == 0 else reversed(range(len(modes)))
         for k in order:
             system, strategy, *_ = modes[k]
-            row = _point(cfg, gens[k], base, system, strategy, rate, arrivals, reqs)
+            env = modes[k][4] if len(modes[k]) > 4 else ()
+            row = _point(cfg, gens[k], base, system, strategy, rate, arrivals, reqs,
+                         **({"daemon_env": dict(env)} if env else {}))
             points[k].append(row)
             log.info("serve %s %s/%s rate %.1f: %.1f req/s p50 %s p99 %s ms", mix.name, system,
                      strategy, rate, row["throughput_rps"], row["p50_ms"], row["p99_ms"])
