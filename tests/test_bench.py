@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -200,6 +201,26 @@ def test_serving_sweep_batch_limits_reach_every_daemon():
         assert r["max_batch_size"] == 2 and r["max_batch_tokens"] == 4096
         assert 1 <= r["mean_batch_size"] <= 2, r
         assert r["ingress_processes"] == 1 and r["ingress_cpu_cores"] > 0, r
+
+
+def test_half_precision_sweep_uploads_half_precision_checkpoints():
+    """A bfloat16 sweep writes its tenants' checkpoints in bfloat16 (half the bytes to write and
+    upload; 64 bert-base tenants were 56 GB in float32) and the daemons serve them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "itif", "bench", "--suites", "serve", "--device", "cpu",
+         "--dtype", "bfloat16", "--serve-model", "bert-tiny", "--serve-tenants", "2",
+         "--mixes", "uniform:2-20", "--serve-rates", "100", "--serve-duration", "0.5",
+         "--serve-strategies", "packed", "--serve-p99-at", "0", "--json", "--no-plots"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in json.loads(proc.stdout) if r["suite"] == "serve"]
+    assert {r["system"] for r in rows} == {"itif", "per_tenant"}
+    assert all(r["completed"] == r["sent"] > 0 and not r["errors"] for r in rows), rows
+    spec = load_spec("bert-tiny")
+    f32 = sum(t.numel() * 4 for t in to_hf(spec, tenant_weights(spec, 0)).values())
+    (mb,) = re.findall(r"2 tenants' checkpoints written in [\d.]+ s \(([\d.]+) MB\)",
+                       proc.stderr)
+    assert float(mb) == pytest.approx(2 * f32 / 2 / 1e6, rel=0.15)  # float32 would be twice
 
 
 def test_serve_daemon_environment_reaches_the_daemon(tmp_path):

@@ -42,6 +42,7 @@ from typing import Callable
 
 import grpc
 import numpy as np
+import torch
 
 from itif.backbones.spec import BackboneSpec, load_spec
 from itif.bench.daemon_probe import batch_figures, child_pids, daemon_figures, process_cpu_seconds
@@ -380,13 +381,19 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
         tmp = Path(tmp)
         files = {}
         t0 = time.monotonic()
+        # checkpoints in the daemons' half precision when they serve in it: the values they
+        # hold are the same (each rounds float32 alike), the files and uploads half the size
+        half = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(cfg.dtype)
         for i, t in enumerate(names):
             files[t] = tmp / f"{t}.safetensors"
-            save_safetensors(to_hf(spec, tenant_weights(spec, i, cfg.fine_tune)), files[t])
+            hf = to_hf(spec, tenant_weights(spec, i, cfg.fine_tune))
+            if half is not None:
+                hf = {k: v.to(half) for k, v in hf.items()}
+            save_safetensors(hf, files[t])
         # the setup of many large tenants takes minutes (64 bert-base: 28 GB of checkpoints,
         # uploaded to every daemon): say where the time goes, so a timeout shows it
-        log.info("serve: %d tenants' checkpoints written in %.1f s (%.1f GB)", len(names),
-                 time.monotonic() - t0, sum(f.stat().st_size for f in files.values()) / 1e9)
+        log.info("serve: %d tenants' checkpoints written in %.1f s (%.1f MB)", len(names),
+                 time.monotonic() - t0, sum(f.stat().st_size for f in files.values()) / 1e6)
         ports = _free_ports(2 * len(modes))  # gRPC, then /metrics
         daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
                                strategy, isolate, cfg.max_wait_ms, sizing,
