@@ -177,7 +177,7 @@ def test_quick_serving_sweep(quick_rows):
         assert r["p99_at_fraction_ms"] == a["p99_ms"] > 0
 
 
-def test_serving_sweep_batch_limits_reach_every_daemon():
+def test_serving_sweep_batch_limits_reach_every_daemon(tmp_path):
     """--serve-max-batch-size / --serve-max-batch-tokens go into each daemon's scheduler: with
     at most 2 requests a batch, no point's mean batch exceeds 2 (without the limit this burst
     forms batches of 100+), and the rows say so. --serve-ingress too: every daemon behind one
@@ -188,7 +188,8 @@ def test_serving_sweep_batch_limits_reach_every_daemon():
          "--serve-model", "bert-tiny", "--serve-tenants", "2", "--mixes", "uniform:2-20",
          "--serve-rates", "2000", "--serve-duration", "0.5", "--serve-strategies", "packed",
          "--serve-p99-at", "0", "--serve-max-batch-size", "2", "--serve-max-batch-tokens", "4096",
-         "--serve-ingress", "1", "--serve-grouped-gemm", "--json", "--no-plots"],
+         "--serve-ingress", "1", "--serve-grouped-gemm", "--json", "--no-plots",
+         "--out", str(tmp_path / "serve.json")],  # not bench/results/ of the checkout
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in json.loads(proc.stdout) if r["suite"] == "serve"]
@@ -203,15 +204,15 @@ def test_serving_sweep_batch_limits_reach_every_daemon():
         assert r["ingress_processes"] == 1 and r["ingress_cpu_cores"] > 0, r
 
 
-def test_half_precision_sweep_uploads_half_precision_checkpoints():
+def test_half_precision_sweep_uploads_half_precision_checkpoints(tmp_path):
     """A bfloat16 sweep writes its tenants' checkpoints in bfloat16 (half the bytes to write and
     upload; 64 bert-base tenants were 56 GB in float32) and the daemons serve them."""
     proc = subprocess.run(
         [sys.executable, "-m", "itif", "bench", "--suites", "serve", "--device", "cpu",
          "--dtype", "bfloat16", "--serve-model", "bert-tiny", "--serve-tenants", "2",
          "--mixes", "uniform:2-20", "--serve-rates", "100", "--serve-duration", "0.5",
-         "--serve-strategies", "packed", "--serve-p99-at", "0", "--json", "--no-plots"],
-        capture_output=True, text=True, timeout=300)
+         "--serve-strategies", "packed", "--serve-p99-at", "0", "--json", "--no-plots",
+         "--out", str(tmp_path / "serve.json")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in json.loads(proc.stdout) if r["suite"] == "serve"]
     assert {r["system"] for r in rows} == {"itif", "per_tenant"}
