@@ -33,26 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from itif.backbones.spec import load_spec  # noqa: E402
-from itif.bench.serving import LoadGen, ServeDaemon, _free_ports  # noqa: E402
-from itif.bench.tenants import tenant_weights, to_hf  # noqa: E402
+from itif.bench.daemon_probe import thread_cpu_seconds  # noqa: E402
+from itif.bench.serving import LoadGen, ServeDaemon, _free_ports, write_checkpoints  # noqa: E402
 from itif.bench.workloads import parse_mix, poisson_arrivals  # noqa: E402
-from itif.weights.safetensors_io import save_safetensors  # noqa: E402
 
 MIX = "uniform:2-100+zipf:1.2"
-
-
-def thread_cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of every thread of ``pid`` now."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def measure(args) -> dict:
@@ -62,10 +47,7 @@ def measure(args) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="itif-frontend-") as tmp:
         tmp = Path(tmp)
-        files = {}
-        for i, t in enumerate(names):
-            files[t] = tmp / f"{t}.safetensors"
-            save_safetensors(to_hf(spec, tenant_weights(spec, i)), files[t])
+        files = write_checkpoints(spec, names, tmp)
         grpc_port, metrics_port = _free_ports(2)
         extra = (("ingress_processes", args.ingress),) if args.ingress else ()
         daemon = ServeDaemon(tmp / "daemon", grpc_port, "bert-tiny", "cpu", "float32", tokens,

@@ -5,12 +5,12 @@ from three places and read by two:
 
 - ``itif.server.call_metrics.MetricsInterceptor``, the first gRPC interceptor, sees the final
   status of every call on every service (itif.v1, KServe v2, health), refusals by the auth
-  interceptor included: this is the ONE place where calls are counted by status code. The tenant label is the tenant the daemon
-  authorised the call for (:meth:`Metrics.note_tenant`, which ``Daemon.identify`` and
-  ``Daemon._visible`` call through ``daemon.metrics``, an ``itif.observer.DaemonObserver``):
-  the target tenant once the caller may see it, else the calling tenant, else ``""`` (the admin,
-  an unauthenticated caller, a probe). Names a caller may not see never become labels, so a
-  client cannot grow the label set.
+  interceptor included: this is the ONE place where calls are counted by status code. The
+  tenant label is the tenant the daemon authorised the call for (:meth:`Metrics.note_tenant`,
+  which ``Daemon.identify`` and ``Daemon._visible`` call through ``daemon.metrics``, an
+  ``itif.observer.DaemonObserver``): the target tenant once the caller may see it, else the
+  calling tenant, else ``""`` (the admin, an unauthenticated caller, a probe). Names a caller
+  may not see never become labels, so a client cannot grow the label set.
 - ``Daemon.submit`` hands each accepted call's tickets to :meth:`Metrics.watch`: queue and compute
   time per row (histograms) and per-call counts and durations (KServe ModelStatistics).
 - The scheduler runs batches through :meth:`Metrics.run_batch`: batch size, tokens, padding.

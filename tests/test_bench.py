@@ -224,18 +224,25 @@ def test_half_precision_sweep_uploads_half_precision_checkpoints(tmp_path):
     assert float(mb) == pytest.approx(2 * f32 / 2 / 1e6, rel=0.15)  # float32 would be twice
 
 
-def test_serve_daemon_environment_reaches_the_daemon(tmp_path):
-    from itif.bench.serving import ServeDaemon, _free_ports  # noqa: PLC0415
+def test_serve_daemon_environment_reaches_the_daemon(tmp_path, monkeypatch):
+    """The daemon process is started with the mode's environment on top of this one's (read
+    from the Popen call: a daemon that exits early leaves an empty /proc environ behind)."""
+    from itif.bench import serving  # noqa: PLC0415
 
-    (port,) = _free_ports(1)
-    d = ServeDaemon(tmp_path, port, "bert-tiny", "cpu", "float32", {"t0": "tok"}, "packed",
-                    False, 1.0, env=(("ITIF_GROUPED_GEMM", "cublas"),))
+    seen = {}
+
+    class Proc:
+        def __init__(self, args, **kw):
+            seen.update(args=args, env=kw["env"])
+
+    monkeypatch.setattr(serving.subprocess, "Popen", Proc)
+    d = serving.ServeDaemon(tmp_path, 1, "bert-tiny", "cpu", "float32", {"t0": "tok"},
+                            "packed", False, 1.0, env=(("ITIF_GROUPED_GEMM", "cublas"),))
     d.start()
-    try:
-        environ = Path(f"/proc/{d.proc.pid}/environ").read_bytes().split(b"\0")
-        assert b"ITIF_GROUPED_GEMM=cublas" in environ
-    finally:
-        d.stop()
+    d._log.close()
+    assert seen["args"][1:4] == ["-m", "itif", "serve"]
+    assert seen["env"]["ITIF_GROUPED_GEMM"] == "cublas"
+    assert seen["env"]["PATH"] == os.environ["PATH"]  # on top of this process's
 
 
 class _FakeGen:

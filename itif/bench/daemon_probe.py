@@ -24,13 +24,28 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time of process ``pid``, all its threads (Linux ``/proc``)."""
+def _cpu_seconds(stat: Path) -> float | None:
+    """User plus system CPU time from a ``/proc`` stat file (None once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of process ``pid``, all its threads (Linux ``/proc``)."""
+    return _cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """User plus system CPU time of each live thread of process ``pid``, by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        cpu = _cpu_seconds(task / "stat")
+        if cpu is not None:  # None: the thread ended meanwhile
+            out[int(task.name)] = cpu
+    return out
 
 
 _FIGURES = {  # figure -> (metric sample, label that must match, or None: summed over all)

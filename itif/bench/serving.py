@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import grpc
 import numpy as np
@@ -356,6 +356,38 @@ class ServeSettings:
     ingress_processes: int = 0  # every daemon's server.ingress_processes
 
 
+class Mode(NamedTuple):
+    """One daemon of the sweep: its system name, planner strategy and settings."""
+
+    system: str
+    strategy: str
+    isolate: bool = False  # scheduler.isolate_tenants (per-tenant batching)
+    sizing: bool = False  # scheduler.latency_sizing
+    env: tuple[tuple[str, str], ...] = ()  # more environment variables of the daemon
+
+
+def write_checkpoints(spec: BackboneSpec, names: list[str], root: Path, fine_tune: str = "full",
+                      dtype: str = "float32") -> dict[str, Path]:
+    """A Hugging Face-named safetensors file of random weights for each tenant of ``names``
+    (``tenant_weights``: tenant i's seed is i), in ``root``. In the daemons' half precision
+    when they serve in it: the values they hold are the same (each rounds float32 alike), the
+    files and uploads half the size."""
+    t0 = time.monotonic()
+    half = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype)
+    files = {}
+    for i, t in enumerate(names):
+        files[t] = root / f"{t}.safetensors"
+        hf = to_hf(spec, tenant_weights(spec, i, fine_tune))
+        if half is not None:
+            hf = {k: v.to(half) for k, v in hf.items()}
+        save_safetensors(hf, files[t])
+    # the setup of many large tenants takes minutes (64 bert-base: 28 GB of checkpoints,
+    # uploaded to every daemon): say where the time goes, so a timeout shows it
+    log.info("serve: %d tenants' checkpoints written in %.1f s (%.1f MB)", len(names),
+             time.monotonic() - t0, sum(f.stat().st_size for f in files.values()) / 1e6)
+    return files
+
+
 def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | None = None,
                 deadline: float | None = None) -> list[dict]:
     """Rows of the sweep: one per (mode, mix, rate), plus one saturation row per (mode, mix).
@@ -369,31 +401,17 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
     names = [f"t{i}" for i in range(cfg.tenants)]
     tokens = {t: secrets.token_urlsafe(12) for t in names}
     # (system, strategy, isolate_tenants, latency_sizing, environment)
-    modes = ([("itif", s, False, False, ()) for s in cfg.strategies]
-             + [("per_tenant", cfg.strategies[0], True, False, ())])
+    modes = ([Mode("itif", s) for s in cfg.strategies]
+             + [Mode("per_tenant", cfg.strategies[0], isolate=True)])
     if cfg.latency_sizing_mode:
-        modes.append(("itif_sized", cfg.strategies[0], False, True, ()))
+        modes.append(Mode("itif_sized", cfg.strategies[0], sizing=True))
     if cfg.grouped_gemm_mode:
-        modes.append(("itif_cublas", cfg.strategies[0], False, False,
-                      (("ITIF_GROUPED_GEMM", "cublas"),)))
+        modes.append(Mode("itif_cublas", cfg.strategies[0],
+                          env=(("ITIF_GROUPED_GEMM", "cublas"),)))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="itif-bench-serve-") as tmp:
         tmp = Path(tmp)
-        files = {}
-        t0 = time.monotonic()
-        # checkpoints in the daemons' half precision when they serve in it: the values they
-        # hold are the same (each rounds float32 alike), the files and uploads half the size
-        half = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(cfg.dtype)
-        for i, t in enumerate(names):
-            files[t] = tmp / f"{t}.safetensors"
-            hf = to_hf(spec, tenant_weights(spec, i, cfg.fine_tune))
-            if half is not None:
-                hf = {k: v.to(half) for k, v in hf.items()}
-            save_safetensors(hf, files[t])
-        # the setup of many large tenants takes minutes (64 bert-base: 28 GB of checkpoints,
-        # uploaded to every daemon): say where the time goes, so a timeout shows it
-        log.info("serve: %d tenants' checkpoints written in %.1f s (%.1f MB)", len(names),
-                 time.monotonic() - t0, sum(f.stat().st_size for f in files.values()) / 1e6)
+        files = write_checkpoints(spec, names, tmp, cfg.fine_tune, cfg.dtype)
         ports = _free_ports(2 * len(modes))  # gRPC, then /metrics
         daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
                                strategy, isolate, cfg.max_wait_ms, sizing,
@@ -475,6 +493,7 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng, progress=None, deadline=None) -
     sweep moves every mode alike). ``progress(rows)`` hears the rows after every point, with the
     saturation rows so far marked ``partial``; past ``deadline`` (time.monotonic()) no new point
     starts."""
+    modes = [Mode(*m) for m in modes]
     n_cal = cfg.calibrate_requests
     for g in gens:  # warm-up: first batches, cost-model profiling of the DP planners
         reqs = g.requests(mix, max(8, n_cal // 4), rng)
@@ -524,8 +543,7 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng, progress=None, deadline=None) -
         reqs = gens[0].requests(mix, len(arrivals), rng)
         order = range(len(modes)) if i % 2 == 0 else reversed(range(len(modes)))
         for k in order:
-            system, strategy, *_ = modes[k]
-            env = modes[k][4] if len(modes[k]) > 4 else ()
+            system, strategy, *_, env = modes[k]
             row = _point(cfg, gens[k], base, system, strategy, rate, arrivals, reqs,
                          **({"daemon_env": dict(env)} if env else {}))
             points[k].append(row)

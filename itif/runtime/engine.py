@@ -67,6 +67,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+
+def _known_tenants(view, names) -> tuple[str, ...]:
+    """The distinct tenants of ``names`` in first-seen order; TenantNotFound for one the store
+    view lacks."""
+    uniq = tuple(dict.fromkeys(names))
+    for t in uniq:
+        if t not in view.tenants:
+            raise TenantNotFound(f"tenant {t!r} not found")
+    return uniq
+
 class Engine:
     def __init__(
         self,
@@ -302,11 +312,7 @@ class Engine:
         daemon runs this once per call, on its front end."""
         if requests:
             view = self.store.view
-            tenants = tuple(dict.fromkeys(r.tenant for r in requests))
-            for t in tenants:
-                if t not in view.tenants:
-                    raise TenantNotFound(f"tenant {t!r} not found")
-            self._validate(requests, tenants, view)
+            self._validate(requests, _known_tenants(view, [r.tenant for r in requests]), view)
 
     def request_tokens(self, request: Request) -> int:
         """Rows a request occupies in the token buffer (its length; patches + CLS for ViT)."""
@@ -334,10 +340,7 @@ class Engine:
     def _batch_tenants(self, view, names: list[str]) -> tuple[str, ...]:
         """Distinct tenants of the batch, ordered so tenants sharing slots are adjacent (their
         rows then merge into one GEMM segment)."""
-        uniq = set(names)
-        for t in uniq:
-            if t not in view.tenants:
-                raise TenantNotFound(f"tenant {t!r} not found")
+        uniq = _known_tenants(view, names)
         sigs = self._signatures
         if len(sigs) > 4 * len(view.tenants) + 64:  # forget tenants removed or re-uploaded
             sigs.clear()

@@ -356,13 +356,14 @@ class _Settler:
             self.scheduled = True
         loop = self.loop()
         try:
-            if loop is None:
-                raise RuntimeError("the event loop is gone")
-            loop.call_soon_threadsafe(self.drain)
-        except RuntimeError:  # the loop is closed: nobody awaits these futures any more
-            with self.lock:
-                self.pending.clear()
-                self.scheduled = False
+            if loop is not None:
+                loop.call_soon_threadsafe(self.drain)
+                return
+        except RuntimeError:  # the loop is closed
+            pass
+        with self.lock:  # the loop is gone or closed: nobody awaits these futures any more
+            self.pending.clear()
+            self.scheduled = False
 
     def drain(self) -> None:
         with self.lock:
