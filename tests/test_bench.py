@@ -278,11 +278,11 @@ def test_serve_sweep_takes_turns_on_the_same_requests_and_saves_as_it_goes():
     """The modes take turns rate by rate (alternating which goes first), every mode gets the
     very same arrivals and requests at a rate, and after every point the caller hears every
     row so far, saturation rows included and marked partial until the end."""
-    from itif.bench.serving import _sweep_mix  # noqa: PLC0415
+    from itif.bench.serving import Mode, _sweep_mix  # noqa: PLC0415
 
     log: list = []
     gens = [_FakeGen("fused", 400.0, log), _FakeGen("alone", 150.0, log)]
-    modes = [("itif", "packed", False, False), ("per_tenant", "packed", True, False)]
+    modes = [Mode("itif", "packed"), Mode("per_tenant", "packed", isolate=True)]
     heard: list[list[dict]] = []
     cfg = _serve_settings()
     rows = _sweep_mix(cfg, load_spec("bert-tiny"), cfg.mixes[0], modes, gens,
@@ -320,11 +320,11 @@ def test_goodput_is_the_best_point_that_kept_up_within_the_target():
 
 
 def test_serve_sweep_starts_no_point_past_its_deadline():
-    from itif.bench.serving import _sweep_mix  # noqa: PLC0415
+    from itif.bench.serving import Mode, _sweep_mix  # noqa: PLC0415
 
     log: list = []
     gens = [_FakeGen("fused", 400.0, log), _FakeGen("alone", 150.0, log)]
-    modes = [("itif", "packed", False, False), ("per_tenant", "packed", True, False)]
+    modes = [Mode("itif", "packed"), Mode("per_tenant", "packed", isolate=True)]
     cfg = _serve_settings()
     rows = _sweep_mix(cfg, load_spec("bert-tiny"), cfg.mixes[0], modes, gens,
                       np.random.default_rng(0), deadline=time.monotonic() - 1)

@@ -400,7 +400,6 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
         raise ValueError(f"the serving sweep takes a text backbone; {cfg.model!r} is {spec.family}")
     names = [f"t{i}" for i in range(cfg.tenants)]
     tokens = {t: secrets.token_urlsafe(12) for t in names}
-    # (system, strategy, isolate_tenants, latency_sizing, environment)
     modes = ([Mode("itif", s) for s in cfg.strategies]
              + [Mode("per_tenant", cfg.strategies[0], isolate=True)])
     if cfg.latency_sizing_mode:
@@ -429,7 +428,7 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
                 t0 = time.monotonic()
                 d.upload(files)
                 log.info("serve: daemon %d of %d (%s) ready, tenants uploaded in %.1f s", k + 1,
-                         len(daemons), modes[k][0], time.monotonic() - t0)
+                         len(daemons), modes[k].system, time.monotonic() - t0)
             rng = np.random.default_rng(cfg.seed)
             gens = [LoadGen(d.addr, tokens, spec, d.cpu_seconds, d.figures,
                             d.children_cpu_seconds if cfg.ingress_processes else None)
@@ -493,7 +492,6 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng, progress=None, deadline=None) -
     sweep moves every mode alike). ``progress(rows)`` hears the rows after every point, with the
     saturation rows so far marked ``partial``; past ``deadline`` (time.monotonic()) no new point
     starts."""
-    modes = [Mode(*m) for m in modes]
     n_cal = cfg.calibrate_requests
     for g in gens:  # warm-up: first batches, cost-model profiling of the DP planners
         reqs = g.requests(mix, max(8, n_cal // 4), rng)
@@ -543,12 +541,12 @@ def _sweep_mix(cfg, spec, mix, modes, gens, rng, progress=None, deadline=None) -
         reqs = gens[0].requests(mix, len(arrivals), rng)
         order = range(len(modes)) if i % 2 == 0 else reversed(range(len(modes)))
         for k in order:
-            system, strategy, *_, env = modes[k]
-            row = _point(cfg, gens[k], base, system, strategy, rate, arrivals, reqs,
-                         **({"daemon_env": dict(env)} if env else {}))
+            m = modes[k]
+            row = _point(cfg, gens[k], base, m.system, m.strategy, rate, arrivals, reqs,
+                         **({"daemon_env": dict(m.env)} if m.env else {}))
             points[k].append(row)
-            log.info("serve %s %s/%s rate %.1f: %.1f req/s p50 %s p99 %s ms", mix.name, system,
-                     strategy, rate, row["throughput_rps"], row["p50_ms"], row["p99_ms"])
+            log.info("serve %s %s/%s rate %.1f: %.1f req/s p50 %s p99 %s ms", mix.name, m.system,
+                     m.strategy, rate, row["throughput_rps"], row["p50_ms"], row["p99_ms"])
             if progress is not None:
                 progress(rows(final=False))
         i += 1

@@ -67,7 +67,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-
 def _known_tenants(view, names) -> tuple[str, ...]:
     """The distinct tenants of ``names`` in first-seen order; TenantNotFound for one the store
     view lacks."""
@@ -76,6 +75,7 @@ def _known_tenants(view, names) -> tuple[str, ...]:
         if t not in view.tenants:
             raise TenantNotFound(f"tenant {t!r} not found")
     return uniq
+
 
 class Engine:
     def __init__(
