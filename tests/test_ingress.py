@@ -232,6 +232,35 @@ def test_frame_server_runs_the_handler_as_grpc_would():
     assert seen["done"] == [b"ok", b"refuse", b"wait"]
 
 
+def test_an_answer_too_large_for_a_frame_goes_back_as_a_status(monkeypatch):
+    """A reply whose frame cannot be written still answers its caller (RESOURCE_EXHAUSTED),
+    rather than leaving it to wait for its deadline; the next call is answered as before."""
+    import itif.server.ingress as ingress  # noqa: PLC0415
+    from itif.server.ingress_host import FrameServer  # noqa: PLC0415
+
+    monkeypatch.setattr(ingress, "MAX_FRAME", 1000)
+
+    async def behaviour(request, context):
+        return request * 10
+
+    class Handlers(grpc.GenericRpcHandler):
+        def service(self, details):
+            return grpc.unary_unary_rpc_method_handler(behaviour)
+
+    async def run() -> list:
+        server, sink = FrameServer([], [Handlers()]), _Writer()
+        out = ingress.FrameWriter(sink)
+        await server._call(out, 1, "/itif.v1.Itif/Infer", (), None, "p", b"x" * 200)
+        await server._call(out, 2, "/itif.v1.Itif/Infer", (), None, "p", b"y")
+        await asyncio.sleep(0)
+        return sink.frames
+
+    frames = asyncio.run(run())
+    assert [f[:2] for f in frames] == [(1, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]), (2, 0)]
+    assert "too large" in frames[0][2] and frames[0][3] is None
+    assert frames[1][3] == b"y" * 10
+
+
 def test_ingress_needs_a_fixed_port(tmp_path):
     """Every ingress process binds the one port: port 0 (a different one each) is refused at
     start with the key named."""

@@ -62,9 +62,19 @@ _LEN = struct.Struct(">I")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+#: The largest frame body: what its 4-byte length can say.
+MAX_FRAME = (1 << 32) - 1
+
+
+class FrameTooLarge(ValueError):
+    """An object whose pickle is longer than :data:`MAX_FRAME` bytes."""
+
+
 def pack(obj: Any) -> bytes:
     """One frame: a 4-byte big-endian length, then the pickled object."""
     body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(f"{len(body)} bytes; a frame holds at most {MAX_FRAME}")
     return _LEN.pack(len(body)) + body
 
 
@@ -86,9 +96,11 @@ class FrameWriter:
         self._pending: list[bytes] = []
 
     def write(self, obj: Any) -> None:
+        """Queue ``obj``'s frame; :class:`FrameTooLarge` (nothing queued) when it cannot be."""
+        frame = pack(obj)
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append(pack(obj))
+        self._pending.append(frame)
 
     def _flush(self) -> None:
         frames, self._pending = self._pending, []
@@ -157,9 +169,9 @@ class EngineLink:
             raise ConnectionError("the daemon closed the link")
         self._next += 1
         rid = self._next
+        self._writer.write((rid, method, metadata, timeout, peer, body))  # may raise: first
         fut = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        self._writer.write((rid, method, metadata, timeout, peer, body))
+        self._waiting[rid] = fut  # its answer comes in a later turn of the loop
         try:
             return await fut
         except asyncio.CancelledError:  # the caller cancelled: so does the daemon's handler

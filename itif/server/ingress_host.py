@@ -23,7 +23,7 @@ from collections import namedtuple
 
 import grpc
 
-from itif.server.ingress import HOT, FrameWriter, read_frame
+from itif.server.ingress import HOT, FrameTooLarge, FrameWriter, read_frame
 
 log = logging.getLogger("itif.server.ingress")
 
@@ -181,9 +181,23 @@ class FrameServer:
             except Exception:  # noqa: BLE001 - what gRPC answers for an escaping exception
                 log.exception("framed %s failed", method)
                 answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None)
-            out.write(answer)  # sent at the end of this turn of the loop, with the others
+            _send(out, answer, method)
         finally:
             context.finish()
+
+
+def _send(out: FrameWriter, answer: tuple, method: str) -> None:
+    """Queue ``answer`` (sent at the end of this turn of the loop, with the others); an answer
+    that cannot go as a frame goes as a status, so its caller is not left to its deadline."""
+    try:
+        out.write(answer)
+        return
+    except FrameTooLarge as e:
+        code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, f"the answer is too large: {e}"
+    except Exception:  # noqa: BLE001 - a status still goes back to the caller
+        log.exception("framed %s: its answer could not be sent", method)
+        code, details = grpc.StatusCode.UNKNOWN, "internal error"
+    out.write((answer[0], code.value[0], details, None))
 
 
 class IngressPool:
