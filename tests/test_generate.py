@@ -260,3 +260,50 @@ def test_removing_a_tenant_ends_its_requests_only(family, tmp_path):
         eng._iterate()
     assert events["a"][0].generation.sequences == hf_generate(spec, models["a"], ra)[0]
     assert eng.cache_stats()["blocks_used"] == 0 and "d" not in eng.tenants()
+
+
+def test_extreme_search_parameters_are_refused_or_served_exactly(family):
+    spec, models, eng = family
+    R = GenerateRequest
+    # values whose float32 form overflows the search: refused, naming the field
+    for field_name, req in (("temperature", R("a", [5], do_sample=True, temperature=1e308)),
+                            ("temperature", R("a", [5], do_sample=True, temperature=1e-320)),
+                            ("length_penalty", R("a", [5], num_beams=2, length_penalty=1e308)),
+                            ("length_penalty", R("a", [5], num_beams=2, max_new_tokens=20,
+                                                 length_penalty=-30.0))):
+        with pytest.raises(InvalidRequest, match=field_name):
+            eng.generate([req])
+    # sizes past the vocabulary / the whole sequence mean "no limit": served as such
+    sample = dict(max_new_tokens=6, do_sample=True, seed=3)
+    huge_k, no_k = eng.generate([R("a", [5, 9], top_k=2 ** 70, **sample), R("a", [5, 9], **sample)])
+    assert huge_k.sequences == no_k.sequences
+    huge_n = eng.generate([R("b", [5, 9], max_new_tokens=8, no_repeat_ngram_size=2 ** 63 - 1)])
+    assert huge_n[0].sequences == hf_generate(spec, models["b"], R("b", [5, 9], max_new_tokens=8))[0]
+    assert eng.cache_stats()["blocks_used"] == 0
+
+
+def test_a_request_the_search_refuses_fails_alone(family, monkeypatch):
+    from itif.errors import ItifError
+    spec, models, eng = family
+    events: dict[str, list] = {"a": [], "b": []}
+    rb = GenerateRequest("b", [5, 6, 7], max_new_tokens=10, num_beams=2)
+    eng.submit(rb, events["b"].append)
+    eng._iterate()  # b is running
+    sb = eng._sb
+    real_add = sb.add
+    doomed = eng.submit(GenerateRequest("a", [5], max_new_tokens=4), events["a"].append)
+
+    def add(key, params, history):
+        if key == doomed.id:
+            raise RuntimeError("an unforeseen failure adding this request")
+        return real_add(key, params, history)
+
+    monkeypatch.setattr(sb, "add", add)
+    while not events["b"]:
+        eng._iterate()
+    assert [e.kind for e in events["a"]] == ["error"] and isinstance(events["a"][0].error, ItifError)
+    assert "unforeseen" in str(events["a"][0].error)
+    assert [e.kind for e in events["b"]] == ["done"]
+    assert events["b"][0].generation.sequences == hf_generate(spec, models["b"], rb)[0]
+    stats = eng.cache_stats()
+    assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)

@@ -15,12 +15,21 @@ from typing import Literal, Sequence
 from itif.errors import InvalidRequest
 
 __all__ = ["EarlyStopping", "GenerateRequest", "Generation", "GenerationDefaults", "check_request",
-           "MAX_BEAMS"]
+           "MAX_BEAMS", "MAX_LOG_LENGTH_PENALTY", "TEMPERATURE_RANGE"]
 
 EarlyStopping = bool | Literal["never"]
 
 #: Widest beam a request may ask for: the search keeps ``2 * num_beams`` candidates per step.
 MAX_BEAMS = 16
+
+#: Sampling temperatures served. The search keeps them in float32 and divides logits by them:
+#: far outside this range the quotient overflows (below) or every token is equally likely (above).
+TEMPERATURE_RANGE = (1e-6, 1e6)
+
+#: Beam search divides a score by ``length ** length_penalty`` in float32 for every length up to
+#: ``max_new_tokens``: ``|length_penalty| * ln(max_new_tokens)`` must stay under this (e**80 is
+#: about 5.5e34, float32 ends at 3.4e38).
+MAX_LOG_LENGTH_PENALTY = 80.0
 
 
 @dataclass
@@ -115,14 +124,19 @@ def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int
         raise bad("early_stopping", f"must be true, false or \"never\", got {r.early_stopping!r}")
     if not math.isfinite(r.length_penalty):
         raise bad("length_penalty", f"must be finite, got {r.length_penalty!r}")
+    if r.mode == "beam" and abs(r.length_penalty) * math.log(r.max_new_tokens) > MAX_LOG_LENGTH_PENALTY:
+        raise bad("length_penalty", f"{r.length_penalty!r} with max_new_tokens {r.max_new_tokens}: "
+                  f"max_new_tokens ** |length_penalty| overflows float32 (|length_penalty| * "
+                  f"ln(max_new_tokens) must be at most {MAX_LOG_LENGTH_PENALTY:g})")
     if not isinstance(r.no_repeat_ngram_size, int) or r.no_repeat_ngram_size < 0:
         raise bad("no_repeat_ngram_size", f"must be 0 (off) or more, got {r.no_repeat_ngram_size!r}")
     if r.do_sample:
         if r.num_beams > 1:
             raise bad("num_beams", "sampling with num_beams > 1 (beam sampling) is not served; "
                       "use do_sample with num_beams 1, or beam search without do_sample")
-        if not (math.isfinite(r.temperature) and r.temperature > 0):
-            raise bad("temperature", f"must be > 0, got {r.temperature!r}")
+        lo, hi = TEMPERATURE_RANGE
+        if not lo <= r.temperature <= hi:
+            raise bad("temperature", f"must be in [{lo:g}, {hi:g}], got {r.temperature!r}")
         if not isinstance(r.top_k, int) or r.top_k < 0:
             raise bad("top_k", f"must be 0 (off) or more, got {r.top_k!r}")
         if not (0.0 < r.top_p <= 1.0):

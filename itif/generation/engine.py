@@ -376,6 +376,7 @@ class GenEngine:
                 del self._running[t.id]
                 self._streaming.pop(t.id, None)
                 t.done = True
+        joins = [t for t in joins if self._join_search(sb, t)]
         if not batch.rows and not joins:
             return
         parts = []
@@ -384,7 +385,6 @@ class GenEngine:
         if joins:
             parts.append(batch.admit([t.admission for t in joins]))
             for t in joins:
-                sb.add(t.id, t.params, t.history)
                 if t.stream:
                     self._streaming[t.id] = t
         res = sb.step(torch.cat(parts) if len(parts) > 1 else parts[0])
@@ -402,6 +402,19 @@ class GenEngine:
                 t.done = True
                 if not t.cancelled:
                     t.on_event(GenEvent("done", generation=self._generation(t, results[k])))
+
+    def _join_search(self, sb: Any, t: Ticket) -> bool:
+        """Add ``t``'s rows to the search (before the cache admits it: the rows of both stay in
+        the same order). A request the search refuses fails alone; the others go on."""
+        try:
+            sb.add(t.id, t.params, t.history)
+        except Exception as e:  # noqa: BLE001 - one request's parameters must not end the others'
+            log.warning("generation request %s refused by the search: %r", t.id, e)
+            del self._running[t.id]
+            self._fail([t], e if isinstance(e, ItifError)
+                       else ItifError(f"generation could not start: {e!r}"))
+            return False
+        return True
 
     def _stream(self) -> None:
         """New tokens of streaming (greedy, sampling) requests, one event per request."""

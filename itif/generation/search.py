@@ -102,7 +102,9 @@ def search_params(request: GenerateRequest, defaults: GenerationDefaults, encode
         mode=mode, num_beams=int(request.num_beams) if mode == "beam" else 1,
         num_return_sequences=int(request.num_return_sequences), max_new_tokens=int(request.max_new_tokens),
         length_penalty=float(request.length_penalty), early_stopping=request.early_stopping,
-        no_repeat_ngram_size=int(request.no_repeat_ngram_size), temperature=float(request.temperature),
+        # an n-gram as long as the whole decoder sequence can never repeat: larger sizes act alike
+        no_repeat_ngram_size=min(int(request.no_repeat_ngram_size), prompt_len + int(request.max_new_tokens)),
+        temperature=float(request.temperature),
         top_k=int(request.top_k), top_p=float(request.top_p), seed=request.seed, eos_token_ids=eos,
         pad_token_id=pad, forced_bos_token_id=defaults.forced_bos_token_id,
         forced_eos_token_id=defaults.forced_eos_token_id, bad_words_ids=bad, min_new_tokens=min_new,
@@ -243,7 +245,7 @@ class SearchBatch:
             pad=params.pad_token_id if params.pad_token_id is not None else 0,
             fbos=params.forced_bos_token_id if params.forced_bos_token_id is not None else -1,
             feos=params.forced_eos_token_id if params.forced_eos_token_id is not None else -1,
-            topk=params.top_k if mode == SAMPLE else 0, seed=seed,
+            topk=min(params.top_k, v) if mode == SAMPLE else 0, seed=seed,  # k >= vocab: all
             es={False: 0, True: 1, "never": 2}[params.early_stopping], fin_len=len(hist),
             temp=params.temperature if mode == SAMPLE else 1.0, fin_score=_FAR,
             use_topp=mode == SAMPLE and params.top_p < 1.0, row_done=False, req_done=False,
@@ -267,12 +269,14 @@ class SearchBatch:
         new["lpt"] = torch.tensor([lpt] * n, dtype=torch.float64, device=dev).float()
         width = params.prompt_len + params.max_new_tokens
         start = self.rows
+        grown = {}
         for name, (_, fill, left) in _FIELDS.items():
             old, add = self._t[name], new[name]
             tail = [max(a, b) for a, b in zip(old.shape[1:], add.shape[1:])]
             if name in ("hist", "fin_hist"):
                 tail = [max(tail[0], width)]
-            self._t[name] = torch.cat([_pad_tail(old, tail, fill, left), _pad_tail(add, tail, fill, left)])
+            grown[name] = torch.cat([_pad_tail(old, tail, fill, left), _pad_tail(add, tail, fill, left)])
+        self._t.update(grown)  # all fields or none: a request that fails here leaves no rows
         self._reqs[key] = _Req(rid, params)
         self._keys[rid] = key
         self._count(params, +1)
