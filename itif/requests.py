@@ -6,12 +6,29 @@ The scheduler, the daemon and the servers pass these around without loading the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["OUTPUTS", "Request", "Result"]
+from itif.errors import InvalidRequest
+
+__all__ = ["OUTPUTS", "Request", "Result", "numel"]
+
+_MAX_INDEX = int(np.iinfo(np.intp).max)
+
+
+def numel(name: str, shape: Sequence[int]) -> int:
+    """Elements of input ``name``'s tensor of ``shape`` as a client declared it (exact: np.prod
+    wraps around int64 for absurd shapes). Refused: a negative dimension, and a shape no array
+    can take even without elements (its dimensions, zeros read as ones, multiply past the largest
+    index)."""
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"input {name!r}: shape {list(shape)} has a negative dimension")
+    if math.prod(max(int(d), 1) for d in shape) > _MAX_INDEX:
+        raise InvalidRequest(f"input {name!r}: shape {[int(d) for d in shape][:8]} is too large")
+    return math.prod(shape)
 
 #: The outputs a request may ask for, in the order ``Result.as_dict`` lists them.
 OUTPUTS = ("logits", "pooled", "last_hidden_state")

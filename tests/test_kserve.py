@@ -330,3 +330,19 @@ def test_text_input_with_a_tokenizer(tmp_path):
         client.close()
     finally:
         d.stop()
+
+
+def test_pixel_values_from_whole_numbers_and_an_empty_batch_of_many_rows():
+    """Unit level (no daemon): JSON whole numbers are valid FP32 data, and a pixel_values tensor
+    without elements is refused before a request is made per row (2**20 of them here)."""
+    from types import SimpleNamespace
+
+    from itif.errors import InvalidRequest
+    from itif.server.kserve_core import KServeCore, decode_values
+
+    px = decode_values("pixel_values", "FP32", [1, 2], [0, 1])
+    assert px.dtype == np.float32 and px.tolist() == [[0.0, 1.0]]
+    vit = SimpleNamespace(engine=SimpleNamespace(spec=SimpleNamespace(is_text=False)))
+    empty = decode_values("pixel_values", "FP32", [2**20, 3, 224, 0], [])
+    with pytest.raises(InvalidRequest, match="pixel_values"):
+        KServeCore(vit).requests("vit", {"pixel_values": empty}, [])

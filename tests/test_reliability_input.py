@@ -112,6 +112,7 @@ def test_malformed_inputs_are_invalid_argument_naming_the_field(daemon, beta_bef
         (_pixels([-1, 4], b""), (), "pixel_values"),
         (_pixels([2**32, 2**32], b""), (), "pixel_values"),  # numel overflows int64
         (_pixels([2**62, 4], b""), (), "pixel_values"),
+        (_pixels([2**62, 2**62, 0], b""), (), "pixel_values"),  # no elements, yet no array
         (_pixels([0], b""), (), "pixel_values"),
     ]
     with daemon.client(TOKENS["acme"]) as c:

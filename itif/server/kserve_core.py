@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import struct
 from typing import Any, Collection, Iterable, Mapping, Sequence
 
@@ -28,6 +27,7 @@ from itif import daemon_tiers
 from itif.daemon import Daemon, Identity, State, TenantView
 from itif.errors import InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable
 from itif.metrics import TenantCallStats
+from itif.requests import numel
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server.service import await_tickets
 
@@ -47,12 +47,6 @@ _SEQUENCE_PARAMS = ("sequence_id", "sequence_start", "sequence_end")
 
 
 # ---- tensors ------------------------------------------------------------------------------------
-def numel(name: str, shape: Sequence[int]) -> int:
-    if any(d < 0 for d in shape):
-        raise InvalidRequest(f"input {name!r}: shape {list(shape)} has a negative dimension")
-    return math.prod(shape)  # exact: np.prod wraps around int64 for absurd shapes
-
-
 def bytes_elements(name: str, raw: bytes) -> list[bytes]:
     """Split BYTES raw data: each element is a 4-byte little-endian length, then the bytes."""
     out, i, n = [], 0, len(raw)
@@ -141,7 +135,7 @@ def decode_values(name: str, datatype: str, shape: Sequence[int], values: Iterab
         what = "integers" if kinds == "iu" else "numbers"
         raise InvalidRequest(f"input {name!r}: {datatype} {where} must be {what} "
                              f"(in range of {datatype})")
-    if a.size and a.dtype.kind in "iu":
+    if a.size and a.dtype.kind in "iu" and np.dtype(dtype).kind in "iu":
         lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
         if a.min() < lo or a.max() > hi:
             raise InvalidRequest(f"input {name!r}: a value is out of the range of {datatype}")
@@ -414,7 +408,7 @@ class KServeCore:
             if "pixel_values" not in tensors:
                 raise InvalidRequest("input 'pixel_values' FP32 [batch, C, H, W] is required")
             pix = tensors["pixel_values"]
-            if pix.dtype != np.float32 or pix.ndim != 4 or pix.shape[0] < 1:
+            if pix.dtype != np.float32 or pix.ndim != 4 or pix.size < 1:
                 raise InvalidRequest(f"input 'pixel_values' must be FP32 [batch, C, H, W], got "
                                      f"{pix.dtype} {list(pix.shape)}")
             return [Request("", pixel_values=pix[i], outputs=outs) for i in range(len(pix))], outs

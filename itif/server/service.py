@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 import weakref
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from itif.daemon import Daemon, Identity, State, TenantView
 from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
+from itif.requests import numel
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
 from itif.server.admission import (
@@ -143,11 +143,11 @@ def _request(daemon: Daemon, inp: itif_pb2.InferInput, outputs, index: int = 0,
         return Request(tenant, input_ids=daemon.tokenize(inp.text), outputs=outs)
     if kind == "pixel_values":
         t = inp.pixel_values
-        numel = math.prod(t.shape)  # exact: np.prod wraps around int64 for absurd shapes
-        if any(d < 0 for d in t.shape) or numel * 4 != len(t.data):
+        n = numel(f"{index}: pixel_values", t.shape)
+        if n * 4 != len(t.data):
             raise InvalidRequest(
                 f"input {index}: pixel_values data has {len(t.data)} bytes; shape "
-                f"{list(t.shape)} needs {numel * 4}")
+                f"{list(t.shape)} needs {n * 4}")
         return Request(tenant, pixel_values=np.frombuffer(t.data, "<f4").reshape(tuple(t.shape)),
                        outputs=outs)
     raise InvalidRequest(f"input {index}: set one of input_ids, text or pixel_values")

@@ -51,15 +51,23 @@ def authorization(request: Request) -> str | None:
     return request.headers.get("authorization")
 
 
+def byte_count(text: str) -> int | None:
+    """A header's byte count (ASCII digits, spaces around them allowed); None if it is not one.
+    (``str.isdigit`` also takes other scripts' digits, which ``int`` refuses.)"""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes (after a gzip or deflate Content-Encoding is
     undone); more is refused without reading it all."""
     too_large = BodyTooLarge(f"the request body is over server.max_message_bytes ({limit} bytes)")
     length = request.headers.get("content-length")
     if length is not None:
-        if not length.strip().isdigit():
+        count = byte_count(length)
+        if count is None:
             raise InvalidRequest(f"Content-Length {length[:32]!r} is not a byte count")
-        if int(length) > limit:
+        if count > limit:
             raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -199,5 +207,5 @@ def endpoint(api: str, method: str, render: Render, *, admit: bool = True):
     return wrap
 
 
-__all__ = ["OFFLOAD_BYTES", "BodyTooLarge", "Render", "authorization", "endpoint", "field",
-           "json_object", "json_type", "parse_json", "read_body"]
+__all__ = ["OFFLOAD_BYTES", "BodyTooLarge", "Render", "authorization", "byte_count", "endpoint",
+           "field", "json_object", "json_type", "parse_json", "read_body"]

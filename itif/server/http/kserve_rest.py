@@ -31,6 +31,7 @@ from itif.errors import InvalidRequest, Unavailable
 from itif.server.http.common import (
     OFFLOAD_BYTES,
     authorization,
+    byte_count,
     endpoint,
     field,
     json_object,
@@ -59,10 +60,10 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """(the JSON, the binary data) of an inference request body."""
     if header_length is None:
         return body, b""
-    if not header_length.strip().isdigit() or int(header_length) > len(body):
+    n = byte_count(header_length)
+    if n is None or n > len(body):
         raise InvalidRequest(f"Inference-Header-Content-Length {header_length[:32]!r} is not a "
                              f"byte count within the body ({len(body)} bytes)")
-    n = int(header_length)
     return body[:n], body[n:]
 
 
