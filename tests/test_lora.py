@@ -81,6 +81,46 @@ def test_lora_tenants_equal_peft_mixed_with_full_fine_tunes(preset, tmp_path):
     assert view.param("lora4", w) == view.param("base", w)
 
 
+# per family: the targets, then full module names (as PEFT names them in the model it adapts)
+# of a query-like linear, a value-like linear, a feed-forward linear and the pooler
+_FULL_NAMES = {
+    "bert": (["query", "value", "dense"], "bert.encoder.layer.{}.attention.self.query",
+             "bert.encoder.layer.{}.attention.self.value", "bert.encoder.layer.{}.output.dense",
+             "bert.pooler.dense"),
+    "albert": (["query", "value", "ffn_output", "pooler"],
+               "albert.encoder.albert_layer_groups.{}.albert_layers.0.attention.query",
+               "albert.encoder.albert_layer_groups.{}.albert_layers.0.attention.value",
+               "albert.encoder.albert_layer_groups.{}.albert_layers.0.ffn_output", "albert.pooler"),
+    "vit": (["q_proj", "v_proj", "fc2"], "vit.layers.{}.attention.q_proj",
+            "vit.layers.{}.attention.v_proj", "vit.layers.{}.mlp.fc2", None),
+}
+
+
+@pytest.mark.parametrize("preset", ["bert-tiny", "albert-tiny", "vit-tiny"])
+def test_full_module_name_alpha_and_rank_patterns_equal_peft(preset, tmp_path):
+    """alpha_pattern / rank_pattern keys select modules as PEFT does: matched against the full
+    module name (``bert.encoder.layer.0.attention.self.query``), regexes and ``^`` included."""
+    eng, base = _engine_with_base(preset)
+    targets, q, v, ffn, pooler = _FULL_NAMES[eng.spec.family]
+    last = eng.spec.num_param_layers - 1
+    alpha = {q.format(0): 32, "^" + ffn.format(last): 3, v.format(r"\d+"): 20}
+    rank = {q.format(0): 2, v.format(last): 6}
+    if pooler is not None:
+        alpha[pooler] = 12
+    model, path = _adapter(base, tmp_path, "pat", 4, r=4, lora_alpha=8, target_modules=targets,
+                           alpha_pattern=alpha, rank_pattern=rank)
+    # the keys took effect in PEFT (else this would test nothing)
+    lin = model.get_submodule(q.format(0))
+    assert (lin.r["default"], lin.scaling["default"]) == (2, 16.0)
+    lin = model.get_submodule(v.format(last))
+    assert (lin.r["default"], lin.scaling["default"]) == (6, 20 / 6)
+    assert model.get_submodule(ffn.format(last)).scaling["default"] == 3 / 4
+    eng.add_tenant("pat", path, base="base")
+    rng = np.random.default_rng(9)
+    reqs = [random_request(eng.spec, t, rng) for t in ("pat", "base", "pat", "pat")]
+    _check(eng, {"base": base, "pat": model}, reqs)
+
+
 def test_lora_changes_only_its_own_rows(tmp_path):
     eng, base = _engine_with_base("bert-tiny")
     model, path = _adapter(base, tmp_path, "a", 7, r=2, lora_alpha=2, target_modules=["key"])

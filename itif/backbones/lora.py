@@ -100,10 +100,17 @@ def _check_config(config: Mapping[str, Any]) -> None:
 
 
 def _pattern(patterns: Mapping[str, Any], module: str, default):
-    """PEFT's per-module override: the first key matching the end of the module's name."""
+    """PEFT's per-module override (``peft.utils.other.get_pattern_key``): the value of the first
+    key, a regex, that matches the whole of the module's name or a tail of it starting after a
+    dot. ``module`` is the name PEFT matched: the full module name in the model it adapted
+    (``bert.encoder.layer.0.attention.self.query``), so ``query``, ``layer.0.attention.self.query``
+    and that full name all select it."""
     for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as e:
+            raise InvalidWeights(f"adapter_config pattern {key!r} is not a regex: {e}") from None
     return default
 
 
@@ -132,10 +139,12 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
     _check_config(config)
     family = spec.family + "."
     src: dict[str, torch.Tensor] = {}
+    peft_names: dict[str, str] = {}  # key of src -> the module name PEFT matched patterns with
     for name, t in tensors.items():
-        key = name.removeprefix(_PREFIX)
-        key = key.removeprefix(family)
-        key = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", key)  # ".default" names
+        full = name.removeprefix(_PREFIX)
+        full = re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", full)  # ".default" names
+        key = full.removeprefix(family)
+        peft_names[key] = full
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise InvalidWeights(f"adapter tensor {name!r} is not a float tensor")
         if not torch.isfinite(t).all():
@@ -158,7 +167,7 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank or not 1 <= rank <= MAX_RANK:
             raise InvalidWeights(f"adapter {module!r}: lora_A {list(a.shape)} and lora_B "
                                  f"{list(b.shape)} do not form a rank-r pair (r <= {MAX_RANK})")
-        s = _scale(config, module, rank)
+        s = _scale(config, peft_names[key].removesuffix(_A), rank)
         if module in modules:
             canon, part = modules[module]
             parts.setdefault(canon, {})[part] = (a, b * s)
