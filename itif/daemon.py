@@ -23,14 +23,15 @@ import hmac
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
-from enum import Enum
+from contextlib import ExitStack
+from dataclasses import replace
 from typing import Iterable
 
 from itif import daemon_tiers, faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
 from itif.config import Config, ConfigDiff, Tenant, TokenDigests, diff_configs
+from itif.daemon_state import Identity, State, TenantStatus, TenantView
 from itif.decoder_backend import DecoderBackend, build_generator
 from itif.errors import (
     InvalidRequest,
@@ -50,49 +51,6 @@ from itif.weights import delta
 from itif.weights.blobstore import BlobStore, Upload
 
 log = logging.getLogger("itif.daemon")
-
-
-class State(Enum):
-    NO_WEIGHTS = 0
-    LOADING = 1
-    READY = 2
-    FAILED = 3
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Who is calling: a tenant (``tenant`` set) or the admin."""
-
-    tenant: str | None
-    admin: bool = False
-
-    def may_see(self, tenant: str) -> bool:
-        return self.admin or self.tenant == tenant
-
-
-@dataclass
-class TenantStatus:
-    state: State = State.NO_WEIGHTS
-    sha256: str = ""
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class TenantView:
-    """What GetTenant/ListTenants report."""
-
-    id: str
-    state: State
-    sha256: str
-    weight_bytes: int
-    exclusive_bytes: int
-    num_labels: int
-    queue_depth: int
-    error: str
-    tier: str = ""  # weight tiers (``itif.weights.tiers``): device, host, disk or none
-    host_bytes: int = 0  # bytes of its host-tier copy
-    delta: dict | None = None  # a delta tenant: ``DeltaReport.as_dict()`` (error, bytes)
-    compress: str = ""  # a delta tenant's tenants[].compress
 
 
 class Daemon:
@@ -211,7 +169,7 @@ class Daemon:
                             "weights yet: upload the base first")
         if not conf.is_delta:
             return self.engine.load_lora(path, base), base
-        base_sha = self.status[base].sha256 if base in self.status else ""
+        base_sha = self._base_sha(base)
         if upload:
             weights, report = self.engine.load_delta(path, base, conf.compress, base_sha)
             log.info("tenant %s: %s delta on %s: max abs %s difference %.4g (max_error %g), "
@@ -317,26 +275,51 @@ class Daemon:
             lock = self._tenant_locks.setdefault(tenant, threading.Lock())
         return lock
 
+    def _lock_tenant_and_base(self, held: ExitStack, tenant: str, base: str | None) -> None:
+        """Hold ``base``'s lock (so it is neither deleted nor replaced meanwhile), then
+        ``tenant``'s, until ``held`` closes."""
+        if base is not None:
+            held.enter_context(self._tenant_lock(base))
+        held.enter_context(self._tenant_lock(tenant))
+
+    def _base_sha(self, base: str) -> str:
+        """The sha256 of the weights ``base`` has now ("" for none)."""
+        st = self.status.get(base)
+        return st.sha256 if st is not None else ""
+
     def finish_upload(self, tenant: str, upload: Upload, who: Identity | None = None) -> TenantView:
         """Verify, validate, probe, then commit durably and swap in (module docstring). The
         slow checks run first without the tenant's lock; the commit and swap run under it and
         refuse a tenant removed from the config meanwhile (nothing is committed then)."""
         try:
             upload.seal()  # size and sha256
+            conf = self.config.tenant(tenant)
+            base_sha = self._base_sha(conf.base) if conf is not None and conf.base else ""
             weights, base = self._load_weights(tenant, upload.temp_path, upload=True)
             sha = upload.expected_sha256
             # a tenant's own upload is not credited with what other tenants hold (see
             # WeightStore.check_budget); the operator's is
             owner = None if who is None or who.admin else tenant
-            with daemon_tiers.room_for(self, tenant, weights) as digests:  # tiers: evicts
-                if digests is None:
-                    digests = self.engine.store.check_budget(weights, owner=owner)
-                self.engine.probe(weights, base, digests)  # keys reused, left for the real add
-                with self._tenant_lock(tenant):
+            # Lock order, everywhere: a base's lock, then its tenant's, then the tiers' io (which
+            # room_for holds to the swap). Without tiers the probe runs without the locks.
+            held = ExitStack()
+            with held:
+                if self.tiers is not None:
+                    self._lock_tenant_and_base(held, tenant, base)
+                with daemon_tiers.room_for(self, tenant, weights) as digests:  # tiers: evicts
+                    if digests is None:
+                        digests = self.engine.store.check_budget(weights, owner=owner)
+                    self.engine.probe(weights, base, digests)  # keys reused, left for the add
+                    if self.tiers is None:
+                        self._lock_tenant_and_base(held, tenant, base)
                     if tenant not in self.status:
                         raise TenantNotFound(
                             f"tenant {tenant!r} was removed from the configuration during its "
                             "upload; nothing was stored")
+                    if base is not None and self._base_sha(base) != base_sha:
+                        raise NoWeights(
+                            f"tenant {tenant!r}: its base {base!r} was deleted or replaced "
+                            "during this upload; nothing was stored: upload it again")
                     if isinstance(weights, delta.DeltaWeights):  # the disk keeps the blob
                         sha = delta.replace_upload(upload, weights)
                     upload.publish()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from itif.daemon_state import State
 from itif.errors import InvalidRequest, InvalidWeights, ItifError, TenantNotFound
 from itif.requests import OUTPUTS
 from itif.weights.tiers import TierManager
@@ -61,9 +62,8 @@ def register(d: Daemon, tenant: str) -> None:
     d.tiers.register(tenant, stored=stored, pinned=bool(conf and conf.pinned),
                      base=conf.base if conf else None)
     st = d.status[tenant]
-    ready = type(st.state).READY  # itif.daemon.State, not imported: no cycle
-    if stored and st.state is not ready:
-        st.state, st.sha256, st.error = ready, d.blobs.stored_sha256(tenant) or "", ""
+    if stored and st.state is not State.READY:
+        st.state, st.sha256, st.error = State.READY, d.blobs.stored_sha256(tenant) or "", ""
     if stored and d.scheduler.queue_depth(tenant):  # requests parked meanwhile
         d.tiers.ensure(tenant)
 

@@ -230,7 +230,7 @@ def number(value: Any, path: str, *, lo: float, hi: float, lo_open: bool = False
 def size(value: Any, path: str, *, lo: int, hi: int) -> int:
     """Byte count: an integer, or a string like ``"64MiB"`` / ``"4 GiB"`` / ``"512k"``."""
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
+        m = _SIZE_RE.fullmatch(value)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _SIZE_UNITS:
             fail(path, f"must be a byte count like 67108864 or '64MiB', got {value!r}")
@@ -266,9 +266,9 @@ def sha256(value: Any, path: str) -> str:
             f"must be 64 lowercase hex characters, got {describe(value)} (quote it in YAML)",
         )
     s = string(value, path)
-    if not _SHA256_RE.match(s):
+    if not _SHA256_RE.fullmatch(s):
         hint = ""
-        if _SHA256_RE.match(s.strip().lower()):
+        if _SHA256_RE.fullmatch(s.strip().lower()):
             hint = " (use lowercase, no surrounding spaces)"
         elif len(s) != 64:
             hint = f" ({len(s)} characters; expected the sha256 of the token, not the token)"
@@ -282,7 +282,7 @@ def sha256(value: Any, path: str) -> str:
 
 def tenant_id(value: Any, path: str) -> str:
     s = string(value, path)
-    if not TENANT_ID_RE.match(s):
+    if not TENANT_ID_RE.fullmatch(s):
         fail(
             path,
             f"must match {TENANT_ID_RE.pattern} (lowercase letters, digits, '_' and '-', "
@@ -310,7 +310,7 @@ def hostport(value: Any, path: str) -> str:
             fail(path, f"{example}, got {s!r}")
         if ":" in host:
             fail(path, f"IPv6 addresses must be bracketed, e.g. [::]:50051, got {s!r}")
-        if not _HOSTNAME_RE.match(host):
+        if not _HOSTNAME_RE.fullmatch(host):
             fail(path, f"{host!r} is not a valid host name or address, got {s!r}")
     if not port_s.isdigit() or not port_s.isascii():
         fail(path, f"port must be a number, got {s!r}")
@@ -353,6 +353,6 @@ def strategy(value: Any, path: str) -> str:
     from itif.batching.strategies import STRATEGIES  # noqa: PLC0415 - at parse time only
 
     s = string(value, path)
-    if not _STRATEGY_RE.match(s) or (s != "auto" and s not in STRATEGIES):
+    if not _STRATEGY_RE.fullmatch(s) or (s != "auto" and s not in STRATEGIES):
         fail(path, f"must be 'auto' or one of {sorted(STRATEGIES)}, got {s!r}")
     return s
