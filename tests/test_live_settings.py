@@ -87,6 +87,8 @@ RESTART = {
     "server.max_pending_calls": 1024,
     "server.max_streams_per_connection": 8,
     "server.ingress_processes": 2,
+    "server.http_max_connections": 64,
+    "server.http_header_timeout_s": 2.5,
     "server.tls": "tls",
     "backbone.config": "bert-small",
     "backbone.device": "auto",

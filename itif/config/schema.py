@@ -63,6 +63,14 @@ class ServerConfig:
     #: ``host:port`` of the HTTP APIs (KServe v2 REST, OpenAI embeddings; ``itif.server.http``,
     #: the ``http`` extra); None: no HTTP. Request bodies are bounded by ``max_message_bytes``.
     http_listen: str | None = setting(F.hostport, None)
+    #: HTTP connections open at once (idle, sending, or being answered), all clients together;
+    #: one more is answered 503 and closed at once, so it frees its file descriptor. Lowered at
+    #: start to half the process's open-file limit (``ulimit -n``) where that is smaller.
+    http_max_connections: int = setting(F.integer, 1000, lo=1, hi=1_000_000)
+    #: An HTTP connection that has not sent a whole request line and headers this long after it
+    #: opened (or, kept alive, after the first byte of its next request) is closed. An idle
+    #: kept-alive connection is closed after uvicorn's keep-alive timeout (5 s).
+    http_header_timeout_s: float = setting(F.number, 10.0, lo=0.0, hi=3600.0, lo_open=True)
     max_message_bytes: int = setting(F.size, 64 * MiB, lo=KiB, hi=GRPC_MAX_MESSAGE)
     max_upload_bytes: int = setting(F.size, 4 * GiB, lo=1, hi=TiB)
     grace_s: float = setting(F.number, 10.0, lo=0.0, hi=3600.0)

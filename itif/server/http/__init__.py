@@ -9,6 +9,11 @@ a limit, 429). The daemon's loop keeps SIGTERM/SIGINT: uvicorn installs no signa
 ``server.tls`` the port speaks HTTPS with the same certificate (and, with ``client_ca``, asks
 clients for theirs).
 
+Connections are bounded (:class:`_GuardedH11`): past ``server.http_max_connections`` a new one is
+answered 503 and closed, and one that has not sent its request line and headers within
+``server.http_header_timeout_s`` is closed, so idle or half-sent connections cannot take the
+daemon's file descriptors (uvicorn's own keep-alive timeout starts only after a response).
+
 Needs the ``http`` extra (starlette, uvicorn).
 """
 
@@ -17,15 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import socket
 import ssl
 
 try:
+    import h11
     import uvicorn
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 except ImportError as e:  # the daemon says what to install rather than a bare traceback
     raise ImportError(f"server.http_listen needs the http extra (pip install 'itif[http]'): "
                       f"{e}") from e
@@ -55,6 +63,75 @@ def build_app(daemon, health=None, *, max_body: int, admission=None) -> Starlett
               + OpenAIApi(daemon, max_body=max_body, admission=admission).routes()
               + CompletionsApi(daemon, max_body=max_body, admission=admission).routes())
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+         b"content-length: 20\r\nconnection: close\r\n\r\ntoo many connections")
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a cap on open connections and a request-header timeout.
+
+    A connection past ``max_connections`` (uvicorn's set of open connections counts it) gets
+    :data:`_BUSY` and is closed at once. A connection whose peer has not finished a request's
+    line and headers (h11's ``their_state`` still IDLE) ``header_timeout_s`` after it opened,
+    or after the first byte of a kept-alive connection's next request, is closed; uvicorn's
+    keep-alive timer closes one that sends nothing after a response. Subclassed by
+    :class:`HttpServer` with the two limits set.
+    """
+
+    max_connections: int = 1000
+    header_timeout_s: float = 10.0
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self.connections.discard(self)  # not counted against the next ones while it closes
+            transport.write(_BUSY)
+            transport.abort()  # the fd now: close() would wait for a TLS peer's close_notify
+            return
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # the first bytes of a kept-alive connection's next
+            self._arm_header_timer()           # request (already armed: kept as it is)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE:  # a whole request line and headers came
+            self._cancel_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None and not self.transport.is_closing():
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.abort()
+
+
+def _max_connections(wanted: int) -> int:
+    """``wanted``, or half the soft open-file limit where that is smaller (logged)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or wanted <= soft // 2:
+        return wanted
+    cap = max(1, soft // 2)
+    log.warning("server.http_max_connections %d lowered to %d: half the open-file limit "
+                "(ulimit -n %d)", wanted, cap, soft)
+    return cap
 
 
 class _Server(uvicorn.Server):
@@ -88,8 +165,11 @@ class HttpServer:
             if s.tls.client_ca is not None:
                 tls.update(ssl_ca_certs=str(s.tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
         app = build_app(daemon, health, max_body=s.max_message_bytes, admission=admission)
+        protocol = type("_GuardedH11", (_GuardedH11,), {
+            "max_connections": _max_connections(s.http_max_connections),
+            "header_timeout_s": s.http_header_timeout_s})
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
-                                http="h11", ws="none", server_header=False,
+                                http=protocol, ws="none", server_header=False,
                                 timeout_graceful_shutdown=s.grace_s, **tls)
         self.tls = bool(tls)
         self.server = _Server(config)

@@ -1,0 +1,128 @@
+"""The HTTP port's connections are bounded (``itif.server.http._GuardedH11``): past
+``server.http_max_connections`` a new connection is answered 503 and closed at once, and one that
+has not sent its whole request line and headers within ``server.http_header_timeout_s`` is
+closed, so idle or half-sent connections cannot use up the daemon's file descriptors (before,
+50 such connections were all still open after 20 s, and ~20,000 took gRPC down with EMFILE).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from tests.daemon_harness import Daemon, free_port
+from tests.reliability_util import wait_until
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+CAP = 8
+
+
+def _http_daemon(root, **server) -> Daemon:
+    d = Daemon(root / "d", {"t1": "t1-tok"},
+               server_extra={"http_listen": f"127.0.0.1:{free_port()}", **server}).start()
+    d.http = d.server_extra["http_listen"]
+    return d
+
+
+def _connect(d: Daemon, data: bytes = b"") -> socket.socket:
+    host, port = d.http.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    if data:
+        s.sendall(data)
+    return s
+
+
+def _is_open(s: socket.socket) -> bool:
+    """Whether the server has not closed ``s`` (nothing to read, no EOF, no reset)."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    finally:
+        s.setblocking(True)
+
+
+def _read_to_close(s: socket.socket, timeout: float) -> bytes | None:
+    """Everything the server sends before it closes ``s``; None: still open after ``timeout``."""
+    s.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := s.recv(4096):
+            out += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def _sockets(d: Daemon) -> int:
+    return sum(t.startswith("socket:") for t in d.fds())
+
+
+def _live(d: Daemon) -> int:
+    return httpx.get(f"http://{d.http}/v2/health/live", timeout=5).status_code
+
+
+def test_connections_past_the_cap_are_answered_503_and_closed(tmp_path):
+    d = _http_daemon(tmp_path, http_max_connections=CAP, http_header_timeout_s=60)
+    held: list[socket.socket] = []
+    extra: list[socket.socket] = []
+    try:
+        assert _live(d) == 200
+        base = _sockets(d)
+        held = [_connect(d) for _ in range(CAP)]  # idle: they send nothing
+        wait_until(lambda: _sockets(d) >= base + CAP, 10, what="the idle sockets accepted")
+        extra = [_connect(d) for _ in range(3 * CAP)]
+        for s in extra:
+            got = _read_to_close(s, 5)
+            assert got is not None, "a connection past the cap was left open"
+            assert got.startswith(b"HTTP/1.1 503 "), got
+        assert all(_is_open(s) for s in held)  # the ones within the cap are kept
+        assert _sockets(d) <= base + CAP  # the refused ones hold no descriptor
+        for s in held[:2]:  # two clients go away: their slots serve a normal request
+            s.close()
+        wait_until(lambda: _sockets(d) <= base + CAP - 2, 10, what="the closed sockets freed")
+        assert _live(d) == 200
+    finally:
+        for s in held + extra:
+            s.close()
+        d.stop()
+
+
+def test_connections_without_whole_headers_are_closed_after_the_timeout(tmp_path):
+    d = _http_daemon(tmp_path, http_header_timeout_s=1.5)
+    socks: list[socket.socket] = []
+    try:
+        assert _live(d) == 200
+        bare = _connect(d)
+        half_line = _connect(d, b"POST /v2/models/t1/in")
+        half_headers = _connect(d, b"POST /v2/models/t1/infer HTTP/1.1\r\nHost: x\r\n")
+        # kept alive after a whole request, then half of the next one
+        kept = _connect(d, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        kept.settimeout(5)
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200 ")
+        kept.sendall(b"GET /v2/health/li")
+        # slow but within the timeout: its request is answered
+        slow = _connect(d, b"GET /v2/health/live HT")
+        socks = [bare, half_line, half_headers, kept, slow]
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        slow.sendall(b"TP/1.1\r\nHost: x\r\n\r\n")
+        slow.settimeout(5)
+        assert slow.recv(4096).startswith(b"HTTP/1.1 200 ")
+        for s in (bare, half_line, half_headers, kept):
+            assert _read_to_close(s, 10) is not None, "a connection without headers stayed open"
+        assert 1.0 < time.monotonic() - t0 < 8
+        assert _live(d) == 200
+    finally:
+        for s in socks:
+            s.close()
+        d.stop()
