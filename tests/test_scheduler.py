@@ -539,6 +539,31 @@ def test_invalid_request_is_isolated_by_bisection(n, bad):
         s.stop(1)
 
 
+def test_many_bad_requests_of_one_tenant_never_fail_another_tenants():
+    """Eight bad requests of x interleaved with eight good ones of a: once bisection's budget is
+    spent, a failing part of both tenants is split by tenant; a's requests all succeed and only
+    x's get x's error (before, half of a's failed with "tenant 'x' has no ...")."""
+    def bad_x(requests, call):
+        for i, r in enumerate(requests):
+            if r.tenant == "x":
+                raise InvalidRequest(f"request {i}: tenant 'x' has no classification head")
+
+    fake = FakeEngine(fail=bad_x)
+    s = make(fake, tenants=("a", "x"), start=False, max_batch_size=64)
+    tickets = [s.submit(req(t), tokens=2) for _ in range(8) for t in ("a", "x")]
+    s.start()
+    try:
+        for t in tickets:
+            if t.tenant == "a":
+                check_result(t)
+            else:
+                with pytest.raises(InvalidRequest, match="tenant 'x' has no classification head"):
+                    t.result(timeout=WAIT)
+        assert s.stats.tenants["a"].failed == 0 and s.stats.tenants["x"].failed == 8
+    finally:
+        s.stop(1)
+
+
 def test_out_of_memory_fails_the_batch_and_the_next_batch_succeeds():
     def oom_once(requests, call):
         if call == 1:

@@ -439,12 +439,17 @@ class Scheduler:
                     for t, r in zip(part, out):
                         self._complete(t, r, None)
                     continue
-                if isinstance(out, _PER_REQUEST_ERRORS) and len(part) > 1 and extra_left >= 2:
-                    extra_left -= 2
-                    mid = len(part) // 2
-                    stack.append(part[mid:])
-                    stack.append(part[:mid])  # left half runs first
-                    continue
+                if isinstance(out, _PER_REQUEST_ERRORS) and len(part) > 1:
+                    if extra_left >= 2:
+                        extra_left -= 2
+                        mid = len(part) // 2
+                        stack.append(part[mid:])
+                        stack.append(part[:mid])  # left half runs first
+                        continue
+                    groups = _by_tenant(part)
+                    if len(groups) > 1:  # one tenant's error never reaches another's tickets
+                        stack.extend(reversed(groups))
+                        continue
                 err = _wrap(out, part)
                 for t in part:
                     self._complete(t, None, clone(err))
@@ -511,6 +516,14 @@ def _count(v: Any, what: str) -> int:
         return operator.index(v)
     except TypeError:
         raise InvalidRequest(f"{what} must be an integer, got {v!r}") from None
+
+
+def _by_tenant(part: list[Ticket]) -> list[list[Ticket]]:
+    """``part``'s tickets grouped by tenant, tenants in first-seen order."""
+    groups: dict[str, list[Ticket]] = {}
+    for t in part:
+        groups.setdefault(t.tenant, []).append(t)
+    return list(groups.values())
 
 
 def _wrap(exc: BaseException, part: list[Ticket]) -> ItifError:
