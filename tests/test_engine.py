@@ -109,6 +109,20 @@ def test_outputs_default_and_pooled(hf_factory):
         eng.infer([itif.Request("emb", ids, outputs=("logits",))])
 
 
+def test_vit_pooled_is_the_pooler_where_the_weights_carry_one(hf_factory):
+    """ViT: ``pooled`` is tanh(dense(h_[CLS])) for a tenant with a pooler (an HF ViTModel), the
+    [CLS] row for one without (ViTForImageClassification, whose classifier reads that row),
+    in one batch; before, every ViT tenant's pooler was skipped (2.5 off on vit-tiny)."""
+    models = {"emb": hf_factory("vit-tiny", None, seed=3), "cls": hf_factory("vit-tiny", 3, seed=4)}
+    eng = _engine_with("vit-tiny", models)
+    assert eng.tenant_info("emb").has_pooler and not eng.tenant_info("cls").has_pooler
+    rng = np.random.default_rng(1)
+    reqs = [random_request(eng.spec, "emb", rng, outputs=("pooled", "last_hidden_state")),
+            random_request(eng.spec, "cls", rng, outputs=("logits", "pooled")),
+            random_request(eng.spec, "emb", rng, outputs=("pooled",))]
+    _check(eng, models, reqs)
+
+
 def test_shared_backbone_holds_one_model_plus_heads(hf_factory):
     base = hf_factory("bert-tiny", 2, seed=3)
     models = {f"h{i}": make_hf_model("bert-tiny", 2 + i, seed=30 + i, base_of=base) for i in range(4)}

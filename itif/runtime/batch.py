@@ -402,7 +402,8 @@ def prepare(
     pk.add("cls_rows", layout.offset[cls_order])
     pooler_rows = int(tables.has_pooler[tsorted].sum())
     pooler_plans = None
-    if spec.is_text and pooler_rows and (want_pooled or want_logits):
+    # ViT's classifier reads the [CLS] row, not the pooler: its pooler serves ``pooled`` only
+    if pooler_rows and (want_pooled or (want_logits and spec.is_text)):
         pw = _head_plan(tables.head["pooler.weight"], tsorted, 0, pooler_rows, device, dtype)
         pb = _head_plan(tables.head["pooler.bias"], tsorted, 0, pooler_rows, device, dtype)
         pooler_plans = (pw, pb)
