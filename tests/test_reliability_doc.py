@@ -50,3 +50,18 @@ def test_render_rows_for_failures_missing_and_new_promises():
     doc = "a\n<!-- reliability-table:start -->\nold\n<!-- reliability-table:end -->\nb\n"
     new = rd.rewrite(doc, out, "r.jsonl")
     assert rd.source_of(new) == "r.jsonl" and new.startswith("a\n") and new.endswith("end -->\nb\n")
+
+
+def test_stdout_after_the_record_prints_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """``RUN.jsonl --stdout`` (the module's own example) prints the section and leaves the doc
+    alone; before, argparse handed ``--stdout`` to pytest's REMAINDER and the doc was rewritten
+    from that record."""
+    older = ROOT / "bench/results/reliability-2026-11-23.jsonl"
+    stale = rd.generate(rd.DOC.read_text(), older)
+    doc = tmp_path / "reliability.md"
+    doc.write_text(stale)
+    monkeypatch.setattr(rd, "DOC", doc)
+    record = ROOT / "bench/results/reliability-2026-11-24.jsonl"
+    assert rd.main([str(record), "--stdout"]) == 0
+    assert capsys.readouterr().out == rd.render(*rd.load(record), str(record))
+    assert doc.read_text() == stale

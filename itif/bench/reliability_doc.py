@@ -1,6 +1,6 @@
 """docs/reliability.md's "Last recorded run" section, generated from a committed run record.
 
-    python -m itif.bench.reliability_doc --run         # run the suite, record, rewrite the doc
+    python -m itif.bench.reliability_doc --run [-- PYTEST ARGS]  # run, record, rewrite the doc
     python -m itif.bench.reliability_doc RUN.jsonl     # rewrite the doc from a record
     python -m itif.bench.reliability_doc RUN.jsonl --stdout
 
@@ -195,13 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the suite first, recording into RECORD (default "
                          "bench/results/reliability-<date>.jsonl)")
     ap.add_argument("--stdout", action="store_true", help="print the section, write nothing")
-    ap.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: for pytest")
-    a = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # what follows "--" goes to pytest; the options may come before or after the record
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    pytest_args = argv[cut + 1:]
     rc = 0
     record = a.record
     if a.run:
         record = record or RESULTS / f"reliability-{time.strftime('%Y-%m-%d')}.jsonl"
-        rc = run(record, [x for x in a.pytest_args if x != "--"])
+        rc = run(record, pytest_args)
+    elif pytest_args:
+        ap.error("arguments after -- go to pytest, with --run only")
     elif record is None:
         ap.error("give a record file or --run")
     if a.stdout:
