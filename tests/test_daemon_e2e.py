@@ -207,3 +207,28 @@ def test_live_config_add_tenant_and_bad_edit(tmp_path, weights):
             np.testing.assert_allclose(c.infer("delta", [1, 2, 3])["logits"], want, atol=1e-4)
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("setting", ["listen", "metrics_listen"])
+def test_a_taken_port_fails_the_start_in_one_line(tmp_path, setting):
+    """A port another process holds fails the start naming the setting and the address, and the
+    gRPC server it had started is closed: no traceback at exit (before: grpcio's RuntimeError
+    "Failed to bind", or a bare "Address already in use" and "Exception ignored in
+    Server.__del__ ... Event loop is closed")."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"127.0.0.1:{holder.getsockname()[1]}"
+        kw = ({"port": holder.getsockname()[1]} if setting == "listen"
+              else {"server_extra": {"metrics_listen": taken}})
+        d = Daemon(tmp_path, {"acme": "acme-tok"}, **kw)
+        d.start(wait=False)
+        try:
+            assert d.proc.wait(60) != 0
+            logs = d.logs()
+            assert f"cannot listen on {taken} (server.{setting})" in logs, logs[-2000:]
+            assert "Traceback" not in logs and "Exception ignored" not in logs, logs[-2000:]
+        finally:
+            d.stop()

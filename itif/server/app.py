@@ -92,23 +92,29 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
         # the port is the ingress processes'; this server listens on a private socket
         ingress = await _start_ingress(cfg, server, reg, interceptors)
     else:
-        port = server.add_secure_port(listen, creds) if creds else server.add_insecure_port(listen)
-        if port == 0:
-            raise OSError(f"cannot listen on {listen}")
-    await server.start()
-    if ingress is not None:
-        await ingress.start()
-    if cfg.server.metrics_listen:
-        metrics.serve(cfg.server.metrics_listen)
-    http = await _start_http(daemon, cfg, health, admission)  # one admission for both
-    log.info("listening on %s%s", listen, " (TLS)" if creds else "")
+        _listen(server, listen, creds)
+    http = None
+    try:  # a start that fails part way closes what it opened, then says why (one line)
+        await server.start()
+        if ingress is not None:
+            await ingress.start()
+        if cfg.server.metrics_listen:
+            try:
+                metrics.serve(cfg.server.metrics_listen)
+            except OSError as e:
+                raise OSError(f"cannot listen on {cfg.server.metrics_listen} "
+                              f"(server.metrics_listen): {e.strerror or e}") from None
+        http = await _start_http(daemon, cfg, health, admission)  # one admission for both
+        log.info("listening on %s%s", listen, " (TLS)" if creds else "")
+        await asyncio.to_thread(daemon.start)
+    except BaseException:
+        await _close_started(server, ingress, http, metrics)
+        raise
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-
-    await asyncio.to_thread(daemon.start)
     tune_gc()  # startup is done: what it made is frozen out of the collector's walks
     watcher = ConfigWatcher(config_path, on_change=daemon.apply_config,
                             on_error=daemon.config_failed, initial=cfg)
@@ -193,6 +199,34 @@ def _port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise OSError(f"cannot listen on {host}:{port}: {e}") from e
+
+
+def _listen(server: grpc.aio.Server, listen: str, creds) -> None:
+    """Bind ``server.listen`` (grpcio raises where older versions returned port 0)."""
+    try:
+        port = server.add_secure_port(listen, creds) if creds else server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        why = "the address is in use or not available here"
+        if creds:
+            why += ", or server.tls's certificate and key are not a valid pair"
+        raise OSError(f"cannot listen on {listen} (server.listen): {why}")
+
+
+async def _close_started(server, ingress, http, metrics) -> None:
+    """After a failed start: stop what started, so nothing is left to complain at exit."""
+    steps = [("http", http.stop(0) if http is not None else None),
+             ("ingress", ingress.stop(0) if ingress is not None else None),
+             ("grpc", server.stop(0))]
+    for name, step in steps:
+        if step is None:
+            continue
+        try:
+            await step
+        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+            log.debug("closing %s after a failed start", name, exc_info=True)
+    metrics.close()
 
 
 async def _start_http(daemon: Daemon, cfg: Config, health: HealthService,
