@@ -184,9 +184,12 @@ class Daemon:
 
     def _load_stored(self, tenant: str) -> None:
         st = self.status.setdefault(tenant, TenantStatus())
-        if self.tiers is not None:  # registered, loaded on demand
+        if self.tiers is not None:  # registered, loaded on demand (pinned: loaded now)
             self.tiers.forget(tenant)  # out of the store too
             daemon_tiers.register(self, tenant)
+            conf = self.config.tenant(tenant)
+            if conf is not None and conf.pinned and st.state is State.READY:
+                self.tiers.ensure(tenant)
             return
         st.state = State.LOADING
         try:
@@ -495,7 +498,9 @@ class Daemon:
         return self.tenant_view(tenant, who)
 
     def list_tenants(self, who: Identity) -> list[TenantView]:
-        return [self.tenant_view(t, who) for t in sorted(self.status) if who.may_see(t)]
+        if not who.admin:  # a tenant sees itself: no walk over every tenant
+            return [self.tenant_view(who.tenant, who)] if who.tenant in self.status else []
+        return [self.tenant_view(t, who) for t in sorted(self.status)]
 
     # ---- live configuration ---------------------------------------------------------------
     def apply_config(self, new: Config) -> ConfigDiff:
@@ -527,8 +532,9 @@ class Daemon:
                 self.scheduler.remove_tenant(tid)
                 with self._tenant_lock(tid):  # after an upload's commit, or it sees it gone
                     self.status.pop(tid, None)
-                threading.Thread(target=self._retire, args=(tid,), daemon=True,
-                                 name=f"retire-{tid}").start()
+            if diff.removed:  # one thread for all of them, however many
+                threading.Thread(target=self._retire, args=(list(diff.removed),), daemon=True,
+                                 name="retire").start()
             for t in sorted(diff.added, key=lambda t: t.base is not None):  # bases first:
                 # weights kept on disk from an earlier life come back
                 with self._tenant_lock(t.id):
@@ -546,25 +552,30 @@ class Daemon:
         self.last_reload_error = str(exc)
         log.error("config reload refused, keeping the last good config: %s", exc)
 
-    def _retire(self, tenant: str, timeout_s: float = 60.0) -> None:
-        """Drop a removed tenant's weights once its accepted calls have finished: the queued
+    def _retire(self, tenants: list[str], timeout_s: float = 60.0) -> None:
+        """Drop removed tenants' weights, each once its accepted calls have finished: the queued
         ones and those in a batch that is running (a batch leaves the queue before the engine
         takes its weight snapshot, so an empty queue alone is not enough)."""
         end = time.monotonic() + timeout_s
-        while self._outstanding(tenant) and time.monotonic() < end:
-            time.sleep(0.05)
-        with self._tenant_lock(tenant):
-            if tenant not in self.status and self.tiers is not None:
-                self.tiers.unregister(tenant)
-            if tenant not in self.status and tenant in self.engine.store:
-                self.engine.remove_tenant(tenant)  # in-flight forwards hold their own snapshot
+        left = list(tenants)
+        while left:
+            busy = [] if time.monotonic() >= end else [t for t in left if self._outstanding(t)]
+            waiting = set(busy)
+            for tenant in left:
+                if tenant in waiting:
+                    continue
+                with self._tenant_lock(tenant):
+                    if tenant not in self.status and self.tiers is not None:
+                        self.tiers.unregister(tenant)
+                    if tenant not in self.status and tenant in self.engine.store:
+                        self.engine.remove_tenant(tenant)  # in-flight forwards: own snapshot
+            left = busy
+            if left:
+                time.sleep(0.05)
 
     def _outstanding(self, tenant: str) -> int:
         """The tenant's accepted requests that have not finished (queued or running)."""
-        st = self.scheduler.stats.tenants.get(tenant)
-        if st is None:
-            return 0
-        return st.submitted - st.completed - st.failed - st.expired - st.cancelled
+        return self.scheduler.outstanding(tenant)
 
 
 def _kernel_self_test(device, dtype) -> list:

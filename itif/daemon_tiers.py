@@ -63,7 +63,13 @@ def register(d: Daemon, tenant: str) -> None:
                      base=conf.base if conf else None)
     st = d.status[tenant]
     if stored and st.state is not State.READY:
-        st.state, st.sha256, st.error = State.READY, d.blobs.stored_sha256(tenant) or "", ""
+        try:
+            sha = d.blobs.stored_sha256(tenant) or ""
+        except ItifError as e:  # a corrupt sidecar: this tenant alone FAILED
+            st.state, st.error = State.FAILED, f"stored weights refused: {e}"
+            log.error("tenant %s: stored weights refused: %s", tenant, e)
+            return
+        st.state, st.sha256, st.error = State.READY, sha, ""
     if stored and d.scheduler.queue_depth(tenant):  # requests parked meanwhile
         d.tiers.ensure(tenant)
 

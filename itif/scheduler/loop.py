@@ -171,6 +171,14 @@ class Scheduler:
         with self._lock:
             return [n for n, tq in self._q.tenants.items() if not tq.removed]
 
+    def outstanding(self, tenant: str) -> int:
+        """The tenant's accepted requests not finished yet (queued or running); O(1), where
+        ``stats`` copies every tenant's counters."""
+        with self._lock:
+            st = self._q.stats.get(tenant)
+            return 0 if st is None else (st.submitted - st.completed - st.failed - st.expired
+                                         - st.cancelled)
+
     def queue_depth(self, tenant: str) -> int:
         """Requests of the tenant waiting (not running); 0 for a tenant the scheduler lacks."""
         with self._lock:
