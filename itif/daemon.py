@@ -569,6 +569,8 @@ class Daemon:
                         self.tiers.unregister(tenant)
                     if tenant not in self.status and tenant in self.engine.store:
                         self.engine.remove_tenant(tenant)  # in-flight forwards: own snapshot
+                    if tenant not in self.status and self.metrics is not None:
+                        self.metrics.forget_tenant(tenant)
             left = busy
             if left:
                 time.sleep(0.05)

@@ -273,8 +273,28 @@ class Metrics:
     def tier_evicted(self, tenant: str, to: str) -> None:
         self.evictions.labels(to).inc()
 
+    def _per_tenant(self) -> tuple:
+        """The metrics labelled by tenant (first label)."""
+        return (self.requests, self.http_requests, self.rows, self.queue_seconds,
+                self.compute_seconds, self.first_token_seconds, self.inter_token_seconds,
+                self.generated_tokens)
+
+    def forget_tenant(self, tenant: str) -> None:
+        """Drop a removed tenant's series and call statistics (``itif.observer``), so a scrape
+        and this object do not grow with tenants that came and went."""
+        mine = {id(m) for m in self._per_tenant()}
+        for key in list(self._children):  # one C-level copy: safe against a concurrent add
+            if key[0] in mine and key[1][:1] == (tenant,):
+                self._children.pop(key, None)
+        with self._lock:
+            self._stats.pop(tenant, None)
+        for m in self._per_tenant():
+            remove = getattr(m, "remove_by_labels", None)  # prometheus-client >= 0.24
+            if remove is not None:
+                remove({"tenant": tenant})
+
     def _child(self, metric, *labels: str):
-        """``metric.labels(*labels)``, looked up once (no series is ever removed)."""
+        """``metric.labels(*labels)``, looked up once (``forget_tenant`` drops a tenant's)."""
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:

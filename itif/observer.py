@@ -30,6 +30,10 @@ class DaemonObserver(Protocol):
         """A Generate call of ``tenant`` sent ``count`` tokens, ``seconds`` after its submit
         (``first``) or after its previous tokens."""
 
+    def forget_tenant(self, tenant: str) -> None:
+        """``tenant`` left the configuration and its calls have finished: drop what is kept
+        for it (its series, its call statistics)."""
+
     def observe_generation(self, tenant: str, unstreamed: int, first_s: float | None) -> None:
         """A Generate call ended: ``unstreamed`` tokens came only with its result;
         ``first_s``: seconds from submit to that result when nothing was streamed before."""

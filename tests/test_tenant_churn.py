@@ -117,3 +117,25 @@ def test_a_pinned_tenant_that_comes_back_is_loaded_at_once(tmp_path):
         assert _until(lambda: d.tiers.view("b").tier is Tier.DEVICE), d.tiers.view("b")
     finally:
         d.stop(0)
+
+
+def test_a_removed_tenant_leaves_no_series_behind(tmp_path):
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    from itif.metrics import Metrics  # noqa: PLC0415
+
+    d = Daemon(_config(tmp_path, ["a", "b"]))
+    d.metrics = Metrics(d, nvml=None)
+    d.start()
+    try:
+        for t in ("a", "b"):
+            _upload(d, t)
+            d.infer(ADMIN, t, [Request(t, input_ids=[1, 2, 3])], timeout=30)
+        _until(lambda: d.scheduler.outstanding("b") == 0)
+        assert b'tenant="b"' in generate_latest(d.metrics.registry)
+        d.apply_config(_config(tmp_path, ["a"]))
+        assert _until(lambda: b'tenant="b"' not in generate_latest(d.metrics.registry))
+        assert b'tenant="a"' in generate_latest(d.metrics.registry)
+        assert "b" not in d.metrics._stats
+    finally:
+        d.stop(0)
