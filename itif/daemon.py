@@ -27,10 +27,10 @@ from contextlib import ExitStack
 from dataclasses import replace
 from typing import Iterable
 
-from itif import daemon_tiers, faults
+from itif import daemon_config, daemon_tiers, faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
-from itif.config import Config, ConfigDiff, Tenant, TokenDigests, diff_configs
+from itif.config import Config, ConfigDiff, Tenant, TokenDigests
 from itif.daemon_state import Identity, State, TenantStatus, TenantView
 from itif.decoder_backend import DecoderBackend, build_generator
 from itif.errors import (
@@ -45,7 +45,7 @@ from itif.errors import (
 )
 from itif.generation.api import GenerateRequest, check_request
 from itif.runtime.engine import Engine, Request, Result
-from itif.scheduler import Scheduler, TenantQuota, Ticket
+from itif.scheduler import Scheduler, Ticket
 from itif.observer import DaemonObserver
 from itif.weights import delta
 from itif.weights.blobstore import BlobStore, Upload
@@ -75,6 +75,8 @@ class Daemon:
         self.kernel_checks: list = []  # itif.ops.selftest.KernelCheck of the start-up self-test
         self._generating: set = set()  # GenEngine tickets of running Generate calls
         self.delta_reports: dict[str, delta.DeltaReport] = {}  # delta tenants' last measure
+        #: what each stored file was committed as in this process (``daemon_config.identity``)
+        self.stored_as: dict[str, tuple[str | None, str]] = {}
         self._gen_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -103,6 +105,8 @@ class Daemon:
                else self.metrics.run_batch(self.engine))
         self.scheduler = Scheduler.from_config(run, sch, cfg.tenants)
         self.tiers = daemon_tiers.build(self)
+        self.stored_as = {t.id: daemon_config.identity(t) for t in cfg.tenants
+                          if self.blobs.exists(t.id)}
         (self.restore if self.tiers is None else lambda: daemon_tiers.restore(self))()
         self.scheduler.start()
         if gen is not None:  # tenants' shares of the KV cache under contention (``weight``)
@@ -326,6 +330,7 @@ class Daemon:
                     if isinstance(weights, delta.DeltaWeights):  # the disk keeps the blob
                         sha = delta.replace_upload(upload, weights)
                     upload.publish()
+                    self.stored_as[tenant] = daemon_config.identity(self.config.tenant(tenant))
                     self.engine.add_tenant(tenant, weights, base=base)
                     if self.tiers is not None:
                         self.tiers.installed(tenant, weights, base)
@@ -360,6 +365,7 @@ class Daemon:
                 freed = self.engine.tenant_info(tenant).exclusive_bytes
                 self.engine.remove_tenant(tenant)
             deleted = self.blobs.delete(tenant)
+            self.stored_as.pop(tenant, None)
             self.status[tenant] = TenantStatus()
         self._rederive(tenant)
         return deleted or freed > 0, freed
@@ -504,76 +510,13 @@ class Daemon:
 
     # ---- live configuration ---------------------------------------------------------------
     def apply_config(self, new: Config) -> ConfigDiff:
-        """Apply a validated tenants.yaml edit: add, remove, re-quota. Raises (and changes
-        nothing) when the edit needs a restart."""
-        with self._lock:
-            diff = diff_configs(self.config, new)
-            for t in diff.added:
-                self.status[t.id] = TenantStatus()
-                self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
-            for t in diff.changed:
-                self.scheduler.set_tenant(t.id, TenantQuota.from_tenant(t))
-                if self.tiers is not None:
-                    self.tiers.set_pinned(t.id, t.pinned)
-            if diff.scheduler_changed:
-                sch = new.scheduler
-                self.scheduler.configure(max_batch_tokens=sch.max_batch_tokens,
-                                         max_batch_size=sch.max_batch_size,
-                                         max_wait_ms=sch.max_wait_ms,
-                                         isolate_tenants=sch.isolate_tenants,
-                                         latency_sizing=sch.latency_sizing)
-                self.engine.strategy = DEFAULT_STRATEGY if sch.strategy == "auto" else sch.strategy
-            self.blobs.max_upload_bytes = new.server.max_upload_bytes  # checked per upload
-            if self.generator is not None:  # submit_generate checks the live value first
-                self.generator.max_new_tokens_limit = new.server.max_new_tokens
-                self.generator.set_tenant_weights({t.id: t.weight for t in new.tenants})
-            self.config = new  # grace_s and admin_token_sha256 are read from here when used
-            for tid in diff.removed:
-                self.scheduler.remove_tenant(tid)
-                with self._tenant_lock(tid):  # after an upload's commit, or it sees it gone
-                    self.status.pop(tid, None)
-            if diff.removed:  # one thread for all of them, however many
-                threading.Thread(target=self._retire, args=(list(diff.removed),), daemon=True,
-                                 name="retire").start()
-            for t in sorted(diff.added, key=lambda t: t.base is not None):  # bases first:
-                # weights kept on disk from an earlier life come back
-                with self._tenant_lock(t.id):
-                    if self.blobs.exists(t.id):
-                        self._load_stored(t.id)
-                    elif self.tiers is not None:
-                        daemon_tiers.register(self, t.id)
-            self.reloads_ok += 1
-            log.info("config applied: +%s -%s ~%s", [t.id for t in diff.added],
-                     list(diff.removed), [t.id for t in diff.changed])
-            return diff
+        """Apply a validated tenants.yaml edit (``itif.daemon_config.apply``)."""
+        return daemon_config.apply(self, new)
 
     def config_failed(self, exc: Exception) -> None:
         self.reloads_failed += 1
         self.last_reload_error = str(exc)
         log.error("config reload refused, keeping the last good config: %s", exc)
-
-    def _retire(self, tenants: list[str], timeout_s: float = 60.0) -> None:
-        """Drop removed tenants' weights, each once its accepted calls have finished: the queued
-        ones and those in a batch that is running (a batch leaves the queue before the engine
-        takes its weight snapshot, so an empty queue alone is not enough)."""
-        end = time.monotonic() + timeout_s
-        left = list(tenants)
-        while left:
-            busy = [] if time.monotonic() >= end else [t for t in left if self._outstanding(t)]
-            waiting = set(busy)
-            for tenant in left:
-                if tenant in waiting:
-                    continue
-                with self._tenant_lock(tenant):
-                    if tenant not in self.status and self.tiers is not None:
-                        self.tiers.unregister(tenant)
-                    if tenant not in self.status and tenant in self.engine.store:
-                        self.engine.remove_tenant(tenant)  # in-flight forwards: own snapshot
-                    if tenant not in self.status and self.metrics is not None:
-                        self.metrics.forget_tenant(tenant)
-            left = busy
-            if left:
-                time.sleep(0.05)
 
     def _outstanding(self, tenant: str) -> int:
         """The tenant's accepted requests that have not finished (queued or running)."""

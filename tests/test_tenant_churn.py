@@ -6,15 +6,22 @@
   the reload goes on for the others and the daemon still starts (before: the reload stopped
   half applied, the other tenants left without weights, and the start raised);
 - a pinned tenant that comes back is loaded at once, as at start-up (before: on disk until its
-  first request).
+  first request);
+- a LoRA tenant that comes back on another base is FAILED, its adapter not served there (before:
+  the adapter trained for one base answered on the other, READY);
+- a removed tenant leaves no Prometheus series behind.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import time
 
+import pytest
+
 import safetensors.torch
+import torch
 
 from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity, State
@@ -27,7 +34,7 @@ ADMIN = Identity(None, admin=True)
 TIERS = "  device_weight_bytes: 64MiB\n"
 
 
-def _config(root, ids, backbone: str = "", pinned=()):
+def _config(root, ids, backbone: str = "", pinned=(), bases=None):
     lines = [f"server:\n  listen: 127.0.0.1:0\n  data_dir: {root}/data\n"
              f"  admin_token_sha256: {hash_token('admin')}\n",
              f"backbone:\n  config: bert-tiny\n  device: cpu\n  dtype: float32\n{backbone}",
@@ -36,18 +43,20 @@ def _config(root, ids, backbone: str = "", pinned=()):
         lines.append(f"  - id: {t}\n    token_sha256: {hash_token(t + '-tok')}\n")
         if t in pinned:
             lines.append("    pinned: true\n")
+        if bases and t in bases:
+            lines.append(f"    base: {bases[t]}\n")
     return parse_config("".join(lines), root)
 
 
 _WEIGHTS: list[bytes] = []
 
 
-def _upload(d: Daemon, tenant: str) -> None:
+def _upload(d: Daemon, tenant: str, data: bytes | None = None) -> None:
     if not _WEIGHTS:
         m = make_hf_model("bert-tiny", 2, seed=0)
         _WEIGHTS.append(safetensors.torch.save({k: v.contiguous()
                                                 for k, v in m.state_dict().items()}))
-    data = _WEIGHTS[0]
+    data = _WEIGHTS[0] if data is None else data
     d.upload(ADMIN, tenant, hashlib.sha256(data).hexdigest(), len(data), [data])
 
 
@@ -137,5 +146,36 @@ def test_a_removed_tenant_leaves_no_series_behind(tmp_path):
         assert _until(lambda: b'tenant="b"' not in generate_latest(d.metrics.registry))
         assert b'tenant="a"' in generate_latest(d.metrics.registry)
         assert "b" not in d.metrics._stats
+    finally:
+        d.stop(0)
+
+
+def test_a_lora_tenant_back_on_another_base_is_failed_not_served(tmp_path):
+    peft = pytest.importorskip("peft")
+    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+
+    b1 = make_hf_model("bert-tiny", 2, seed=3)
+    torch.manual_seed(1)
+    lora = peft.get_peft_model(copy.deepcopy(b1), peft.LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, target_modules=["query"]))
+    lora.save_pretrained(tmp_path / "adapter")
+    adapter = pack_adapter(tmp_path / "adapter", tmp_path / "adapter.safetensors").read_bytes()
+    ids = ["b1", "b2", "l"]
+    d = Daemon(_config(tmp_path, ids, bases={"l": "b1"}))
+    d.start()
+    try:
+        _upload(d, "b1", safetensors.torch.save({k: v.contiguous()
+                                                for k, v in b1.state_dict().items()}))
+        _upload(d, "b2")
+        _upload(d, "l", adapter)
+        d.apply_config(_config(tmp_path, ["b1", "b2"]))
+        assert _until(lambda: "l" not in d.engine.store)
+        d.apply_config(_config(tmp_path, ids, bases={"l": "b2"}))
+        st = d.status["l"]
+        assert st.state is State.FAILED and "a LoRA tenant of 'b1'" in st.error, st
+        assert "l" not in d.engine.store and d.blobs.exists("l")  # the file kept
+        d.apply_config(_config(tmp_path, ["b1", "b2"]))
+        d.apply_config(_config(tmp_path, ids, bases={"l": "b1"}))  # back as it was: served
+        assert d.status["l"].state is State.READY and "l" in d.engine.store
     finally:
         d.stop(0)
