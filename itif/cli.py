@@ -1,13 +1,17 @@
 """The ``itif`` command line: serve, upload, infer, generate, tenants, demo, plan, bench.
 
-On failure every command exits non-zero with one stderr line ``error: <STATUS_CODE_NAME>: <msg>``.
+On failure every command exits non-zero with one stderr line ``error: <STATUS_CODE_NAME>: <msg>``;
+a malformed command line (a bad flag value, FILE and --adapter both or neither) is an argparse
+usage error naming the flag (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import math
 import os
 import sys
 import tempfile
@@ -15,10 +19,102 @@ import tempfile
 import grpc
 
 
-def _client(args):
-    from itif.client import Client  # noqa: PLC0415 - keep `itif --help` fast
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the proto's int64 fields
+#: Longest --timeout, seconds (~11.6 days): gRPC overflows far larger deadlines and fails the
+#: call at once with DEADLINE_EXCEEDED.
+MAX_TIMEOUT_S = 1e6
+PEM_MARK = b"-----BEGIN CERTIFICATE-----"
 
-    ca = open(args.ca, "rb").read() if getattr(args, "ca", None) else None
+
+# ---- argparse types: a bad value is a usage error naming the flag (exit 2) --------------------
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def int64(text: str) -> int:
+    """An integer that fits the proto's int64 fields."""
+    v = _integer(text)
+    if not INT64_MIN <= v <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"{text.strip()} is outside the int64 range")
+    return v
+
+
+def positive_int(text: str) -> int:
+    v = _integer(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    v = _integer(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return v
+
+
+def token_ids(text: str) -> list[int]:
+    """Comma-separated int64 token ids (empty items skipped)."""
+    out = []
+    for i, item in enumerate(text.split(",")):
+        if item.strip():
+            try:
+                out.append(int64(item))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"token id #{i + 1}: {e}") from None
+    return out
+
+
+def timeout_s(text: str) -> float:
+    """A deadline in seconds: finite, > 0 and at most :data:`MAX_TIMEOUT_S`."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(
+            f"seconds must be finite, > 0 and at most {MAX_TIMEOUT_S:.0f}, got {text!r}")
+    return v
+
+
+def utf8_text(text: str) -> str:
+    """A string that encodes as UTF-8 (a non-UTF-8 argv byte arrives as a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text: {ascii(text)[:80]}") from None
+    return text
+
+
+# ---- files the user names ---------------------------------------------------------------------
+def _read(path: str, limit: int = -1) -> bytes:
+    """A file's bytes (all, or the first ``limit``); INVALID_ARGUMENT naming it if unreadable."""
+    from itif.errors import InvalidRequest  # noqa: PLC0415
+
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit)
+    except OSError as e:
+        raise InvalidRequest(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _client(args):
+    from itif.client import Client, check_token  # noqa: PLC0415 - keep `itif --help` fast
+    from itif.errors import InvalidRequest  # noqa: PLC0415
+
+    try:
+        check_token(args.token)
+    except InvalidRequest as e:
+        raise InvalidRequest(f"--token: {e}") from None
+    ca = None
+    if getattr(args, "ca", None):
+        ca = _read(args.ca)
+        if PEM_MARK not in ca:
+            raise InvalidRequest(f"--ca {args.ca}: not a PEM certificate (no "
+                                 f"{PEM_MARK.decode()} line)")
     return Client(args.server, args.token, root_certificates=ca)
 
 
@@ -41,11 +137,16 @@ def cmd_serve(args) -> int:
     return main(args.config)
 
 
-def cmd_upload(args) -> int:
-    if (args.file is None) == (args.adapter is None):
-        from itif.errors import InvalidRequest  # noqa: PLC0415
+def _check_upload(parser: argparse.ArgumentParser, args) -> None:
+    if args.file is None and args.adapter is None:
+        parser.error("give a weights FILE or --adapter DIR")
+    if args.file is not None and args.adapter is not None:
+        parser.error("give a weights FILE or --adapter DIR, not both")
 
-        raise InvalidRequest("give a weights FILE or --adapter DIR, not both")
+
+def cmd_upload(args) -> int:
+    if args.file is not None:
+        _read(args.file, 0)  # a missing file or a directory: one clear line, before connecting
     with _client(args) as c, _upload_source(args) as path:
         kw = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
         r = c.upload(args.tenant, path, progress=not args.quiet, **kw)
@@ -55,15 +156,16 @@ def cmd_upload(args) -> int:
 
 
 def cmd_infer(args) -> int:
-    ids = [int(x) for x in args.ids.split(",") if x.strip()] if args.ids is not None else None
     with _client(args) as c:
-        out = c.infer(args.tenant, ids, text=args.text, outputs=args.outputs or (),
+        out = c.infer(args.tenant, args.ids, text=args.text, outputs=args.outputs or (),
                       timeout=args.timeout)
     if args.json:
         print(json.dumps({k: v.tolist() for k, v in out.items()}))
     else:
         for k, v in out.items():
-            print(f"{k} {list(v.shape)}: {v.round(5).tolist() if v.size <= 16 else v.ravel()[:8].round(5).tolist() + ['...']}")
+            r = v.astype("float64").round(5)  # in float64: a rounded float32 widens unrounded
+            print(f"{k} {list(v.shape)}: "
+                  f"{r.tolist() if v.size <= 16 else r.ravel()[:8].tolist() + ['...']}")
     return 0
 
 
@@ -75,7 +177,7 @@ def cmd_generate(args) -> int:
     """Stream one Generate call: each token message as it arrives (its text when the tenant
     ships a tokenizer, else its ids), then the final sequences; ``--json``: one JSON object per
     message instead."""
-    ids = [int(x) for x in args.ids.split(",") if x.strip()] if args.ids is not None else None
+    ids = args.ids
     params = {k: getattr(args, k) for k in ("max_new_tokens", "num_beams", "length_penalty",
                                              "no_repeat_ngram_size", "num_return_sequences",
                                              "temperature", "top_k", "top_p", "seed",
@@ -161,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--token", required=True, help="bearer token (tenant's or admin's)")
         sp.add_argument("--ca", help="PEM root certificate for TLS")
         if tenant:
-            sp.add_argument("--tenant", required=True)
+            sp.add_argument("--tenant", required=True, type=utf8_text)
 
     s = sub.add_parser("upload", help="upload a tenant's safetensors weights")
     remote(s)
@@ -170,18 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a PEFT LoRA adapter directory (adapter_config.json + "
                         "adapter_model.safetensors), for a tenant with a base")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
-    s.add_argument("--chunk-bytes", type=int, default=None,
+    s.add_argument("--chunk-bytes", type=positive_int, default=None,
                    help="file bytes per message; keep it below the server's max_message_bytes "
                         "(default: itif.client.UPLOAD_CHUNK, 256 KiB)")
-    s.set_defaults(fn=cmd_upload)
+    s.set_defaults(fn=cmd_upload, usage_check=functools.partial(_check_upload, s))
 
     s = sub.add_parser("infer", help="run one input")
     remote(s)
     g = s.add_mutually_exclusive_group(required=True)
-    g.add_argument("--ids", help="comma-separated token ids")
-    g.add_argument("--text", help="text (backbones that ship a tokenizer)")
+    g.add_argument("--ids", type=token_ids, help="comma-separated token ids")
+    g.add_argument("--text", type=utf8_text, help="text (backbones that ship a tokenizer)")
     s.add_argument("--outputs", nargs="*", help="logits pooled last_hidden_state")
-    s.add_argument("--timeout", type=float, default=30.0, help="deadline, seconds")
+    s.add_argument("--timeout", type=timeout_s, default=30.0, help="deadline, seconds")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(fn=cmd_infer)
 
@@ -189,22 +291,23 @@ def build_parser() -> argparse.ArgumentParser:
                        "streaming tokens as they are decided")
     remote(s)
     g = s.add_mutually_exclusive_group(required=True)
-    g.add_argument("--ids", help="comma-separated token ids (the prompt, or the source)")
-    g.add_argument("--text", help="text (tenants that ship a tokenizer)")
-    s.add_argument("--max-new-tokens", type=int, help="default 20")
-    s.add_argument("--num-beams", type=int, help="beam search with N beams (default 1)")
+    g.add_argument("--ids", type=token_ids,
+                   help="comma-separated token ids (the prompt, or the source)")
+    g.add_argument("--text", type=utf8_text, help="text (tenants that ship a tokenizer)")
+    s.add_argument("--max-new-tokens", type=int64, help="default 20")
+    s.add_argument("--num-beams", type=int64, help="beam search with N beams (default 1)")
     s.add_argument("--length-penalty", type=float, help="beam score length exponent (default 1)")
     s.add_argument("--early-stopping", choices=("true", "false", "never"),
                    help="when beam search stops (default false)")
-    s.add_argument("--no-repeat-ngram-size", type=int, help="ban repeated n-grams (default 0)")
-    s.add_argument("--num-return-sequences", type=int, help="sequences returned (default 1)")
+    s.add_argument("--no-repeat-ngram-size", type=int64, help="ban repeated n-grams (default 0)")
+    s.add_argument("--num-return-sequences", type=int64, help="sequences returned (default 1)")
     s.add_argument("--do-sample", action="store_true", help="sample instead of searching")
     s.add_argument("--temperature", type=float, help="sampling temperature (default 1)")
-    s.add_argument("--top-k", type=int, help="sample among the k likeliest (default 0: off)")
+    s.add_argument("--top-k", type=int64, help="sample among the k likeliest (default 0: off)")
     s.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1: off)")
-    s.add_argument("--seed", type=int, help="sampling seed")
-    s.add_argument("--eos-token-id", type=int, help="end token (default: the checkpoint's)")
-    s.add_argument("--timeout", type=float, default=120.0, help="deadline, seconds")
+    s.add_argument("--seed", type=int64, help="sampling seed")
+    s.add_argument("--eos-token-id", type=int64, help="end token (default: the checkpoint's)")
+    s.add_argument("--timeout", type=timeout_s, default=120.0, help="deadline, seconds")
     s.add_argument("--json", action="store_true", help="one JSON object per streamed message")
     s.set_defaults(fn=cmd_generate)
 
@@ -214,8 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="daemon on loopback, demo tenants fine-tuned from the "
                        "packaged all-MiniLM-L6-v2 (itif[demo]), mixed load, speedup")
-    s.add_argument("--tenants", type=int, default=4)
-    s.add_argument("--requests", type=int, default=64, help="requests per tenant")
+    s.add_argument("--tenants", type=positive_int, default=4)
+    s.add_argument("--requests", type=positive_int, default=64, help="requests per tenant")
     s.add_argument("--quick", action="store_true",
                    help="at most 8 requests per tenant (same MiniLM backbone and tenants)")
     s.set_defaults(fn=cmd_demo)
@@ -223,11 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("plan", help="plan one batch with every strategy and run it")
     s.add_argument("--backbone", default="bert-base")
     s.add_argument("--workload", default="uniform:2-100", help="uniform:LO-HI or normal:MEAN:VAR")
-    s.add_argument("--tenants", type=int, default=4)
-    s.add_argument("--requests", type=int, default=64)
+    s.add_argument("--tenants", type=positive_int, default=4)
+    s.add_argument("--requests", type=positive_int, default=64)
     s.add_argument("--skew", default=None, help="tenant popularity, e.g. zipf:1.5")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--threads", type=int, default=None,
+    s.add_argument("--seed", type=non_negative_int, default=0)
+    s.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads for the run (default: torch's); 1 is steadier on a "
                         "shared CPU")
     s.add_argument("--json", action="store_true", help="compact JSON")
@@ -243,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "usage_check", None) is not None:
+        args.usage_check(args)  # checks across flags; exits 2 like argparse
     try:
         return args.fn(args) or 0
     except grpc.RpcError as e:
@@ -253,8 +358,13 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - a CLI reports, it does not trace back
         from itif.errors import ItifError  # noqa: PLC0415
 
-        code = e.code if isinstance(e, ItifError) else type(e).__name__
-        print(f"error: {code}: {e}", file=sys.stderr)
+        if isinstance(e, ItifError):
+            msg = f"{e.code}: {e}"
+        elif isinstance(e, OSError) and e.filename is not None:
+            msg = f"INVALID_ARGUMENT: {e.filename}: {e.strerror or e}"
+        else:
+            msg = f"UNKNOWN: {type(e).__name__}: {e}"
+        print(f"error: {msg}", file=sys.stderr)
         return 1
 
 

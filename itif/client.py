@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from itif.errors import InvalidRequest, shown
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
 
 CHUNK = 1 << 20  # bytes read at a time while hashing
@@ -37,10 +38,22 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
                     "backoffMultiplier": 3, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
 
 
+def check_token(token: str) -> None:
+    """A bearer token travels as gRPC metadata, which carries printable ASCII only (gRPC would
+    otherwise fail the call with INTERNAL "Invalid metadata"). The token is never echoed."""
+    if not isinstance(token, str):
+        raise InvalidRequest(f"the token must be a str, not {type(token).__name__}")
+    for i, ch in enumerate(token):
+        if not " " <= ch <= "~":
+            raise InvalidRequest(f"the token's character {i + 1} of {len(token)} is not "
+                                 "printable ASCII (gRPC metadata carries ' ' to '~' only)")
+
+
 class Client:
     def __init__(self, address: str, token: str, *, root_certificates: bytes | None = None,
                  private_key: bytes | None = None, certificate_chain: bytes | None = None,
                  max_message_bytes: int = 64 * 2**20) -> None:
+        check_token(token)
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
@@ -70,12 +83,18 @@ class Client:
         bar on stderr."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        try:  # checked before the call: inside the request stream gRPC hides the error
+            itif_pb2.UploadHeader(tenant=tenant)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest(f"tenant {shown(tenant)} is not valid UTF-8 text: {e}") from None
         path = Path(path)
         size = path.stat().st_size
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(CHUNK), b""):
                 digest.update(block)
+        first = itif_pb2.UploadWeightsRequest(header=itif_pb2.UploadHeader(
+            tenant=tenant, sha256=digest.hexdigest(), total_size=size))
         bar = None
         if progress:
             from tqdm import tqdm  # noqa: PLC0415
@@ -83,8 +102,7 @@ class Client:
             bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"upload {tenant}")
 
         def messages() -> Iterator[itif_pb2.UploadWeightsRequest]:
-            yield itif_pb2.UploadWeightsRequest(header=itif_pb2.UploadHeader(
-                tenant=tenant, sha256=digest.hexdigest(), total_size=size))
+            yield first
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(chunk_bytes), b""):
                     if bar is not None:
@@ -106,7 +124,8 @@ class Client:
             return itif_pb2.InferInput(text=text)
         if pixel_values is not None:
             a = np.ascontiguousarray(pixel_values, dtype="<f4")
-            return itif_pb2.InferInput(pixel_values=itif_pb2.Tensor(shape=a.shape, data=a.tobytes()))
+            return itif_pb2.InferInput(pixel_values=itif_pb2.Tensor(shape=a.shape,
+                                                                    data=a.tobytes()))
         return itif_pb2.InferInput(input_ids=itif_pb2.TokenIds(
             ids=[int(i) for i in ids], token_type_ids=[int(t) for t in token_type_ids or ()]))
 
@@ -147,7 +166,8 @@ class Client:
         early = {None: itif_pb2.EARLY_STOPPING_UNSPECIFIED, False: itif_pb2.EARLY_STOPPING_FALSE,
                  True: itif_pb2.EARLY_STOPPING_TRUE, "never": itif_pb2.EARLY_STOPPING_NEVER}
         if early_stopping not in early:
-            raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+            raise ValueError("early_stopping must be True, False or 'never', "
+                             f"got {early_stopping!r}")
         req = itif_pb2.GenerateRequest(
             tenant=tenant, early_stopping=early[early_stopping], do_sample=do_sample,
             **{k: v for k, v in params.items() if v is not None})
@@ -178,7 +198,8 @@ class Client:
         return self.stub.GetTenant(itif_pb2.GetTenantRequest(tenant=tenant), metadata=self.metadata)
 
     def tenants(self) -> list[itif_pb2.TenantInfo]:
-        return list(self.stub.ListTenants(itif_pb2.ListTenantsRequest(), metadata=self.metadata).tenants)
+        return list(self.stub.ListTenants(itif_pb2.ListTenantsRequest(),
+                                          metadata=self.metadata).tenants)
 
     def delete_weights(self, tenant: str) -> itif_pb2.DeleteWeightsResponse:
         return self.stub.DeleteWeights(itif_pb2.DeleteWeightsRequest(tenant=tenant),

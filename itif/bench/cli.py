@@ -105,7 +105,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
+def check_out(out: str) -> None:
+    """``--out`` before anything runs (not after the first group): not a directory, and the
+    nearest directory above it that exists is writable (missing ones are made)."""
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from itif.errors import InvalidRequest  # noqa: PLC0415
+
+    path = Path(out)
+    if path.is_dir():
+        raise InvalidRequest(f"--out {out}: is a directory (give the result's .json file)")
+    tmp = path.with_name(path.name + ".tmp")  # written first, then renamed onto --out
+    if tmp.is_dir():
+        raise InvalidRequest(f"--out {out}: {tmp} is a directory")
+    for where in (path, tmp):
+        if where.exists() and not os.access(where, os.W_OK):
+            raise InvalidRequest(f"--out {out}: {where} is not writable")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InvalidRequest(f"--out {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidRequest(f"--out {out}: directory {parent} is not writable")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_out(args.out)
     import json  # noqa: PLC0415
     import logging  # noqa: PLC0415
     import sys  # noqa: PLC0415
