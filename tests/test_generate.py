@@ -270,15 +270,17 @@ def test_extreme_search_parameters_are_refused_or_served_exactly(family):
                             ("temperature", R("a", [5], do_sample=True, temperature=1e-320)),
                             ("length_penalty", R("a", [5], num_beams=2, length_penalty=1e308)),
                             ("length_penalty", R("a", [5], num_beams=2, max_new_tokens=20,
-                                                 length_penalty=-30.0))):
+                                                 length_penalty=-30.0)),
+                            # one request's size would set every running row's cost
+                            ("no_repeat_ngram_size", R("a", [5], no_repeat_ngram_size=65))):
         with pytest.raises(InvalidRequest, match=field_name):
             eng.generate([req])
     # sizes past the vocabulary / the whole sequence mean "no limit": served as such
     sample = dict(max_new_tokens=6, do_sample=True, seed=3)
     huge_k, no_k = eng.generate([R("a", [5, 9], top_k=2 ** 70, **sample), R("a", [5, 9], **sample)])
     assert huge_k.sequences == no_k.sequences
-    huge_n = eng.generate([R("b", [5, 9], max_new_tokens=8, no_repeat_ngram_size=2 ** 63 - 1)])
-    assert huge_n[0].sequences == hf_generate(spec, models["b"], R("b", [5, 9], max_new_tokens=8))[0]
+    long_n = eng.generate([R("b", [5, 9], max_new_tokens=8, no_repeat_ngram_size=64)])
+    assert long_n[0].sequences == hf_generate(spec, models["b"], R("b", [5, 9], max_new_tokens=8))[0]
     assert eng.cache_stats()["blocks_used"] == 0
 
 

@@ -15,12 +15,17 @@ from typing import Literal, Sequence
 from itif.errors import InvalidRequest
 
 __all__ = ["EarlyStopping", "GenerateRequest", "Generation", "GenerationDefaults", "check_request",
-           "MAX_BEAMS", "MAX_LOG_LENGTH_PENALTY", "TEMPERATURE_RANGE"]
+           "MAX_BEAMS", "MAX_LOG_LENGTH_PENALTY", "MAX_NO_REPEAT_NGRAM", "TEMPERATURE_RANGE"]
 
 EarlyStopping = bool | Literal["never"]
 
 #: Widest beam a request may ask for: the search keeps ``2 * num_beams`` candidates per step.
 MAX_BEAMS = 16
+
+#: Largest ``no_repeat_ngram_size``: the ban compares every row of the running batch with its
+#: whole history over the batch's largest size, so one request's size would set every
+#: tenant's cost (memory: rows x positions x size).
+MAX_NO_REPEAT_NGRAM = 64
 
 #: Sampling temperatures served. The search keeps them in float32 and divides logits by them:
 #: far outside this range the quotient overflows (below) or every token is equally likely (above).
@@ -130,6 +135,9 @@ def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int
                   f"ln(max_new_tokens) must be at most {MAX_LOG_LENGTH_PENALTY:g})")
     if not isinstance(r.no_repeat_ngram_size, int) or r.no_repeat_ngram_size < 0:
         raise bad("no_repeat_ngram_size", f"must be 0 (off) or more, got {r.no_repeat_ngram_size!r}")
+    if r.no_repeat_ngram_size > MAX_NO_REPEAT_NGRAM:
+        raise bad("no_repeat_ngram_size", f"{r.no_repeat_ngram_size} is over the limit "
+                  f"{MAX_NO_REPEAT_NGRAM}")
     if r.do_sample:
         if r.num_beams > 1:
             raise bad("num_beams", "sampling with num_beams > 1 (beam sampling) is not served; "
