@@ -309,3 +309,44 @@ def test_a_request_the_search_refuses_fails_alone(family, monkeypatch):
     assert events["b"][0].generation.sequences == hf_generate(spec, models["b"], rb)[0]
     stats = eng.cache_stats()
     assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
+
+
+def test_a_tenant_removed_while_its_request_is_submitted_fails_that_request_alone(
+        family, tmp_path, monkeypatch):
+    """submit checks the tenant, then queues: a remove_tenant in between used to leave the
+    request queued for a tenant that is gone (served on another tenant's slots, or a KeyError
+    that failed every running generation). It now fails alone when its step comes."""
+    spec, models, eng = family
+    models["c"].save_pretrained(tmp_path / "d")
+    eng.add_tenant("d", tmp_path / "d")
+    prepare, checked, removed = eng._prepare, threading.Event(), threading.Event()
+
+    def slow_prepare(r):
+        t = prepare(r)
+        if r.tenant == "d":  # the tenant was checked; it goes before the request is queued
+            checked.set()
+            removed.wait(10)
+        return t
+
+    monkeypatch.setattr(eng, "_prepare", slow_prepare)
+    ea, ed = [], []
+    ra = GenerateRequest("a", [5, 6, 7], max_new_tokens=8)
+    eng.submit(ra, ea.append)
+    eng._iterate()  # a is running
+    th = threading.Thread(target=eng.submit,
+                          args=(GenerateRequest("d", [5, 6], max_new_tokens=4), ed.append))
+    th.start()
+    assert checked.wait(10)
+    eng.remove_tenant("d")
+    removed.set()
+    th.join(10)
+    for _ in range(100):
+        if ed and [e for e in ea if e.kind != "tokens"]:
+            break
+        eng._iterate()
+    assert [e.kind for e in ed] == ["error"] and isinstance(ed[0].error, TenantNotFound)
+    assert "'d'" in str(ed[0].error)
+    done = [e for e in ea if e.kind != "tokens"]
+    assert [e.kind for e in done] == ["done"]
+    assert done[0].generation.sequences == hf_generate(spec, models["a"], ra)[0]
+    assert eng.cache_stats()["blocks_used"] == 0

@@ -365,6 +365,11 @@ class GenEngine:
                     break
                 free -= need
                 joins.append(self._waiting.pop())
+        for t in [t for t in joins if t.request.tenant not in self.store]:
+            # removed between its submit's check and now (the store changes under this lock)
+            joins.remove(t)
+            self._fail([t], TenantNotFound(f"tenant {shown(t.request.tenant)} was removed "
+                                           "before its generation started"))
         for t in joins:  # running from here: a failing step below reports to them too
             self._running[t.id] = t
         gone = [t for t in cancel if t.id in self._running]
