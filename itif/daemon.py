@@ -519,8 +519,14 @@ class Daemon:
         log.error("config reload refused, keeping the last good config: %s", exc)
 
     def _outstanding(self, tenant: str) -> int:
-        """The tenant's accepted requests that have not finished (queued or running)."""
-        return self.scheduler.outstanding(tenant)
+        """The tenant's accepted calls that have not finished: Infer rows (queued or running)
+        and Generate calls (waiting or running)."""
+        return self.scheduler.outstanding(tenant) + self._generating_of(tenant)
+
+    def _generating_of(self, tenant: str) -> int:
+        with self._gen_lock:
+            return sum(getattr(t, "request", None) is not None and t.request.tenant == tenant
+                       for t in self._generating)
 
 
 def _kernel_self_test(device, dtype) -> list:

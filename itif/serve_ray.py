@@ -105,11 +105,6 @@ class FleetDaemon(Daemon):
             self.cancelled_generations += 1
         super().cancel_generate(ticket)
 
-    def _generating_of(self, tenant: str) -> int:
-        with self._gen_lock:
-            return sum(getattr(t, "request", None) is not None and t.request.tenant == tenant
-                       for t in self._generating)
-
     def restore(self) -> None:
         """Nothing: see :meth:`hold`."""
 
@@ -133,8 +128,7 @@ class FleetDaemon(Daemon):
         if st is not None:
             st.state, st.error = State.NO_WEIGHTS, "moved off this replica"
         deadline = time.monotonic() + timeout_s
-        while ((self._outstanding(tenant) or self._generating_of(tenant))
-               and time.monotonic() < deadline):
+        while self._outstanding(tenant) and time.monotonic() < deadline:
             time.sleep(0.02)
         with self._tenant_lock(tenant):
             if tenant in self.engine.store:

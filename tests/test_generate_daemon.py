@@ -636,3 +636,36 @@ def test_tenant_weights_reach_generation_admission_live(served):
     finally:
         d.apply_config(old)
     assert gen._waiting.weight("acme") == 1.0
+
+
+def test_a_tenant_removed_from_the_config_finishes_its_running_generation(tmp_path):
+    """Its accepted Generate call runs to its end, then the tenant is retired (before: the
+    retire counted Infer rows only, so the generation ended at once with NOT_FOUND)."""
+    backbone = write_backbone(tmp_path / "backbone")
+    d = InProcess(parse_config(config_text(backbone), tmp_path))
+    d.start()
+    try:
+        upload_models(d, tmp_path)
+        events, started, done = [], threading.Event(), threading.Event()
+
+        def on(ev):
+            events.append(ev)
+            started.set()
+            if ev.kind in ("done", "error"):
+                done.set()
+
+        d.submit_generate(Identity(None, admin=True), "acme",
+                          GenerateRequest("acme", [5, 6, 7], max_new_tokens=1500,
+                                          eos_token_id=VOCAB - 1), on)
+        assert started.wait(30)
+        d.apply_config(dataclasses.replace(
+            d.config, tenants=[t for t in d.config.tenants if t.id != "acme"]))
+        assert done.wait(120)
+        assert events[-1].kind == "done", events[-1]
+        assert len(events[-1].generation.sequences[0]) == 1500
+        end = time.monotonic() + 10
+        while "acme" in d.generator.tenants() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert "acme" not in d.generator.tenants()
+    finally:
+        d.stop(0)
