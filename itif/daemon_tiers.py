@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from itif.daemon_state import State
-from itif.errors import InvalidRequest, InvalidWeights, ItifError, TenantNotFound
+from itif.errors import InvalidRequest, InvalidWeights, ItifError, NoWeights, TenantNotFound
 from itif.requests import OUTPUTS
 from itif.weights.tiers import TierManager
 
@@ -46,7 +46,9 @@ def build(d: Daemon) -> TierManager | None:
     def failed(tenant: str, exc: BaseException) -> None:
         st = d.status.get(tenant)
         if st is not None and isinstance(exc, InvalidWeights):  # the stored file is bad
-            st.state, st.error = type(st.state).FAILED, f"stored weights refused: {exc}"
+            st.state, st.error = State.FAILED, f"stored weights refused: {exc}"
+        elif st is not None and isinstance(exc, NoWeights):  # its base has none: not transient
+            st.state, st.error = State.FAILED, str(exc)
 
     tiers = TierManager(d.engine, d.scheduler, host_bytes=d.config.backbone.host_weight_bytes,
                         load=load, on_failed=failed, busy=lambda: d.scheduler.in_batch)
@@ -62,6 +64,10 @@ def register(d: Daemon, tenant: str) -> None:
     d.tiers.register(tenant, stored=stored, pinned=bool(conf and conf.pinned),
                      base=conf.base if conf else None)
     st = d.status[tenant]
+    base = conf.base if conf else None
+    if stored and base is not None and not d.blobs.exists(base):  # as _rederive leaves it
+        st.state, st.error = State.FAILED, f"its base {base!r} has no weights"
+        return
     if stored and st.state is not State.READY:
         try:
             sha = d.blobs.stored_sha256(tenant) or ""

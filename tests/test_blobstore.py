@@ -344,3 +344,14 @@ def test_no_fd_leak(store):
     upload(store, "acme", OLD)
     assert fds() == before
     assert tmp_files(store) == []
+
+
+def test_an_unreadable_pending_record_does_not_stop_the_start(tmp_path):
+    """A leftover ``.sha256.pending`` that cannot be read (here a directory) leaves that entry
+    alone and the store opens: the other tenants' files are served (before: the start failed
+    with IsADirectoryError for every tenant)."""
+    store = BlobStore(tmp_path / "data", max_upload_bytes=1000)
+    upload(store, "acme", OLD)
+    (tmp_path / "data" / "weights" / "zz.sha256.pending").mkdir()
+    again = BlobStore(tmp_path / "data", max_upload_bytes=1000)
+    assert again.verify("acme") == sha(OLD)

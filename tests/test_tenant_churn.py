@@ -150,16 +150,21 @@ def test_a_removed_tenant_leaves_no_series_behind(tmp_path):
         d.stop(0)
 
 
-def test_a_lora_tenant_back_on_another_base_is_failed_not_served(tmp_path):
+def _adapter(tmp_path, base) -> bytes:
+    """A packed PEFT LoRA adapter (query, rank 4) trained on nothing, for ``base``."""
     peft = pytest.importorskip("peft")
     from itif.backbones.lora import pack_adapter  # noqa: PLC0415
 
-    b1 = make_hf_model("bert-tiny", 2, seed=3)
     torch.manual_seed(1)
-    lora = peft.get_peft_model(copy.deepcopy(b1), peft.LoraConfig(
+    lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
         r=4, lora_alpha=8, init_lora_weights=False, target_modules=["query"]))
     lora.save_pretrained(tmp_path / "adapter")
-    adapter = pack_adapter(tmp_path / "adapter", tmp_path / "adapter.safetensors").read_bytes()
+    return pack_adapter(tmp_path / "adapter", tmp_path / "adapter.safetensors").read_bytes()
+
+
+def test_a_lora_tenant_back_on_another_base_is_failed_not_served(tmp_path):
+    b1 = make_hf_model("bert-tiny", 2, seed=3)
+    adapter = _adapter(tmp_path, b1)
     ids = ["b1", "b2", "l"]
     d = Daemon(_config(tmp_path, ids, bases={"l": "b1"}))
     d.start()
@@ -177,5 +182,34 @@ def test_a_lora_tenant_back_on_another_base_is_failed_not_served(tmp_path):
         d.apply_config(_config(tmp_path, ["b1", "b2"]))
         d.apply_config(_config(tmp_path, ids, bases={"l": "b1"}))  # back as it was: served
         assert d.status["l"].state is State.READY and "l" in d.engine.store
+    finally:
+        d.stop(0)
+
+
+def test_with_tiers_a_lora_tenant_whose_base_was_deleted_restarts_failed(tmp_path):
+    """As without tiers: FAILED (FAILED_PRECONDITION), not READY failing every request with a
+    retryable UNAVAILABLE (before: its registration marked any stored file READY)."""
+    from itif.errors import NoWeights  # noqa: PLC0415
+
+    base = make_hf_model("bert-tiny", 2, seed=3)
+    adapter = _adapter(tmp_path, base)
+    cfg = lambda: _config(tmp_path, ["b", "l"], TIERS, bases={"l": "b"})  # noqa: E731
+    d = Daemon(cfg())
+    d.start()
+    try:
+        _upload(d, "b", safetensors.torch.save({k: v.contiguous()
+                                               for k, v in base.state_dict().items()}))
+        _upload(d, "l", adapter)
+        d.delete_weights(ADMIN, "b")
+        assert d.status["l"].state is State.FAILED
+    finally:
+        d.stop(0)
+    d = Daemon(cfg())
+    d.start()
+    try:
+        st = d.status["l"]
+        assert st.state is State.FAILED and "'b' has no weights" in st.error, st
+        with pytest.raises(NoWeights):
+            d.infer(ADMIN, "l", [Request("l", input_ids=[1, 2, 3])], timeout=30)
     finally:
         d.stop(0)

@@ -55,6 +55,7 @@ until the next start-up settles the pair.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -67,6 +68,8 @@ from typing import IO
 
 from itif.errors import InvalidRequest, InvalidWeights, Overloaded, shown
 from itif.weights.safetensors_io import sha256_file
+
+log = logging.getLogger("itif.blobstore")
 
 __all__ = ["TENANT_ID_RE", "BlobStore", "Upload", "validate_tenant_id"]
 
@@ -367,7 +370,10 @@ class BlobStore:
             if entry.is_file() or entry.is_symlink():
                 entry.unlink()
         for pending in self._weights.glob(f"*{_PENDING_SUFFIX}"):
-            self._settle(pending.name[: -len(_PENDING_SUFFIX)])
+            try:
+                self._settle(pending.name[: -len(_PENDING_SUFFIX)])
+            except OSError as e:  # one tenant's unreadable record: that tenant's, not the start's
+                log.error("weights store: cannot settle %s, left as it is: %s", pending, e)
         for data in self._weights.glob(f"*{_DATA_SUFFIX}"):
             stem = data.name[: -len(_DATA_SUFFIX)]
             if data.is_file() and not (self._weights / f"{stem}{_SIDECAR_SUFFIX}").exists():
