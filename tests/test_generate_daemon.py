@@ -343,6 +343,10 @@ BAD = [  # (what the request says, the field the refusal names)
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=2041), "max_new_tokens"),  # over server.max_new_tokens (2040)
     (dict(max_new_tokens=-3), "max_new_tokens"),
+    (dict(max_new_tokens=10**7), "max_new_tokens"),  # not a reply-size RESOURCE_EXHAUSTED
+    (dict(num_return_sequences=10**6), "num_return_sequences"),  # greedy: likewise
+    # more KV cache than the whole pool (8 MiB): never fits, so not a retryable overload
+    (dict(do_sample=True, num_return_sequences=600, max_new_tokens=40), "num_return_sequences"),
     (dict(temperature=0.5), "temperature"),  # without do_sample
     (dict(top_k=5), "top_k"),
     (dict(top_p=0.9), "top_p"),

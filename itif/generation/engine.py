@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from itif.backbones.hf import CanonicalWeights
-from itif.errors import InvalidRequest, ItifError, Overloaded, TenantNotFound, Unavailable, shown
+from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
@@ -220,10 +220,14 @@ class GenEngine:
         t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens, source)
         t.history = prompt
         t.stream = params.mode != "beam"
-        if self._batch.blocks_needed(t.admission) > self._batch.pool.blocks:
-            raise Overloaded(f"max_new_tokens: the request needs "
-                             f"{self._batch.blocks_needed(t.admission)} KV cache blocks, the whole "
-                             f"cache has {self._batch.pool.blocks} (kv_cache_bytes {self.kv_cache_bytes})")
+        need = self._batch.blocks_needed(t.admission)
+        if need > self._batch.pool.blocks:  # never fits, however long it waits: not retryable
+            field_name = ("max_new_tokens" if params.rows == 1 else
+                          "num_beams" if params.mode == "beam" else "num_return_sequences")
+            raise InvalidRequest(f"{field_name}: the request needs {need} KV cache blocks "
+                                 f"({params.rows} rows of up to {total} positions), the whole "
+                                 f"cache has {self._batch.pool.blocks} (kv_cache_bytes "
+                                 f"{self.kv_cache_bytes})")
         return t
 
     # ---- serving -----------------------------------------------------------------------------

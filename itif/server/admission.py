@@ -235,12 +235,15 @@ def estimate_reply_bytes(daemon: Any, tenant: str, requests: list, *, padded_row
     return total
 
 
-def _too_large(nbytes: int, limit: int, exact: bool) -> Overloaded:
+_INFER_HINT = ("send fewer inputs per call, or ask for logits or pooled instead of "
+               "last_hidden_state")
+
+
+def _too_large(nbytes: int, limit: int, exact: bool, hint: str = _INFER_HINT) -> Overloaded:
     about = "" if exact else "about "
     return Overloaded(
         f"the reply would be {about}{nbytes} bytes, over server.max_message_bytes ({limit}), so "
-        "it cannot be sent: send fewer inputs per call, or ask for logits or pooled instead of "
-        "last_hidden_state")
+        f"it cannot be sent: {hint}")
 
 
 def in_admitted_call() -> bool:
@@ -248,7 +251,7 @@ def in_admitted_call() -> bool:
     return _SLOT.get() is not None
 
 
-def reserve_reply(daemon: Any, nbytes: int) -> None:
+def reserve_reply(daemon: Any, nbytes: int, hint: str = _INFER_HINT) -> None:
     """In an admitted gRPC call, before any work is queued: refuse a reply that could not be
     sent (over ``server.max_message_bytes``), then hold its bytes against the tenant's and the
     connection's budget. Nothing outside such a call (the HTTP APIs have their own limits)."""
@@ -257,7 +260,7 @@ def reserve_reply(daemon: Any, nbytes: int) -> None:
         return
     limit = daemon.config.server.max_message_bytes
     if nbytes > limit:
-        raise _too_large(nbytes, limit, exact=False)
+        raise _too_large(nbytes, limit, exact=False, hint=hint)
     slot.admission.reserve(slot, nbytes)
 
 

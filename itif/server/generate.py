@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 
 from itif.errors import DeadlineExceeded, InvalidRequest, Unavailable
-from itif.generation.api import GenerateRequest
+from itif.generation.api import GenerateRequest, check_request
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.admission import finish_reply, reserve_reply
 
@@ -190,7 +191,12 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
     gen = daemon.generator
     if gen is not None:  # an encoder daemon: submit_generate says so
         daemon._visible(who, tenant)
-        reserve_reply(daemon, _reply_bytes(req))  # in an admitted call, before any work
+        # the parameters first (a text prompt is checked once tokenized): a reply sized from
+        # out-of-range values must not answer RESOURCE_EXHAUSTED for what is INVALID_ARGUMENT
+        check_request(req if req.input_ids else replace(req, input_ids=[0]),
+                      daemon.config.server.max_new_tokens)
+        reserve_reply(daemon, _reply_bytes(req),  # in an admitted call, before any work
+                      "ask for fewer sequences (num_return_sequences) or fewer new tokens")
     remaining = context.time_remaining()
     deadline = None if remaining is None else time.monotonic() + remaining
     call = GenerationStream(daemon, who, tenant, req, text)
