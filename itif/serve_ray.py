@@ -279,13 +279,22 @@ class ItifReplica:
         await asyncio.to_thread(self.daemon.hold, tenant)
         return _Held(self.daemon, tenant)
 
+    async def hold_tenant(self, tenant: str) -> None:
+        """Serve's multiplexed hold of ``tenant``, then weights committed since, if it had none:
+        Serve caches the hold, so a tenant whose first call came before its weights (a readiness
+        probe) would otherwise stay without them on this replica until evicted."""
+        await self.tenant(tenant)
+        st = self.daemon.status.get(tenant)
+        if st is not None and st.state is State.NO_WEIGHTS:
+            await asyncio.to_thread(self.daemon.hold, tenant)
+
     async def handle(self, method: str, path: str, query: bytes,
                      headers: list[tuple[bytes, bytes]], body: bytes,
                      client: tuple[str, int] | None = None) -> tuple[int, list, bytes]:
         """One forwarded HTTP request, answered by the HTTP app on this replica's daemon."""
         tenant = serve.get_multiplexed_model_id()
         if tenant:
-            await self.tenant(tenant)
+            await self.hold_tenant(tenant)
         status, out, data = await call_asgi(self.app, method, path, query, headers, body, client)
         return status, out + self._who(tenant), data
 
@@ -298,7 +307,7 @@ class ItifReplica:
         away); :func:`stream_asgi` then cancels the app, and the app the generation."""
         tenant = serve.get_multiplexed_model_id()
         if tenant:
-            await self.tenant(tenant)
+            await self.hold_tenant(tenant)
         parts = stream_asgi(self.app, method, path, query, headers, body, client)
         try:
             async for part in parts:

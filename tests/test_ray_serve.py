@@ -414,6 +414,46 @@ def test_replica_daemon_holds_and_releases_tenants(tmp_path):
         d.stop(0)
 
 
+def test_a_tenant_called_before_its_weights_gets_them_once_committed(tmp_path):
+    """A replica's first call of a tenant without weights (a readiness probe) holds it without;
+    Serve caches that hold, so the replica now picks up weights the single writer commits
+    later (before: NO_WEIGHTS on that replica until evicted). Without Ray: the replica's
+    method on a FleetDaemon, Serve's cached loader stood in for."""
+    import asyncio  # noqa: PLC0415
+
+    f = Fleet(tmp_path)
+    d = serve_ray.FleetDaemon(load_config(f.config))
+    d.start()
+    replica = serve_ray.ItifReplica.func_or_class.__new__(serve_ray.ItifReplica.func_or_class)
+    replica.daemon = d
+    loaded: list[str] = []
+
+    async def cached_loader(tenant: str):  # Serve runs the loader once per tenant
+        if tenant not in loaded:
+            loaded.append(tenant)
+            await asyncio.to_thread(d.hold, tenant)
+
+    replica.tenant = cached_loader
+    try:
+        asyncio.run(replica.hold_tenant(LATE))
+        assert d.status[LATE].state.name == "NO_WEIGHTS"
+        writer = Daemon(load_config(f.config))
+        writer.start()
+        try:
+            data = f.files[LATE].read_bytes()
+            writer.upload(Identity(None, admin=True), LATE, sha256_file(f.files[LATE]),
+                          len(data), [data])
+        finally:
+            writer.stop(0)
+        asyncio.run(replica.hold_tenant(LATE))
+        assert d.status[LATE].state.name == "READY" and loaded == [LATE]
+        np.testing.assert_allclose(
+            d.infer(Identity(None, admin=True), LATE, [itif.Request("", input_ids=[4, 5, 6])],
+                    timeout=30)[0].logits, f.want(LATE, [4, 5, 6]), atol=2e-5)
+    finally:
+        d.stop(0)
+
+
 def test_tenant_of_reads_the_routes():
     cases = [("POST", "/v2/models/acme/infer", b"", "acme"),
              ("GET", "/v2/models/acme/versions/1/ready", b"", "acme"),
