@@ -181,8 +181,9 @@ def test_frames_written_in_one_turn_go_out_in_one_write():
 def test_frame_server_runs_the_handler_as_grpc_would():
     """The daemon's side alone: a framed call's handler sees the caller's metadata, peer,
     deadline and bytes; its reply, or its abort's status, goes back as one frame; done
-    callbacks run after it; a cancelled call sends nothing and still runs them."""
-    from itif.server.ingress_host import FrameServer  # noqa: PLC0415
+    callbacks run once the ingress process says the caller's call ended (DONE), as gRPC runs
+    them once the reply is sent; a cancelled call sends nothing and runs them at once."""
+    from itif.server.ingress_host import FrameServer, _Answered  # noqa: PLC0415
 
     seen: dict = {}
     gate = asyncio.Event()
@@ -206,21 +207,25 @@ def test_frame_server_runs_the_handler_as_grpc_would():
     async def run() -> list:
         from itif.server.ingress import FrameWriter  # noqa: PLC0415
 
-        server, sink = FrameServer([], [Handlers()]), _Writer()
+        server, sink, answered = FrameServer([], [Handlers()]), _Writer(), _Answered()
         w = FrameWriter(sink)
         md = (("authorization", "Bearer x"),)
-        await server._call(w, 1, "/itif.v1.Itif/Infer", md, 5.0, "ipv4:10.0.0.1:4", b"ok")
+        await server._call(w, answered, 1, "/itif.v1.Itif/Infer", md, 5.0, "ipv4:10.0.0.1:4",
+                           b"ok")
         assert seen["metadata"] == md and seen["peer"] == "ipv4:10.0.0.1:4"
         assert 4.5 < seen["left"] <= 5.0 and seen["request"] == b"ok"
-        await server._call(w, 2, "/itif.v1.Itif/Infer", md, None, "p", b"refuse")
+        await server._call(w, answered, 2, "/itif.v1.Itif/Infer", md, None, "p", b"refuse")
         assert seen["left"] is None
-        await server._call(w, 3, "/itif.v1.Itif/Nope", md, None, "p", b"x")
-        task = asyncio.create_task(server._call(w, 4, "/itif.v1.Itif/Infer", md, None, "p",
-                                                b"wait"))
+        await server._call(w, answered, 3, "/itif.v1.Itif/Nope", md, None, "p", b"x")
+        task = asyncio.create_task(server._call(w, answered, 4, "/itif.v1.Itif/Infer", md,
+                                                None, "p", b"wait"))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert seen["done"] == [b"wait"]  # the answered calls' wait for their DONE frames
+        answered.finish(2)
+        answered.finish(1)
         await asyncio.sleep(0)  # the last answer's write, at the end of its turn
         return sink.frames
 
@@ -229,14 +234,14 @@ def test_frame_server_runs_the_handler_as_grpc_would():
     assert frames[1] == (2, grpc.StatusCode.NOT_FOUND.value[0], "no such tenant", None)
     assert frames[2][0] == 3 and frames[2][1] == grpc.StatusCode.UNKNOWN.value[0]
     assert len(frames) == 3  # the cancelled call answered nothing
-    assert seen["done"] == [b"ok", b"refuse", b"wait"]
+    assert seen["done"] == [b"wait", b"refuse", b"ok"]
 
 
 def test_an_answer_too_large_for_a_frame_goes_back_as_a_status(monkeypatch):
     """A reply whose frame cannot be written still answers its caller (RESOURCE_EXHAUSTED),
     rather than leaving it to wait for its deadline; the next call is answered as before."""
     import itif.server.ingress as ingress  # noqa: PLC0415
-    from itif.server.ingress_host import FrameServer  # noqa: PLC0415
+    from itif.server.ingress_host import FrameServer, _Answered  # noqa: PLC0415
 
     monkeypatch.setattr(ingress, "MAX_FRAME", 1000)
 
@@ -248,10 +253,10 @@ def test_an_answer_too_large_for_a_frame_goes_back_as_a_status(monkeypatch):
             return grpc.unary_unary_rpc_method_handler(behaviour)
 
     async def run() -> list:
-        server, sink = FrameServer([], [Handlers()]), _Writer()
+        server, sink, answered = FrameServer([], [Handlers()]), _Writer(), _Answered()
         out = ingress.FrameWriter(sink)
-        await server._call(out, 1, "/itif.v1.Itif/Infer", (), None, "p", b"x" * 200)
-        await server._call(out, 2, "/itif.v1.Itif/Infer", (), None, "p", b"y")
+        await server._call(out, answered, 1, "/itif.v1.Itif/Infer", (), None, "p", b"x" * 200)
+        await server._call(out, answered, 2, "/itif.v1.Itif/Infer", (), None, "p", b"y")
         await asyncio.sleep(0)
         return sink.frames
 
@@ -305,3 +310,53 @@ def test_a_taken_port_fails_the_start(tmp_path):
             assert f"cannot listen on 127.0.0.1:{d.port}" in d.logs()
         finally:
             d.stop()
+
+
+def test_unread_replies_behind_an_ingress_process_keep_their_budget(tmp_path, model_file):
+    """Calls answered one at a time to connections that never read: each reply's bytes stay
+    counted against max_pending_reply_bytes (8 MiB) until its caller's call ends, as without
+    ingress processes, so the calls past the budget answer RESOURCE_EXHAUSTED (before: every
+    call was freed as soon as its answer frame left the daemon, all 40 ran and the ingress
+    process held every unread reply). Once the readers leave, the budget is free again."""
+    from bench.hostile_load import SlowReader, big_batch_raw  # noqa: PLC0415
+    from itif.server._proto.itif.v1 import itif_pb2  # noqa: PLC0415
+
+    _, f = model_file
+    metrics = free_port()
+    d = Daemon(tmp_path, dict(TOKENS), tenant_extra={"acme": {"max_queue": 10000}},
+               server_extra={"ingress_processes": 1, "metrics_listen": f"127.0.0.1:{metrics}",
+                             "max_message_bytes": "1MiB", "max_pending_reply_bytes": "8MiB",
+                             "max_streams_per_connection": 16}).start()
+    raw = big_batch_raw("acme", 24)  # 0.75 MiB of last_hidden_state a reply
+    budget = 8 * 2**20 // (24 * 128 * 64 * 4) + 1  # replies the budget holds, one over at most
+    try:
+        with d.client(TOKENS["acme"]) as c:
+            c.upload("acme", f)
+        readers = [SlowReader("127.0.0.1", d.port) for _ in range(4)]
+        try:
+            for _ in range(10):
+                for r in readers:
+                    r.call("/itif.v1.Itif/InferBatch", raw, TOKENS["acme"])
+                    time.sleep(0.1)  # each answered before the next arrives
+            end = time.monotonic() + 30
+            while (_count(metrics, "InferBatch", "RESOURCE_EXHAUSTED") < 40 - budget
+                   and time.monotonic() < end):
+                time.sleep(0.2)
+            refused = _count(metrics, "InferBatch", "RESOURCE_EXHAUSTED")
+        finally:
+            for r in readers:
+                r.close()
+        assert refused >= 40 - budget, refused
+        with d.client(TOKENS["acme"]) as c:
+            request = itif_pb2.InferBatchRequest.FromString(raw)
+            end = time.monotonic() + 30
+            while True:  # the readers' calls end as their connections close
+                try:
+                    c.stub.InferBatch(request, metadata=c.metadata, timeout=30)
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                    assert time.monotonic() < end, "the budget was not given back"
+                    time.sleep(0.2)
+    finally:
+        d.stop()

@@ -192,7 +192,8 @@ def _port_free(host: str, port: int) -> None:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         if s.connect_ex((probe, port)) == 0:
-            raise OSError(f"cannot listen on {host}:{port}: something already accepts calls there")
+            raise OSError(f"cannot listen on {host}:{port} (server.listen): something already "
+                          "accepts calls there")
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:

@@ -18,8 +18,9 @@ connections over them):
   caller's metadata and deadline passed on.
 
 What differs from a daemon serving its port itself: admission's per-connection reply-byte limit
-sees an ingress process's socket as one connection for relayed calls; a call cancelled by its
-client is still computed (its answer is dropped). A daemon that loses an ingress process starts
+sees an ingress process's socket as one connection for relayed calls. A framed call cancelled
+by its client is cancelled in the daemon too; an answered one holds its reply bytes and its
+slot in admission until the ingress process says (a DONE frame) that its caller's call ended. A daemon that loses an ingress process starts
 another (the port stays served by the others); an ingress process that loses the daemon exits.
 
 Run by the daemon (``itif.server.ingress_host.IngressPool``), never by hand:
@@ -55,6 +56,9 @@ log = logging.getLogger("itif.server.ingress")
 #: Methods served by a frame to the daemon; the rest are relayed over gRPC.
 HOT = frozenset({"/itif.v1.Itif/Infer", "/itif.v1.Itif/InferBatch",
                  "/inference.GRPCInferenceService/ModelInfer"})
+#: Second item of an ingress-to-daemon ``(id, DONE)`` frame: that call's caller is done with it
+#: (its answer sent, or the call cancelled). ``(id,)`` cancels; six items are a call.
+DONE = "done"
 #: Metadata gRPC sets itself: never passed on.
 _TRANSPORT_KEYS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-encoding", "te",
                              "content-type", "grpc-timeout", "grpc-message-type"})
@@ -164,12 +168,17 @@ class EngineLink:
             self.closed.set_result(None)
 
     async def call(self, method: str, metadata, timeout: float | None, peer: str,
-                   body: bytes) -> tuple[int, str, bytes | None]:
+                   body: bytes, context=None) -> tuple[int, str, bytes | None]:
+        """One framed call; ``context`` (the caller's gRPC call): when it ends (its reply sent,
+        or the call cancelled) a DONE frame tells the daemon, whose admission holds the reply's
+        bytes and the call's slot until then."""
         if self.closed.done():
             raise ConnectionError("the daemon closed the link")
         self._next += 1
         rid = self._next
         self._writer.write((rid, method, metadata, timeout, peer, body))  # may raise: first
+        if context is not None:
+            context.add_done_callback(lambda _c, rid=rid: self._ended(rid))
         fut = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut  # its answer comes in a later turn of the loop
         try:
@@ -180,6 +189,11 @@ class EngineLink:
             raise
         finally:
             self._waiting.pop(rid, None)
+
+
+    def _ended(self, rid: int) -> None:
+        if not self.closed.done():
+            self._writer.write((rid, DONE))
 
 
 class Router(grpc.GenericRpcHandler):
@@ -210,7 +224,7 @@ class Router(grpc.GenericRpcHandler):
             try:
                 code, details, body = await link.call(method, passed_metadata(context),
                                                       context.time_remaining(),
-                                                      context.peer() or "", request)
+                                                      context.peer() or "", request, context)
             except ConnectionError:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "the daemon is not reachable; retry")

@@ -138,6 +138,7 @@ class FrameServer:
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
         running: dict[int, asyncio.Task] = {}  # this connection's calls by id
+        answered = _Answered()
         out = FrameWriter(writer)
         try:
             while True:
@@ -147,8 +148,11 @@ class FrameServer:
                     if task is not None:
                         task.cancel()
                     continue
+                if len(frame) == 2:  # (id, DONE): the caller's call ended, its answer read
+                    answered.finish(frame[0])
+                    continue
                 rid = frame[0]
-                task = asyncio.create_task(self._call(out, *frame))
+                task = asyncio.create_task(self._call(out, answered, *frame))
                 running[rid] = task  # also the task's one strong reference while it runs
                 task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -156,13 +160,18 @@ class FrameServer:
         finally:
             for task in running.values():
                 task.cancel()
+            answered.close()
             writer.close()
 
-    async def _call(self, out: FrameWriter, rid: int, method: str, metadata, timeout,
-                    peer: str, body: bytes) -> None:
+    async def _call(self, out: FrameWriter, answered: _Answered, rid: int, method: str,
+                    metadata, timeout, peer: str, body: bytes) -> None:
         """One framed call, as gRPC would run it; cancelled (by a cancel frame) as gRPC
-        cancels a handler whose caller went away: no answer, done callbacks still run."""
+        cancels a handler whose caller went away: no answer, done callbacks still run. An
+        answered call's done callbacks (admission's reply bytes and in-flight slot) run when
+        the ingress process says its caller's call ended, as gRPC runs them once the reply is
+        sent: not while the caller has not read it."""
         context = _Context(metadata, timeout, peer)
+        held = False
         try:
             try:
                 if method not in HOT:
@@ -182,7 +191,37 @@ class FrameServer:
                 log.exception("framed %s failed", method)
                 answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None)
             _send(out, answer, method)
+            held = answered.hold(rid, context)
         finally:
+            if not held:
+                context.finish()
+
+
+class _Answered:
+    """One frame connection's answered calls whose caller's call has not ended yet."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, _Context] = {}
+        self._closed = False
+
+    def hold(self, rid: int, context: _Context) -> bool:
+        """Keep ``context`` until its DONE frame; False (the caller finishes it) once the
+        connection is gone."""
+        if self._closed:
+            return False
+        self._calls[rid] = context
+        return True
+
+    def finish(self, rid: int) -> None:
+        context = self._calls.pop(rid, None)
+        if context is not None:
+            context.finish()
+
+    def close(self) -> None:
+        """The connection ended: its callers' calls ended with it."""
+        self._closed = True
+        calls, self._calls = self._calls, {}
+        for context in calls.values():
             context.finish()
 
 
