@@ -27,7 +27,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from typing import Iterable
 
-from itif import daemon_config, daemon_tiers, faults
+from itif import daemon_config, daemon_state, daemon_tiers, faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
 from itif.config import Config, ConfigDiff, Tenant, TokenDigests
@@ -75,7 +75,7 @@ class Daemon:
         self.kernel_checks: list = []  # itif.ops.selftest.KernelCheck of the start-up self-test
         self._generating: set = set()  # GenEngine tickets of running Generate calls
         self.delta_reports: dict[str, delta.DeltaReport] = {}  # delta tenants' last measure
-        #: what each stored file was committed as in this process (``daemon_config.identity``)
+        #: what each stored file was committed as (``daemon_state.identity``; from its note)
         self.stored_as: dict[str, tuple[str | None, str]] = {}
         self._gen_lock = threading.Lock()
 
@@ -105,7 +105,7 @@ class Daemon:
                else self.metrics.run_batch(self.engine))
         self.scheduler = Scheduler.from_config(run, sch, cfg.tenants)
         self.tiers = daemon_tiers.build(self)
-        self.stored_as = {t.id: daemon_config.identity(t) for t in cfg.tenants
+        self.stored_as = {t.id: daemon_state.noted(self, t) for t in cfg.tenants
                           if self.blobs.exists(t.id)}
         (self.restore if self.tiers is None else lambda: daemon_tiers.restore(self))()
         self.scheduler.start()
@@ -188,6 +188,15 @@ class Daemon:
 
     def _load_stored(self, tenant: str) -> None:
         st = self.status.setdefault(tenant, TenantStatus())
+        why = daemon_state.misplaced(self, tenant)
+        if why is not None:  # committed for another base or compress: not served as this one
+            if self.tiers is not None:
+                self.tiers.forget(tenant)
+            elif tenant in self.engine.store:
+                self.engine.remove_tenant(tenant)
+            st.state, st.sha256, st.error = State.FAILED, "", why
+            log.error("tenant %s: %s", tenant, why)
+            return
         if self.tiers is not None:  # registered, loaded on demand (pinned: loaded now)
             self.tiers.forget(tenant)  # out of the store too
             daemon_tiers.register(self, tenant)
@@ -330,7 +339,9 @@ class Daemon:
                     if isinstance(weights, delta.DeltaWeights):  # the disk keeps the blob
                         sha = delta.replace_upload(upload, weights)
                     upload.publish()
-                    self.stored_as[tenant] = daemon_config.identity(self.config.tenant(tenant))
+                    conf = self.config.tenant(tenant)  # noted before the upload is acknowledged
+                    self.blobs.set_note(tenant, daemon_state.note(conf))
+                    self.stored_as[tenant] = daemon_state.identity(conf)
                     self.engine.add_tenant(tenant, weights, base=base)
                     if self.tiers is not None:
                         self.tiers.installed(tenant, weights, base)

@@ -2,11 +2,12 @@
 removed, re-quota'd; scheduler and server settings that apply live), and the removed tenants
 retired once their accepted calls have finished. ``Daemon.apply_config`` calls :func:`apply`.
 
-A tenant that comes back (removed, then added again) gets its stored weights back, but only
-as the kind of tenant they were committed for: a LoRA adapter uploaded for one base is not
-served on another, nor a file of a full tenant as a delta tenant's (its ``base`` and
-``compress``, recorded in this process at each commit and restore). Otherwise it is FAILED,
-its file kept, until its weights are uploaded again.
+A tenant's stored weights are served only as the kind of tenant they were committed for: a
+LoRA adapter uploaded for one base is not served on another, nor a full tenant's file as a
+delta tenant's (its ``base`` and ``compress``, noted beside the file at each commit:
+``BlobStore.set_note``; ``itif.daemon_state.misplaced``), whether the tenant came back by a live
+edit or the config changed across a restart. Otherwise it is FAILED, its file kept, until its
+weights are uploaded again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from itif import daemon_tiers
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.config import Config, ConfigDiff, Tenant, diff_configs
-from itif.daemon_state import State, TenantStatus
+from itif.daemon_state import TenantStatus
 from itif.scheduler import TenantQuota
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -27,19 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("itif.daemon")
 
-__all__ = ["apply", "identity", "retire"]
-
-
-def identity(t: Tenant | None) -> tuple[str | None, str]:
-    """What a tenant's stored file was committed as: (its base, its compress)."""
-    return (None, "none") if t is None else (t.base, t.compress)
-
-
-def _describe(kind: tuple[str | None, str]) -> str:
-    base, compress = kind
-    if base is None:
-        return "a full tenant"
-    return f"a {compress} delta of {base!r}" if compress != "none" else f"a LoRA tenant of {base!r}"
+__all__ = ["apply", "retire"]
 
 
 def apply(d: Daemon, new: Config) -> ConfigDiff:
@@ -89,15 +78,7 @@ def _come_back(d: Daemon, t: Tenant) -> None:
         if d.tiers is not None:
             daemon_tiers.register(d, t.id)
         return
-    was = d.stored_as.get(t.id)
-    if was is not None and was != identity(t):
-        st = d.status[t.id]
-        st.state, st.error = State.FAILED, (
-            f"its stored weights were uploaded as {_describe(was)}; it is now "
-            f"{_describe(identity(t))}: upload its weights again")
-        log.error("tenant %s: %s", t.id, st.error)
-        return
-    d._load_stored(t.id)
+    d._load_stored(t.id)  # refused there if its file was committed for another kind
 
 
 def retire(d: Daemon, tenants: list[str], timeout_s: float = 60.0) -> None:

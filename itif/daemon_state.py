@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-__all__ = ["Identity", "State", "TenantStatus", "TenantView"]
+if TYPE_CHECKING:  # pragma: no cover
+    from itif.config import Tenant
+    from itif.daemon import Daemon
+
+__all__ = ["Identity", "State", "TenantStatus", "TenantView", "identity", "misplaced", "note",
+           "noted"]
 
 
 class State(Enum):
@@ -53,3 +59,39 @@ class TenantView:
     host_bytes: int = 0  # bytes of its host-tier copy
     delta: dict | None = None  # a delta tenant: ``DeltaReport.as_dict()`` (error, bytes)
     compress: str = ""  # a delta tenant's tenants[].compress
+
+
+# ---- what a stored file was committed for ----------------------------------------------------
+def identity(t: Tenant | None) -> tuple[str | None, str]:
+    """What a tenant's stored file was committed as: (its base, its compress)."""
+    return (None, "none") if t is None else (t.base, t.compress)
+
+
+def note(t: Tenant | None) -> dict:
+    """The note stored beside a tenant's committed file (:func:`identity`)."""
+    base, compress = identity(t)
+    return {"base": base, "compress": compress}
+
+
+def noted(d: Daemon, t: Tenant) -> tuple[str | None, str]:
+    """What ``t``'s stored file was committed as, from its note; files from before notes: what
+    the configuration says now."""
+    n = d.blobs.note(t.id)
+    return identity(t) if n is None else (n.get("base"), n.get("compress", "none"))
+
+
+def misplaced(d: Daemon, tenant: str) -> str | None:
+    """Why ``tenant``'s stored file may not serve it as configured now, or None."""
+    t = d.config.tenant(tenant)
+    was = d.stored_as.get(tenant)
+    if t is None or was is None or was == identity(t):
+        return None
+    return (f"its stored weights were uploaded as {_describe(was)}; it is now "
+            f"{_describe(identity(t))}: upload its weights again")
+
+
+def _describe(kind: tuple[str | None, str]) -> str:
+    base, compress = kind
+    if base is None:
+        return "a full tenant"
+    return f"a {compress} delta of {base!r}" if compress != "none" else f"a LoRA tenant of {base!r}"

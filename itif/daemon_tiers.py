@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from itif.daemon_state import State
+from itif.daemon_state import State, misplaced
 from itif.errors import InvalidRequest, InvalidWeights, ItifError, NoWeights, TenantNotFound
 from itif.requests import OUTPUTS
 from itif.weights.tiers import TierManager
@@ -64,6 +64,10 @@ def register(d: Daemon, tenant: str) -> None:
     d.tiers.register(tenant, stored=stored, pinned=bool(conf and conf.pinned),
                      base=conf.base if conf else None)
     st = d.status[tenant]
+    why = misplaced(d, tenant) if stored else None
+    if why is not None:  # committed for another base or compress
+        st.state, st.error = State.FAILED, why
+        return
     base = conf.base if conf else None
     if stored and base is not None and not d.blobs.exists(base):  # as _rederive leaves it
         st.state, st.error = State.FAILED, f"its base {base!r} has no weights"

@@ -355,3 +355,18 @@ def test_an_unreadable_pending_record_does_not_stop_the_start(tmp_path):
     (tmp_path / "data" / "weights" / "zz.sha256.pending").mkdir()
     again = BlobStore(tmp_path / "data", max_upload_bytes=1000)
     assert again.verify("acme") == sha(OLD)
+
+
+def test_a_note_beside_the_committed_file(tmp_path):
+    """``set_note`` records what a committed file is for, atomically; a delete removes it; a
+    note's temp file left by a crash is removed at start; a file without a note has None."""
+    store = BlobStore(tmp_path / "data", max_upload_bytes=1000)
+    upload(store, "acme", OLD)
+    assert store.note("acme") is None
+    store.set_note("acme", {"base": "b1", "compress": "none"})
+    (tmp_path / "data" / "weights" / "acme.note.json.tmp").write_text("{half")
+    again = BlobStore(tmp_path / "data", max_upload_bytes=1000)
+    assert again.note("acme") == {"base": "b1", "compress": "none"}
+    assert "acme.note.json.tmp" not in weights_files(again)
+    assert again.delete("acme") and again.note("acme") is None
+    assert weights_files(again) == []

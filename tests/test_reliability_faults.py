@@ -177,7 +177,7 @@ def _check_pair(d: Daemon, tenant: str, versions: dict[str, bytes]) -> str:
     assert data is not None and side == sha256(data), "a committed-looking pair that disagrees"
     assert side in versions, "a partial or unknown file under the final name"
     names = sorted(os.listdir(d.weights_dir))
-    assert all(n.endswith((".safetensors", ".sha256")) for n in names), names
+    assert all(n.endswith((".safetensors", ".sha256", ".note.json")) for n in names), names
     assert d.tmp_files() == []
     return side
 

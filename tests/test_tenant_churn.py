@@ -213,3 +213,38 @@ def test_with_tiers_a_lora_tenant_whose_base_was_deleted_restarts_failed(tmp_pat
             d.infer(ADMIN, "l", [Request("l", input_ids=[1, 2, 3])], timeout=30)
     finally:
         d.stop(0)
+
+
+@pytest.mark.parametrize("tiers", ["", TIERS], ids=["resident", "tiers"])
+def test_a_lora_tenant_on_another_base_after_a_restart_is_failed(tmp_path, tiers):
+    """What a stored file was committed for is noted beside it: a config edited while the
+    daemon was down (l moved from b1 to b2) does not serve b1's adapter on b2 (before: READY
+    after any restart); back on b1, or after a delete and a new upload, it serves again."""
+    b1 = make_hf_model("bert-tiny", 2, seed=3)
+    adapter = _adapter(tmp_path, b1)
+    ids = ["b1", "b2", "l"]
+    d = Daemon(_config(tmp_path, ids, tiers, bases={"l": "b1"}))
+    d.start()
+    try:
+        _upload(d, "b1", safetensors.torch.save({k: v.contiguous()
+                                                for k, v in b1.state_dict().items()}))
+        _upload(d, "b2")
+        _upload(d, "l", adapter)
+    finally:
+        d.stop(0)
+    d = Daemon(_config(tmp_path, ids, tiers, bases={"l": "b2"}))
+    d.start()
+    try:
+        st = d.status["l"]
+        assert st.state is State.FAILED and "a LoRA tenant of 'b1'" in st.error, st
+        d.delete_weights(ADMIN, "l")
+        _upload(d, "l", adapter)  # uploaded again for b2: its own now
+        assert d.status["l"].state is State.READY
+    finally:
+        d.stop(0)
+    d = Daemon(_config(tmp_path, ids, tiers, bases={"l": "b2"}))
+    d.start()
+    try:
+        assert d.status["l"].state is State.READY
+    finally:
+        d.stop(0)

@@ -5,6 +5,7 @@ Layout under ``data_dir`` (one daemon process owns a ``data_dir``)::
     weights/<tenant>.safetensors      committed weights
     weights/<tenant>.sha256           sidecar, sha256sum format: "<hex>  <tenant>.safetensors\\n"
     weights/<tenant>.sha256.pending   intent record, present only while a commit is in flight
+    weights/<tenant>.note.json        what the committed file is for (the caller's; set_note)
     tmp/<tenant>-*.upload             uploads being streamed (same filesystem as weights/)
 
 Tenant ids match :data:`TENANT_ID_RE`, which has no ``.``, so these names never collide.
@@ -55,6 +56,7 @@ until the next start-up settles the pair.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
@@ -81,6 +83,8 @@ _DATA_SUFFIX = ".safetensors"
 _SIDECAR_SUFFIX = ".sha256"
 _PENDING_SUFFIX = ".sha256.pending"
 _UPLOAD_SUFFIX = ".upload"
+_NOTE_SUFFIX = ".note.json"
+_NOTE_TMP_SUFFIX = ".note.json.tmp"
 _CHUNK = 1 << 20
 
 #: Test-only (``kill_at`` of itif.faults): called with the name of each step a commit reaches.
@@ -297,10 +301,30 @@ class BlobStore:
             self._release(tenant)
             raise
 
+    def set_note(self, tenant: str, note: dict) -> None:
+        """Record, durably and atomically, what the committed file is for (the daemon: the
+        tenant's ``base`` and ``compress``). Written after the commit point, before the upload
+        is acknowledged: a crash between the two leaves the previous note (or none)."""
+        path, tmp = self._path(tenant, _NOTE_SUFFIX), self._path(tenant, _NOTE_TMP_SUFFIX)
+        with self._lock:
+            _write_durably(tmp, json.dumps(note, sort_keys=True).encode())
+            os.replace(tmp, path)
+            _fsync_dir(self._weights)
+
+    def note(self, tenant: str) -> dict | None:
+        """The note of the committed file (:meth:`set_note`); None when there is none, or it
+        cannot be read."""
+        try:
+            note = json.loads(self._path(tenant, _NOTE_SUFFIX).read_bytes())
+        except (OSError, ValueError):
+            return None
+        return note if isinstance(note, dict) else None
+
     def delete(self, tenant: str) -> bool:
-        """Remove the tenant's weights durably; return whether it had any."""
+        """Remove the tenant's weights (and their note) durably; return whether it had any."""
         data, sidecar = self.path_for(tenant), self._path(tenant, _SIDECAR_SUFFIX)
         with self._lock:
+            _unlink_quietly(self._path(tenant, _NOTE_SUFFIX))
             # Sidecar first: once it is gone the tenant no longer counts as committed, and start-up
             # finishes a delete interrupted before the data file went.
             had_sidecar = _unlink_quietly(sidecar)
@@ -374,6 +398,8 @@ class BlobStore:
                 self._settle(pending.name[: -len(_PENDING_SUFFIX)])
             except OSError as e:  # one tenant's unreadable record: that tenant's, not the start's
                 log.error("weights store: cannot settle %s, left as it is: %s", pending, e)
+        for tmp in self._weights.glob(f"*{_NOTE_TMP_SUFFIX}"):  # a note never renamed in
+            _unlink_quietly(tmp)
         for data in self._weights.glob(f"*{_DATA_SUFFIX}"):
             stem = data.name[: -len(_DATA_SUFFIX)]
             if data.is_file() and not (self._weights / f"{stem}{_SIDECAR_SUFFIX}").exists():
