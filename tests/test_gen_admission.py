@@ -90,6 +90,34 @@ def test_remove_peek_pop_and_errors():
         q.set_weights({"a": 0.0})
 
 
+def test_a_removed_request_gives_its_share_back():
+    """b floods; a queues 8 requests and cancels them (deadlines), then retries once: the
+    retry joins as a tenant arriving fresh would, next, not after every b (before: the
+    cancelled requests' charges stayed on a's tags, so its retry came last)."""
+    q = FairWaiting()
+    for i in range(6):
+        q.append(Item(f"b{i}"), "b", 100)
+    q.pop()  # b0 runs
+    gone = [Item(f"x{i}") for i in range(8)]
+    for it in gone:
+        q.append(it, "a", 100)
+    for it in gone:
+        q.remove(it)
+    q.append(Item("a-retry"), "a", 100)
+    assert drain(q) == ["a-retry", "b1", "b2", "b3", "b4", "b5"]
+
+
+def test_removing_a_middle_request_moves_the_later_ones_up():
+    q = FairWaiting()
+    a = [Item(f"a{i}") for i in range(3)]
+    for it in a:
+        q.append(it, "a", 100)
+    for i in range(3):
+        q.append(Item(f"b{i}"), "b", 100)
+    q.remove(a[1])  # a2 takes its place: a0, a2 interleave with b0, b1 as before
+    assert drain(q) == ["a0", "b0", "a2", "b1", "b2"]
+
+
 def _hf_gpt2(seed: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 

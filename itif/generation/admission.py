@@ -20,7 +20,9 @@ length; a tenant that was idle starts at the current virtual time (no credit is 
 idle), and within a tenant requests keep their arrival order. The request chosen waits for
 blocks if it does not fit (a smaller request behind it does not pass it: a large request is
 never starved). Deadlines are the caller's: a call whose deadline passes is cancelled, which
-takes its request out of the queue at once.
+takes its request out of the queue at once and gives its tenant back the share it had charged:
+the tenant's later requests move up as if it had never come (a tenant whose calls time out
+while queued does not fall behind everyone for the retries).
 
 Selection is a heap over the tenants' head requests: O(log tenants) per admission, never a scan
 of every tenant or request.
@@ -42,7 +44,8 @@ class FairWaiting(Generic[T]):
     """Waiting items of many tenants, taken in start-time fair order of their costs."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, deque[tuple[float, int, T]]] = {}
+        # per tenant: (start tag, seq, item, charge = cost / weight, virtual time at arrival)
+        self._queues: dict[str, deque[tuple[float, int, T, float, float]]] = {}
         self._heap: list[tuple[float, int, str]] = []  # (head start tag, seq, tenant), lazy
         self._last_finish: dict[str, float] = {}
         self._weights: dict[str, float] = {}
@@ -65,12 +68,13 @@ class FairWaiting(Generic[T]):
     def append(self, item: T, tenant: str, cost: float) -> None:
         """Queue ``item`` of ``tenant`` costing ``cost`` (> 0) tokens."""
         start = max(self._v, self._last_finish.get(tenant, 0.0))
-        self._last_finish[tenant] = start + max(float(cost), 1.0) / self.weight(tenant)
+        charge = max(float(cost), 1.0) / self.weight(tenant)
+        self._last_finish[tenant] = start + charge
         q = self._queues.get(tenant)
         if q is None:
             q = self._queues[tenant] = deque()
         seq = next(self._seq)
-        q.append((start, seq, item))
+        q.append((start, seq, item, charge, self._v))
         if len(q) == 1:
             heapq.heappush(self._heap, (start, seq, tenant))
         self._tenant_of[item] = tenant
@@ -94,7 +98,7 @@ class FairWaiting(Generic[T]):
         h = self._head()
         if h is None:
             raise IndexError("pop from an empty FairWaiting")
-        tenant, (start, _, item) = h
+        tenant, (start, _, item, _, _) = h
         heapq.heappop(self._heap)
         q = self._queues[tenant]
         q.popleft()
@@ -110,16 +114,20 @@ class FairWaiting(Generic[T]):
             raise ValueError("item is not waiting")
         q = self._queues[tenant]
         was_head = q[0][2] is item
-        for i, entry in enumerate(q):
-            if entry[2] is item:
-                del q[i]
-                break
+        i = next(i for i, entry in enumerate(q) if entry[2] is item)
+        finish = q[i][0]  # the tags after it start again from its start: its charge given back
+        del q[i]
+        for j in range(i, len(q)):
+            _, seq, later, charge, arrived = q[j]
+            q[j] = (max(arrived, finish), seq, later, charge, arrived)
+            finish = q[j][0] + charge
+        self._last_finish[tenant] = finish
         if was_head:
             self._after_head_change(tenant, q)
 
     def _after_head_change(self, tenant: str, q: deque) -> None:
         if q:
-            start, seq, _ = q[0]
+            start, seq = q[0][:2]
             heapq.heappush(self._heap, (start, seq, tenant))
         else:
             del self._queues[tenant]
@@ -137,5 +145,5 @@ class FairWaiting(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         """Every waiting item (no particular order)."""
         for q in self._queues.values():
-            for _, _, item in q:
-                yield item
+            for entry in q:
+                yield entry[2]
