@@ -162,17 +162,31 @@ def _adapter(tmp_path, base) -> bytes:
     return pack_adapter(tmp_path / "adapter", tmp_path / "adapter.safetensors").read_bytes()
 
 
-def test_a_lora_tenant_back_on_another_base_is_failed_not_served(tmp_path):
+LORA = ["b1", "b2", "l"]
+
+
+def _lora_on_b1(tmp_path, backbone: str = "") -> tuple[Daemon, bytes]:
+    """A started daemon with full tenants b1 and b2 and l, a LoRA tenant of b1, all uploaded;
+    and l's adapter."""
     b1 = make_hf_model("bert-tiny", 2, seed=3)
     adapter = _adapter(tmp_path, b1)
-    ids = ["b1", "b2", "l"]
-    d = Daemon(_config(tmp_path, ids, bases={"l": "b1"}))
+    d = Daemon(_config(tmp_path, LORA, backbone, bases={"l": "b1"}))
     d.start()
     try:
         _upload(d, "b1", safetensors.torch.save({k: v.contiguous()
                                                 for k, v in b1.state_dict().items()}))
         _upload(d, "b2")
         _upload(d, "l", adapter)
+    except BaseException:
+        d.stop(0)
+        raise
+    return d, adapter
+
+
+def test_a_lora_tenant_back_on_another_base_is_failed_not_served(tmp_path):
+    d, _ = _lora_on_b1(tmp_path)
+    ids = LORA
+    try:
         d.apply_config(_config(tmp_path, ["b1", "b2"]))
         assert _until(lambda: "l" not in d.engine.store)
         d.apply_config(_config(tmp_path, ids, bases={"l": "b2"}))
@@ -220,18 +234,9 @@ def test_a_lora_tenant_on_another_base_after_a_restart_is_failed(tmp_path, tiers
     """What a stored file was committed for is noted beside it: a config edited while the
     daemon was down (l moved from b1 to b2) does not serve b1's adapter on b2 (before: READY
     after any restart); back on b1, or after a delete and a new upload, it serves again."""
-    b1 = make_hf_model("bert-tiny", 2, seed=3)
-    adapter = _adapter(tmp_path, b1)
-    ids = ["b1", "b2", "l"]
-    d = Daemon(_config(tmp_path, ids, tiers, bases={"l": "b1"}))
-    d.start()
-    try:
-        _upload(d, "b1", safetensors.torch.save({k: v.contiguous()
-                                                for k, v in b1.state_dict().items()}))
-        _upload(d, "b2")
-        _upload(d, "l", adapter)
-    finally:
-        d.stop(0)
+    d, adapter = _lora_on_b1(tmp_path, tiers)
+    ids = LORA
+    d.stop(0)
     d = Daemon(_config(tmp_path, ids, tiers, bases={"l": "b2"}))
     d.start()
     try:
