@@ -251,14 +251,14 @@ class Daemon:
         digest, known = self._digests.lookup(token)
         cfg = self.config
         if hmac.compare_digest(digest, cfg.server.admin_token_sha256):
-            return Identity(None, admin=True)
+            return Identity(None, admin=True, token_sha256=digest)
         found = cfg.tenant_by_token_sha256(digest)
         if found is None:
             raise Unauthenticated("invalid token")
         if not known:
             self._digests.keep(token, digest)
         self._note_tenant(found.id)
-        return Identity(found.id)
+        return Identity(found.id, token_sha256=digest)
 
     def _visible(self, who: Identity, tenant: str) -> None:
         """Unknown tenants and other tenants' names get the same answer."""
@@ -298,6 +298,21 @@ class Daemon:
             held.enter_context(self._tenant_lock(base))
         held.enter_context(self._tenant_lock(tenant))
 
+    def _still_authorized(self, who: Identity | None) -> None:
+        """Refuse a caller whose token the configuration no longer accepts (rotated or revoked
+        while its upload streamed)."""
+        if who is None or not who.token_sha256:
+            return
+        cfg = self.config
+        if who.admin:
+            ok = hmac.compare_digest(who.token_sha256, cfg.server.admin_token_sha256)
+        else:
+            t = cfg.tenant_by_token_sha256(who.token_sha256)
+            ok = t is not None and t.id == who.tenant
+        if not ok:
+            raise Unauthenticated("the token of this upload was rotated or revoked while it "
+                                  "streamed; nothing was stored")
+
     def _base_sha(self, base: str) -> str:
         """The sha256 of the weights ``base`` has now ("" for none)."""
         st = self.status.get(base)
@@ -332,15 +347,17 @@ class Daemon:
                         raise TenantNotFound(
                             f"tenant {tenant!r} was removed from the configuration during its "
                             "upload; nothing was stored")
+                    self._still_authorized(who)
                     if base is not None and self._base_sha(base) != base_sha:
                         raise NoWeights(
                             f"tenant {tenant!r}: its base {base!r} was deleted or replaced "
                             "during this upload; nothing was stored: upload it again")
                     if isinstance(weights, delta.DeltaWeights):  # the disk keeps the blob
                         sha = delta.replace_upload(upload, weights)
+                    conf = self.config.tenant(tenant)
+                    self.blobs.stage_note(tenant, daemon_state.note(conf))
                     upload.publish()
-                    conf = self.config.tenant(tenant)  # noted before the upload is acknowledged
-                    self.blobs.set_note(tenant, daemon_state.note(conf))
+                    self.blobs.set_note(tenant)  # what it is for, before it is acknowledged
                     self.stored_as[tenant] = daemon_state.identity(conf)
                     self.engine.add_tenant(tenant, weights, base=base)
                     if self.tiers is not None:
@@ -350,6 +367,7 @@ class Daemon:
                     if isinstance(weights, delta.DeltaWeights):
                         self.delta_reports[tenant] = weights.report
         finally:
+            self.blobs.discard_note(tenant)  # a no-op once set
             upload.abort()  # a no-op once published
         self._rederive(tenant)
         log.info("tenant %s uploaded %d bytes (sha256 %s)", tenant, upload.total_size,

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -27,10 +27,13 @@ class State(Enum):
 
 @dataclass(frozen=True)
 class Identity:
-    """Who is calling: a tenant (``tenant`` set) or the admin."""
+    """Who is calling: a tenant (``tenant`` set) or the admin; ``token_sha256``: the digest of
+    the token that said so (empty for in-process callers), checked again before an upload that
+    outlived a token rotation commits."""
 
     tenant: str | None
     admin: bool = False
+    token_sha256: str = field(default="", repr=False)
 
     def may_see(self, tenant: str) -> bool:
         return self.admin or self.tenant == tenant

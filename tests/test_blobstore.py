@@ -358,15 +358,55 @@ def test_an_unreadable_pending_record_does_not_stop_the_start(tmp_path):
 
 
 def test_a_note_beside_the_committed_file(tmp_path):
-    """``set_note`` records what a committed file is for, atomically; a delete removes it; a
-    note's temp file left by a crash is removed at start; a file without a note has None."""
+    """A note staged before the commit and set after it records what the committed file is
+    for; a discarded one leaves the note as it was; a delete removes it; a staged note left by
+    a crash is removed at start; a file without a note has None."""
     store = BlobStore(tmp_path / "data", max_upload_bytes=1000)
     upload(store, "acme", OLD)
     assert store.note("acme") is None
-    store.set_note("acme", {"base": "b1", "compress": "none"})
+    store.stage_note("acme", {"base": "b1", "compress": "none"})
+    store.set_note("acme")
+    store.stage_note("acme", {"base": "b2", "compress": "none"})
+    store.discard_note("acme")
+    assert store.note("acme") == {"base": "b1", "compress": "none"}
     (tmp_path / "data" / "weights" / "acme.note.json.tmp").write_text("{half")
     again = BlobStore(tmp_path / "data", max_upload_bytes=1000)
     assert again.note("acme") == {"base": "b1", "compress": "none"}
     assert "acme.note.json.tmp" not in weights_files(again)
     assert again.delete("acme") and again.note("acme") is None
     assert weights_files(again) == []
+
+
+def test_a_full_disk_refuses_the_upload_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    """ENOSPC while streaming or staging the note is RESOURCE_EXHAUSTED (Overloaded), not an
+    internal error, and leaves no temp file (before: abort's close re-raised the flush's
+    ENOSPC before the temp file was removed, which kept the space used until a restart)."""
+    import errno  # noqa: PLC0415
+
+    import itif.weights.blobstore as bs  # noqa: PLC0415
+
+    store = BlobStore(tmp_path / "data", max_upload_bytes=1000)
+    up = store.begin_upload("acme", sha(OLD), len(OLD))
+    up.write(OLD[:7])
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, _):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    up._file = Full(up._file)
+    with pytest.raises(Overloaded, match="no space left"):
+        up.write(OLD[7:])
+    assert tmp_files(store) == []
+    upload(store, "acme", OLD)  # the slot was given back
+    monkeypatch.setattr(bs, "_write_durably", lambda path, data: (
+        path.write_bytes(data[:1]), (_ for _ in ()).throw(OSError(errno.ENOSPC, "full"))))
+    with pytest.raises(Overloaded, match="no space left"):
+        store.stage_note("acme", {"base": None, "compress": "none"})
+    assert weights_files(store) == ["acme.safetensors", "acme.sha256"]

@@ -310,20 +310,25 @@ def test_idle_upload_is_aborted_and_frees_the_tenant(tmp_path):
     try:
         data = weights_bytes(182)
 
-        def stalled():
+        def stalled(empty: bool):
             msgs = upload_messages("a", data, chunk=4096)
             yield next(msgs)  # the header
             yield next(msgs)  # one chunk
+            if empty:  # empty chunks are not progress (before: each one reset the idle timer)
+                for _ in range(40):
+                    time.sleep(0.5)
+                    yield itif_pb2.UploadWeightsRequest(chunk=b"")
             time.sleep(30)  # then nothing (the call is over long before)
 
         with d.client("ta") as c:
-            t0 = time.monotonic()
-            code, msg = error_of(lambda: c.stub.UploadWeights(stalled(), metadata=c.metadata,
-                                                               timeout=60))
-            took = time.monotonic() - t0
-            assert code == C.DEADLINE_EXCEEDED and "upload_idle_s" in msg, (code, msg)
-            assert took < 10, took
-            wait_until(lambda: d.tmp_files() == [], what="the temp file to go")
+            for empty in (False, True):
+                t0 = time.monotonic()
+                code, msg = error_of(lambda: c.stub.UploadWeights(
+                    stalled(empty), metadata=c.metadata, timeout=60))
+                took = time.monotonic() - t0
+                assert code == C.DEADLINE_EXCEEDED and "upload_idle_s" in msg, (code, msg)
+                assert took < 10, took
+                wait_until(lambda: d.tmp_files() == [], what="the temp file to go")
             assert upload_bytes(c, "a", data).weight_bytes > 0  # the tenant's slot is free
     finally:
         d.stop()

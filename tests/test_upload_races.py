@@ -26,24 +26,27 @@ from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity, State
 from itif.errors import NoWeights
 from itif.requests import Request
-from tests.daemon_harness import free_port
 from tests.oracle import make_hf_model
 
 ADMIN = Identity(None, admin=True)
 
 
-def _daemon(root, tenants: str, backbone: str = "") -> Daemon:
-    d = Daemon(parse_config(
-        f"server:\n  listen: 127.0.0.1:{free_port()}\n  data_dir: ./data\n"
+def _config(root, tenants: str, backbone: str = ""):
+    return parse_config(
+        "server:\n  listen: 127.0.0.1:0\n  data_dir: ./data\n"
         f"  admin_token_sha256: {hash_token('admin')}\n"
         f"backbone:\n  config: bert-tiny\n  device: cpu\n  dtype: float32\n{backbone}"
-        f"tenants:\n{tenants}", root))
+        f"tenants:\n{tenants}", root)
+
+
+def _daemon(root, tenants: str, backbone: str = "") -> Daemon:
+    d = Daemon(_config(root, tenants, backbone))
     d.start()
     return d
 
 
-def _tenant(name: str, extra: str = "") -> str:
-    return f"  - id: {name}\n    token_sha256: {hash_token('t-' + name)}\n{extra}"
+def _tenant(name: str, extra: str = "", token: str = "") -> str:
+    return f"  - id: {name}\n    token_sha256: {hash_token(token or 't-' + name)}\n{extra}"
 
 
 def _bytes(model) -> bytes:
@@ -146,5 +149,77 @@ def test_delta_upload_while_its_base_is_replaced_is_refused_and_not_stored(tmp_p
         d.stop(0)
         d.start()
         assert d.status["d8"].state is State.READY, d.status["d8"]
+    finally:
+        d.stop(0)
+
+
+def test_an_upload_whose_note_cannot_be_written_is_refused_and_not_stored(tmp_path, monkeypatch):
+    """The note (what the file is for) is written before the commit point: a full disk there
+    refuses the upload with nothing stored (before, the note was written after the commit, so
+    a refused upload's weights were on disk and served after a restart)."""
+    from itif.errors import Overloaded  # noqa: PLC0415
+
+    d = _daemon(tmp_path, _tenant("x"))
+    try:
+        first = _bytes(make_hf_model("bert-tiny", 2, seed=1))
+        _upload(d, "x", first)
+
+        def full(*_):
+            raise Overloaded("no space left on the device for this upload")
+
+        monkeypatch.setattr(d.blobs, "stage_note", full)
+        with pytest.raises(Overloaded):
+            _upload(d, "x", _bytes(make_hf_model("bert-tiny", 2, seed=2)))
+        want = hashlib.sha256(first).hexdigest()
+        assert d.blobs.stored_sha256("x") == want and d.status["x"].sha256 == want
+    finally:
+        d.stop(0)
+
+
+def test_an_upload_whose_token_was_rotated_while_it_streamed_is_refused(tmp_path):
+    """The operator rotates a tenant's token (tenants.yaml) while an upload sent with the old
+    one streams: the upload is refused (UNAUTHENTICATED) with nothing stored; before, it
+    committed once its stream ended. The new token's upload is accepted."""
+    from itif.errors import Unauthenticated  # noqa: PLC0415
+
+    d = _daemon(tmp_path, _tenant("x"))
+    try:
+        data = _bytes(make_hf_model("bert-tiny", 2, seed=1))
+        digest = hashlib.sha256(data).hexdigest()
+        old = d.identify("Bearer t-x")
+        up = d.begin_upload(old, "x", digest, len(data))
+        up.write(data)
+        d.apply_config(_config(tmp_path, _tenant("x", token="rotated")))
+        with pytest.raises(Unauthenticated, match="rotated or revoked"):
+            d.finish_upload("x", up, old)
+        assert not d.blobs.exists("x") and d.status["x"].state is State.NO_WEIGHTS
+        new = d.identify("Bearer rotated")
+        d.upload(new, "x", digest, len(data), [data])
+        assert d.status["x"].state is State.READY
+    finally:
+        d.stop(0)
+
+
+def test_kserve_load_charges_a_tenant_as_upload_weights_does(tmp_path):
+    """A tenant's repository load is charged every byte, as its UploadWeights is, so neither
+    tells it whether another tenant holds the same weights (before: the load was credited
+    with a's tensors and accepted where UploadWeights was refused)."""
+    import asyncio  # noqa: PLC0415
+
+    from itif import Engine  # noqa: PLC0415
+    from itif.errors import Overloaded  # noqa: PLC0415
+    from itif.server.kserve_core import KServeCore  # noqa: PLC0415
+
+    model = make_hf_model("bert-tiny", 2, seed=1)
+    one = sum(t.numel() * 4 for t in Engine("bert-tiny").load_weights(
+        model.state_dict()).tensors.values())
+    d = _daemon(tmp_path, _tenant("a") + _tenant("b"), f"  max_weight_bytes: {int(1.5 * one)}\n")
+    try:
+        data = _bytes(model)
+        _upload(d, "a", data)
+        b = d.identify("Bearer t-b")
+        with pytest.raises(Overloaded):
+            asyncio.run(KServeCore(d).load(b, "b", {"file:model.safetensors": data}))
+        assert not d.blobs.exists("b")
     finally:
         d.stop(0)

@@ -363,7 +363,7 @@ class KServeCore:
             up = d.begin_upload(who, name, digest, len(data))
             try:
                 up.write(data)
-                d.finish_upload(name, up)
+                d.finish_upload(name, up, who)  # a tenant's upload: charged as UploadWeights
             finally:
                 up.abort()  # no-op after a commit; removes the temp file on any failure
 

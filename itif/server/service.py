@@ -262,18 +262,23 @@ class ItifService(itif_pb2_grpc.ItifServicer):
 
 
 async def _idle_limited(messages, idle_s: float):
-    """The messages of a client stream; DeadlineExceeded when the client sends nothing for
-    ``idle_s`` seconds (an idle upload must not hold its tenant's upload slot forever)."""
+    """The messages of a client stream; DeadlineExceeded when the client sends no bytes for
+    ``idle_s`` seconds (an idle upload must not hold its tenant's upload slot forever; empty
+    chunks do not count as sending)."""
     it = aiter(messages)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + idle_s
     while True:
         try:
-            msg = await asyncio.wait_for(anext(it), idle_s)
+            msg = await asyncio.wait_for(anext(it), max(0.0, end - loop.time()))
         except StopAsyncIteration:
             return
         except TimeoutError:
             raise DeadlineExceeded(
                 f"the upload sent nothing for {idle_s:g} s (server.upload_idle_s); it was "
                 "aborted and nothing of it was stored") from None
+        if msg.WhichOneof("payload") != "chunk" or msg.chunk:
+            end = loop.time() + idle_s
         yield msg
 
 

@@ -55,6 +55,7 @@ until the next start-up settles the pair.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -143,6 +144,14 @@ def _write_durably(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _no_space(e: BaseException) -> BaseException:
+    """``e``, or for a full disk (or quota) the caller's error: RESOURCE_EXHAUSTED, not INTERNAL."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return Overloaded(f"no space left on the device for this upload ({e.strerror}); "
+                          "nothing was stored")
+    return e
 
 
 def _unlink_quietly(path: Path) -> bool:
@@ -301,15 +310,35 @@ class BlobStore:
             self._release(tenant)
             raise
 
-    def set_note(self, tenant: str, note: dict) -> None:
-        """Record, durably and atomically, what the committed file is for (the daemon: the
-        tenant's ``base`` and ``compress``). Written after the commit point, before the upload
-        is acknowledged: a crash between the two leaves the previous note (or none)."""
+    def stage_note(self, tenant: str, note: dict) -> None:
+        """Write, durably, the note of a file about to be committed (what it is for: the
+        daemon's ``base`` and ``compress``), beside the current one; before the commit point,
+        so a full disk fails the upload, not its note. :meth:`set_note` puts it in place."""
+        tmp = self._path(tenant, _NOTE_TMP_SUFFIX)
+        try:
+            _write_durably(tmp, json.dumps(note, sort_keys=True).encode())
+        except BaseException as e:
+            _unlink_quietly(tmp)
+            raise _no_space(e) from e
+
+    def set_note(self, tenant: str) -> None:
+        """After the commit point: the staged note (:meth:`stage_note`) replaces the current one
+        (a rename: no space needed). Should even that fail, the old note goes, and the file is
+        taken for what the configuration says. A crash before it leaves the previous note."""
         path, tmp = self._path(tenant, _NOTE_SUFFIX), self._path(tenant, _NOTE_TMP_SUFFIX)
         with self._lock:
-            _write_durably(tmp, json.dumps(note, sort_keys=True).encode())
-            os.replace(tmp, path)
-            _fsync_dir(self._weights)
+            try:
+                os.replace(tmp, path)
+                _fsync_dir(self._weights)
+            except OSError as e:
+                log.error("weights store: the note of %s could not be put in place (%s); "
+                          "dropped", tenant, e)
+                _unlink_quietly(path)
+                _unlink_quietly(tmp)
+
+    def discard_note(self, tenant: str) -> None:
+        """Drop a staged note whose upload did not commit."""
+        _unlink_quietly(self._path(tenant, _NOTE_TMP_SUFFIX))
 
     def note(self, tenant: str) -> dict | None:
         """The note of the committed file (:meth:`set_note`); None when there is none, or it
@@ -453,9 +482,9 @@ class Upload:
             )
         try:
             self._file.write(chunk)
-        except BaseException:
+        except BaseException as e:
             self.abort()
-            raise
+            raise _no_space(e) from e
         self._hash.update(chunk)
         self.written += n
 
@@ -499,9 +528,9 @@ class Upload:
             self._file.close()  # flushed; the sync thread fsyncs it
             self._staged = _syncer().submit(self._store._stage, self.tenant, self.temp_path,
                                             digest)
-        except BaseException:
+        except BaseException as e:
             self.abort()
-            raise
+            raise _no_space(e) from e
         self._digest = digest
         return digest
 
@@ -547,7 +576,10 @@ class Upload:
             return
         self._open = False
         try:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # a full disk fails the flush of buffered bytes: removed all the same
+                pass
             if self._staged is not None:
                 try:
                     self._staged.result()  # it may still be writing the record
