@@ -55,7 +55,6 @@ until the next start-up settles the pair.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -64,12 +63,20 @@ import re
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 from itif.errors import InvalidRequest, InvalidWeights, Overloaded, shown
+from itif.weights.durable_io import (  # private names: tests patch _write_durably here
+    fsync_dir as _fsync_dir,
+    fsync_path as _fsync_path,
+    no_space as _no_space,
+    syncer as _syncer,
+    unlink_quietly as _unlink_quietly,
+    write_durably as _write_durably,
+)
 from itif.weights.safetensors_io import sha256_file
 
 log = logging.getLogger("itif.blobstore")
@@ -102,64 +109,6 @@ def validate_tenant_id(tid: object) -> str:
     if not isinstance(tid, str) or not _TENANT_ID.fullmatch(tid):
         raise InvalidRequest(f"invalid tenant id {shown(tid)}: must match {TENANT_ID_RE}")
     return tid
-
-
-_sync_pool: ThreadPoolExecutor | None = None
-_sync_pool_lock = threading.Lock()
-
-
-def _syncer() -> ThreadPoolExecutor:
-    """The threads that run step 2 of commits (fsyncs release the GIL), shared by every store."""
-    global _sync_pool
-    with _sync_pool_lock:
-        if _sync_pool is None:
-            _sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="itif-blob-sync")
-        return _sync_pool
-
-
-def _fsync_path(path: Path) -> None:
-    """fsync the file at ``path`` (its data, whichever descriptor wrote it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    """Create or truncate ``path`` with ``data`` and fsync it (the caller fsyncs the directory)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _no_space(e: BaseException) -> BaseException:
-    """``e``, or for a full disk (or quota) the caller's error: RESOURCE_EXHAUSTED, not INTERNAL."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return Overloaded(f"no space left on the device for this upload ({e.strerror}); "
-                          "nothing was stored")
-    return e
-
-
-def _unlink_quietly(path: Path) -> bool:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _sidecar_line(tenant: str, digest: str) -> bytes:
