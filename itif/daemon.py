@@ -313,9 +313,9 @@ class Daemon:
             raise Unauthenticated("the token of this upload was rotated or revoked while it "
                                   "streamed; nothing was stored")
 
-    def _base_sha(self, base: str) -> str:
-        """The sha256 of the weights ``base`` has now ("" for none)."""
-        st = self.status.get(base)
+    def _base_sha(self, base: str | None) -> str:
+        """The sha256 of the weights ``base`` has now ("" for none, or no base)."""
+        st = self.status.get(base) if base is not None else None
         return st.sha256 if st is not None else ""
 
     def finish_upload(self, tenant: str, upload: Upload, who: Identity | None = None) -> TenantView:
@@ -324,8 +324,7 @@ class Daemon:
         refuse a tenant removed from the config meanwhile (nothing is committed then)."""
         try:
             upload.seal()  # size and sha256
-            conf = self.config.tenant(tenant)
-            base_sha = self._base_sha(conf.base) if conf is not None and conf.base else ""
+            base_sha = self._base_sha(self._base_of(tenant))
             weights, base = self._load_weights(tenant, upload.temp_path, upload=True)
             sha = upload.expected_sha256
             # a tenant's own upload is not credited with what other tenants hold (see
