@@ -155,4 +155,50 @@ def test_bad_adapters_are_refused_naming_the_problem(tmp_path):
     bad[a_name] = torch.full_like(tensors[a_name], float("nan"))
     with pytest.raises(InvalidWeights, match="non-finite"):
         eng.add_tenant("x", (config, bad), base="base")
+    for pattern, match in ((["query"], "must be an object"), ({"(": 3}, "not a regex")):
+        with pytest.raises(InvalidWeights, match=match):
+            eng.add_tenant("x", ({**config, "alpha_pattern": pattern}, tensors), base="base")
     assert "x" not in eng.store
+
+
+def test_alpha_patterns_that_backtrack_for_ever_end_within_their_budget(tmp_path):
+    """Regexes whose match never ends held the upload, the base's lock and, for a stored
+    adapter, the daemon's start: ``re`` backtracks on ``(\\w+\\.?)+X`` for longer than anyone
+    waits. Matched with ``regex``, that one answers at once (no module matches: the default
+    alpha), and one that does run long is refused once the adapter's patterns have spent
+    ``PATTERN_BUDGET_S``, naming the field."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from itif.backbones.lora import PATTERN_BUDGET_S  # noqa: PLC0415
+
+    eng, base = _engine_with_base("bert-tiny")
+    model, path = _adapter(base, tmp_path, "ok", 3, r=4, lora_alpha=8, target_modules=["query"])
+    config = json.loads((path / "adapter_config.json").read_text())
+    tensors = load_safetensors(path / "adapter_model.safetensors")
+    slow = "(.*)" * 6 + r"\8\7\6\5\4\3(?!)"  # groups 1-2 are PEFT's own wrapper's
+    for name, pattern in (("re-hang", r"(\w+\.?)+X"), ("slow", slow)):
+        got: dict = {}
+
+        def add() -> None:
+            t0 = time.monotonic()
+            try:
+                eng.add_tenant(name, ({**config, "alpha_pattern": {"nothing": 1, pattern: 2}},
+                                      tensors), base="base")
+            except InvalidWeights as e:
+                got["error"] = str(e)
+            got["s"] = time.monotonic() - t0
+
+        worker = threading.Thread(target=add, daemon=True)
+        worker.start()
+        worker.join(PATTERN_BUDGET_S + 30)
+        assert "s" in got, f"{name}: still matching 30 s past the budget"
+        assert got["s"] < PATTERN_BUDGET_S + 5, got
+        if name == "slow":
+            assert "alpha_pattern" in got.get("error", "") and "simpler" in got["error"], got
+            assert name not in eng.store
+        else:
+            assert "error" not in got and name in eng.store, got
+    rng = np.random.default_rng(5)
+    _check(eng, {"base": base, "re-hang": model},
+           [random_request(eng.spec, t, rng) for t in ("re-hang", "base")])

@@ -26,9 +26,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import regex
 import torch
 
 from itif.backbones.hf import CanonicalWeights, _layer_sources
@@ -44,6 +46,10 @@ CONFIG_KEY = "itif.adapter_config"
 LINEAR_KINDS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
+#: seconds all of an adapter's ``alpha_pattern`` regexes may take to match its module names: a
+#: regex that backtracks for ever is refused, instead of holding its upload (and the base's
+#: lock) or the daemon's start for good
+PATTERN_BUDGET_S = 1.0
 
 
 def pack_adapter(adapter_dir: str | Path, out: str | Path) -> Path:
@@ -97,25 +103,35 @@ def _check_config(config: Mapping[str, Any]) -> None:
     r = config.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_RANK:
         raise InvalidWeights(f"adapter_config r={r!r}: must be an int in [1, {MAX_RANK}]")
+    if not isinstance(config.get("alpha_pattern") or {}, dict):
+        raise InvalidWeights("adapter_config alpha_pattern must be an object: regex -> alpha")
 
 
-def _pattern(patterns: Mapping[str, Any], module: str, default):
+def _pattern(patterns: Mapping[str, Any], module: str, default, deadline: float):
     """PEFT's per-module override (``peft.utils.other.get_pattern_key``): the value of the first
     key, a regex, that matches the whole of the module's name or a tail of it starting after a
     dot. ``module`` is the name PEFT matched: the full module name in the model it adapted
     (``bert.encoder.layer.0.attention.self.query``), so ``query``, ``layer.0.attention.self.query``
-    and that full name all select it."""
+    and that full name all select it. Matched with the ``regex`` package (``re``'s syntax) so
+    that the patterns share a time budget ending at ``deadline`` (``time.monotonic``)."""
     for key, value in (patterns or {}).items():
+        left = deadline - time.monotonic()
         try:
-            if re.match(rf"(.*\.)?({key})$", module):
+            if left <= 0:
+                raise TimeoutError
+            if regex.match(rf"(.*\.)?({key})$", module, timeout=left):
                 return value
-        except re.error as e:
+        except regex.error as e:
             raise InvalidWeights(f"adapter_config pattern {key!r} is not a regex: {e}") from None
+        except TimeoutError:
+            raise InvalidWeights(
+                f"adapter_config alpha_pattern takes over {PATTERN_BUDGET_S:g} s to match the "
+                f"module names (stopped at {key[:80]!r}): use simpler regexes") from None
     return default
 
 
-def _scale(config: Mapping[str, Any], module: str, rank: int) -> float:
-    alpha = _pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
+def _scale(config: Mapping[str, Any], module: str, rank: int, deadline: float) -> float:
+    alpha = _pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8), deadline)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise InvalidWeights(f"adapter lora_alpha {alpha!r} for {module!r} is not a number")
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
@@ -137,6 +153,7 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
     """The tensors a LoRA tenant owns (module docstring), ready for ``WeightStore.add`` with
     ``base=``. ``base_heads``: the base tenant's ``pooler.*`` / ``head.*`` tensors (float32)."""
     _check_config(config)
+    deadline = time.monotonic() + PATTERN_BUDGET_S
     family = spec.family + "."
     src: dict[str, torch.Tensor] = {}
     peft_names: dict[str, str] = {}  # key of src -> the module name PEFT matched patterns with
@@ -167,7 +184,7 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank or not 1 <= rank <= MAX_RANK:
             raise InvalidWeights(f"adapter {module!r}: lora_A {list(a.shape)} and lora_B "
                                  f"{list(b.shape)} do not form a rank-r pair (r <= {MAX_RANK})")
-        s = _scale(config, peft_names[key].removesuffix(_A), rank)
+        s = _scale(config, peft_names[key].removesuffix(_A), rank, deadline)
         if module in modules:
             canon, part = modules[module]
             parts.setdefault(canon, {})[part] = (a, b * s)
