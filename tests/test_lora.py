@@ -162,8 +162,8 @@ def test_bad_adapters_are_refused_naming_the_problem(tmp_path):
 
 
 def test_alpha_patterns_that_backtrack_for_ever_end_within_their_budget(tmp_path):
-    """Regexes whose match never ends held the upload, the base's lock and, for a stored
-    adapter, the daemon's start: ``re`` backtracks on ``(\\w+\\.?)+X`` for longer than anyone
+    """Regexes whose match never ends froze the daemon: ``re`` holds the GIL while it
+    backtracks, and it backtracks on ``(\\w+\\.?)+X`` for longer than anyone
     waits. Matched with ``regex``, that one answers at once (no module matches: the default
     alpha), and one that does run long is refused once the adapter's patterns have spent
     ``PATTERN_BUDGET_S``, naming the field."""

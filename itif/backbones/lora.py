@@ -47,8 +47,8 @@ LINEAR_KINDS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 #: seconds all of an adapter's ``alpha_pattern`` regexes may take to match its module names: a
-#: regex that backtracks for ever is refused, instead of holding its upload (and the base's
-#: lock) or the daemon's start for good
+#: regex that backtracks for ever is refused (``re`` would have held the GIL, so every thread of
+#: the daemon, for as long as it ran)
 PATTERN_BUDGET_S = 1.0
 
 
