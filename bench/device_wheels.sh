@@ -4,7 +4,9 @@
 # stubs, tritonclient with what its grpc and http modules import (the KServe v2 classes the
 # daemon uses, the clients the tests drive), and grpcio-tools (tests/test_proto.py). Without
 # python-rapidjson or gevent, tritonclient refuses to import and eight test modules fail to
-# collect (seen on an H100 on 2026-11-26). Versions are those the CPU test environment runs.
+# collect (seen on an H100 on 2026-11-26). prometheus-client: the daemon needs 0.24 or later
+# (a removed tenant's series are dropped with Metric.remove_by_labels); the image's own copy may
+# be older. Versions are those the CPU test environment runs.
 #
 #   bash bench/device_wheels.sh [DIR]        # default .whl (ignored by git: see the README)
 #
@@ -24,6 +26,7 @@ WHEELS=(
   protobuf==7.36.2
   tritonclient==2.73.0 python-rapidjson==1.25
   geventhttpclient==2.6.1 gevent==26.9.0 greenlet==3.3.2 zope.event zope.interface brotli==1.2.1
+  prometheus-client==0.26.0
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${PLATFORMS[@]}" -d "$DIR" "${WHEELS[@]}"
