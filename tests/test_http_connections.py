@@ -3,6 +3,7 @@
 has not sent its whole request line and headers within ``server.http_header_timeout_s`` is
 closed, so idle or half-sent connections cannot use up the daemon's file descriptors (before,
 50 such connections were all still open after 20 s, and ~20,000 took gRPC down with EMFILE).
+Headers over 16 KiB are answered 431, and the client reads that answer (before: a reset).
 """
 
 from __future__ import annotations
@@ -125,4 +126,47 @@ def test_connections_without_whole_headers_are_closed_after_the_timeout(tmp_path
     finally:
         for s in socks:
             s.close()
+        d.stop()
+
+
+def test_headers_over_the_limit_are_answered_431_not_reset(tmp_path):
+    """A 1 MB authorization header: before, uvicorn answered 400 and closed with the rest of
+    the header unread, so the client saw a connection reset and no answer at all. A 20 KB
+    header passed when it came in one read (h11 judged only what it held unparsed)."""
+    from itif.server.http import MAX_HEADER_BYTES  # noqa: PLC0415
+
+    d = _http_daemon(tmp_path, http_header_timeout_s=5)
+    try:
+        url = f"http://{d.http}/v2/models/t1/infer"
+        for size in (MAX_HEADER_BYTES + 1, 20_000, 1_000_000):
+            r = httpx.post(url, json={}, timeout=10,
+                           headers={"authorization": "Bearer " + "x" * size})
+            assert r.status_code == 431 and "16384 bytes" in r.text, (size, r.status_code)
+        r = httpx.post(url, json={}, timeout=10,  # within the limit: judged on its token
+                       headers={"authorization": "Bearer " + "x" * (MAX_HEADER_BYTES // 2)})
+        assert r.status_code == 401, r.status_code
+        # ill-formed rather than long (its blank line is within the limit): still 400
+        s = _connect(d, b"GET / HTTP/1.1\r\nHost x\r\n\r\n" + b"y" * (MAX_HEADER_BYTES * 2))
+        got = _read_to_close(s, 10)
+        s.close()
+        assert got is not None and got.startswith(b"HTTP/1.1 400 "), got
+        # a client that never stops sending after its 431 is closed within the header timeout
+        s = _connect(d, b"GET / HTTP/1.1\r\nx-big: " + b"z" * (MAX_HEADER_BYTES * 2))
+        t0 = time.monotonic()
+        s.settimeout(1)
+        answer = b""
+        while time.monotonic() - t0 < 20:
+            try:
+                s.sendall(b"z" * 1024)
+                answer += s.recv(4096)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.1)
+        s.close()
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+        assert time.monotonic() - t0 < 9  # the 5 s header timeout bounds the linger
+        assert _live(d) == 200
+    finally:
         d.stop()

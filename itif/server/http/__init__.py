@@ -13,6 +13,9 @@ Connections are bounded (:class:`_GuardedH11`): past ``server.http_max_connectio
 answered 503 and closed, and one that has not sent its request line and headers within
 ``server.http_header_timeout_s`` is closed, so idle or half-sent connections cannot take the
 daemon's file descriptors (uvicorn's own keep-alive timeout starts only after a response).
+A request line and headers over :data:`MAX_HEADER_BYTES` are answered 431, and the rest of what
+the client sends is read and dropped for a moment before the close, so that the client reads the
+answer instead of a connection reset (uvicorn answered 400 and closed with it unread).
 
 Needs the ``http`` extra (starlette, uvicorn).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import resource
 import socket
 import ssl
@@ -67,6 +71,13 @@ def build_app(daemon, health=None, *, max_body: int, admission=None) -> Starlett
 
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
          b"content-length: 20\r\nconnection: close\r\n\r\ntoo many connections")
+#: the most bytes a request line and its headers may take, their blank line included (h11's
+#: default, and gRPC's default metadata limit): more is answered :data:`_TOO_LARGE`
+MAX_HEADER_BYTES = 16 * 1024
+_HEADERS_END = re.compile(rb"\n\r?\n")  # the blank line h11 looks for
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+              b"content-type: text/plain; charset=utf-8\r\ncontent-length: 49\r\n"
+              b"connection: close\r\n\r\nthe request line and headers are over 16384 bytes")
 
 
 class _GuardedH11(H11Protocol):
@@ -82,8 +93,13 @@ class _GuardedH11(H11Protocol):
 
     max_connections: int = 1000
     header_timeout_s: float = 10.0
+    #: after a 431, how long the connection waits for the client to stop sending before it
+    #: closes (each chunk that comes restarts the wait; header_timeout_s bounds the whole)
+    linger_s: float = 0.5
 
     _header_timer: asyncio.TimerHandle | None = None
+    _linger: asyncio.TimerHandle | None = None
+    _linger_until: float = 0.0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -95,6 +111,17 @@ class _GuardedH11(H11Protocol):
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._linger is not None:  # answered 431: what still comes is dropped
+            self._linger.cancel()
+            self._linger = self.loop.call_at(
+                min(self.loop.time() + self.linger_s, self._linger_until), self.transport.close)
+            return
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            head = self.conn.trailing_data[0] + data[:MAX_HEADER_BYTES + 1]  # held: <= the max
+            if (len(head) > MAX_HEADER_BYTES
+                    and not _HEADERS_END.search(head, 0, MAX_HEADER_BYTES)):
+                self._refuse_too_large()
+                return
         super().data_received(data)
         if self.conn.their_state is h11.IDLE:  # the first bytes of a kept-alive connection's next
             self._arm_header_timer()           # request (already armed: kept as it is)
@@ -106,7 +133,17 @@ class _GuardedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
+
+    def _refuse_too_large(self) -> None:
+        """431, then linger (:attr:`linger_s`) while the client finishes sending: closing a
+        socket with unread data resets it, and the client would lose the answer."""
+        self._cancel_header_timer()
+        self.transport.write(_TOO_LARGE)
+        self._linger_until = self.loop.time() + self.header_timeout_s
+        self._linger = self.loop.call_later(self.linger_s, self.transport.close)
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None and not self.transport.is_closing():
@@ -170,6 +207,7 @@ class HttpServer:
             "header_timeout_s": s.http_header_timeout_s})
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                                 http=protocol, ws="none", server_header=False,
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                                 timeout_graceful_shutdown=s.grace_s, **tls)
         self.tls = bool(tls)
         self.server = _Server(config)
