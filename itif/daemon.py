@@ -23,7 +23,7 @@ import hmac
 import logging
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import replace
 from typing import Iterable
 
@@ -165,8 +165,16 @@ class Daemon:
         base = None if conf is None else conf.base
         if base is None:
             return self.engine.load_weights(path), None
+        held = nullcontext()
+        if self.tiers is not None and base in self.status:  # not evicted while it is read
+            held = self.tiers.holding(base)
+        with held:
+            return self._load_on_base(tenant, conf, path, base, upload)
+
+    def _load_on_base(self, tenant: str, conf, path, base: str, upload: bool,
+                      ) -> tuple[CanonicalWeights, str | None]:
         if base not in self.engine.store and self.tiers is not None and base in self.status:
-            self.tiers.promote(base)  # on disk or host: a LoRA tenant is added on its slots
+            self.tiers.promote(base)  # on disk or host: read (LoRA: added on its slots)
         kind = "a delta" if conf.is_delta else "a LoRA"
         if base not in self.engine.store:
             raise NoWeights(f"tenant {tenant!r} is {kind} tenant of {base!r}, which has no "
@@ -190,11 +198,11 @@ class Daemon:
         st = self.status.setdefault(tenant, TenantStatus())
         why = daemon_state.misplaced(self, tenant)
         if why is not None:  # committed for another base or compress: not served as this one
-            if self.tiers is not None:
-                self.tiers.forget(tenant)
+            st.state, st.sha256, st.error = State.FAILED, "", why
+            if self.tiers is not None:  # its waiting requests fail (FAILED first: see queue)
+                self.tiers.forget(tenant, fail=NoWeights(f"tenant {tenant!r}: {why}"))
             elif tenant in self.engine.store:
                 self.engine.remove_tenant(tenant)
-            st.state, st.sha256, st.error = State.FAILED, "", why
             log.error("tenant %s: %s", tenant, why)
             return
         if self.tiers is not None:  # registered, loaded on demand (pinned: loaded now)
@@ -232,12 +240,12 @@ class Daemon:
                     self._load_stored(t.id)
                 elif t.id in self.engine.store or (self.tiers is not None
                                                    and self.blobs.exists(t.id)):
-                    if self.tiers is not None:
-                        self.tiers.forget(t.id)
-                    else:
-                        self.engine.remove_tenant(t.id)
                     st = self.status[t.id]
                     st.state, st.error = State.FAILED, f"its base {base!r} has no weights"
+                    if self.tiers is not None:  # its waiting requests fail too
+                        self.tiers.forget(t.id, fail=NoWeights(f"tenant {t.id!r}: {st.error}"))
+                    else:
+                        self.engine.remove_tenant(t.id)
 
     # ---- auth ------------------------------------------------------------------------------
     def identify(self, authorization: str | None) -> Identity:
@@ -336,7 +344,8 @@ class Daemon:
             with held:
                 if self.tiers is not None:
                     self._lock_tenant_and_base(held, tenant, base)
-                with daemon_tiers.room_for(self, tenant, weights) as digests:  # tiers: evicts
+                rides = None if isinstance(weights, delta.DeltaWeights) else base  # LoRA: kept
+                with daemon_tiers.room_for(self, tenant, weights, rides) as digests:  # evicts
                     if digests is None:
                         digests = self.engine.store.check_budget(weights, owner=owner)
                     self.engine.probe(weights, base, digests)  # keys reused, left for the add
@@ -360,7 +369,7 @@ class Daemon:
                     self.stored_as[tenant] = daemon_state.identity(conf)
                     self.engine.add_tenant(tenant, weights, base=base)
                     if self.tiers is not None:
-                        self.tiers.installed(tenant, weights, base)
+                        self.tiers.installed(tenant, weights, rides)
                     st = self.status[tenant]
                     st.state, st.sha256, st.error = State.READY, sha, ""
                     if isinstance(weights, delta.DeltaWeights):
@@ -387,14 +396,16 @@ class Daemon:
         with self._tenant_lock(tenant):
             self._visible(who, tenant)  # removed from the config while waiting for the lock
             freed = 0
-            if self.tiers is not None:  # parked, out of every tier, the store included
-                freed = self.tiers.forget(tenant)
+            self.status[tenant] = TenantStatus()  # first: a request queued from now on fails
+            if self.tiers is not None:  # parked, out of every tier, the store included; the
+                freed = self.tiers.forget(tenant, fail=NoWeights(  # requests waiting fail
+                    f"tenant {tenant!r}: its weights were deleted while this request waited "
+                    "for them to load"))
             if tenant in self.engine.store:
                 freed = self.engine.tenant_info(tenant).exclusive_bytes
                 self.engine.remove_tenant(tenant)
             deleted = self.blobs.delete(tenant)
             self.stored_as.pop(tenant, None)
-            self.status[tenant] = TenantStatus()
         self._rederive(tenant)
         return deleted or freed > 0, freed
 

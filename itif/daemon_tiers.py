@@ -15,6 +15,7 @@ import numpy as np
 from itif.daemon_state import State, misplaced
 from itif.errors import InvalidRequest, InvalidWeights, ItifError, NoWeights, TenantNotFound
 from itif.requests import OUTPUTS
+from itif.weights import delta
 from itif.weights.tiers import TierManager
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,27 +62,51 @@ def register(d: Daemon, tenant: str) -> None:
     loaded on its first request; the file is verified then), else without weights."""
     conf = d.config.tenant(tenant)
     stored = d.blobs.exists(tenant)
+    base = conf.base if conf else None
+    # the tiers know a LoRA tenant's base (it rides on the base's slots: promoted with it, and
+    # the base stays while it is resident); a delta tenant's W_hat is whole: its base is read
+    # while it is decompressed, not kept beside it
     d.tiers.register(tenant, stored=stored, pinned=bool(conf and conf.pinned),
-                     base=conf.base if conf else None)
+                     base=None if conf is None or conf.is_delta else base)
     st = d.status[tenant]
     why = misplaced(d, tenant) if stored else None
-    if why is not None:  # committed for another base or compress
-        st.state, st.error = State.FAILED, why
-        return
-    base = conf.base if conf else None
-    if stored and base is not None and not d.blobs.exists(base):  # as _rederive leaves it
-        st.state, st.error = State.FAILED, f"its base {base!r} has no weights"
-        return
-    if stored and st.state is not State.READY:
+    if why is None and stored and base is not None and not d.blobs.exists(base):
+        why = f"its base {base!r} has no weights"  # as _rederive leaves it
+    if why is None and stored and conf is not None and conf.is_delta:
+        why = _delta_on_disk(d, tenant, base)
+    if why is None and stored and st.state is not State.READY:
         try:
             sha = d.blobs.stored_sha256(tenant) or ""
         except ItifError as e:  # a corrupt sidecar: this tenant alone FAILED
-            st.state, st.error = State.FAILED, f"stored weights refused: {e}"
-            log.error("tenant %s: stored weights refused: %s", tenant, e)
-            return
-        st.state, st.sha256, st.error = State.READY, sha, ""
+            why = f"stored weights refused: {e}"
+            log.error("tenant %s: %s", tenant, why)
+        else:
+            st.state, st.sha256, st.error = State.READY, sha, ""
+    if why is not None:
+        st.state, st.error = State.FAILED, why
+        d.scheduler.fail_parked(tenant, NoWeights(f"tenant {tenant!r}: {why}"))
+        return
     if stored and d.scheduler.queue_depth(tenant):  # requests parked meanwhile
         d.tiers.ensure(tenant)
+
+
+def _delta_on_disk(d: Daemon, tenant: str, base: str) -> str | None:
+    """A stored delta tenant, from its blob's header: FAILED now (the reason) when it was
+    taken against other base weights than the base has, as a load would find; else its
+    report and head are known before it is first loaded (GetTenant, KServe metadata)."""
+    try:
+        report, meta = delta.stored_report(d.blobs.path_for(tenant))
+    except ItifError as e:
+        return f"stored weights refused: {e}"
+    was, now = meta.get("base_sha256", ""), d._base_sha(base)
+    if was != now:
+        return (f"this delta was compressed against base {base!r} with sha256 {was[:12]}, "
+                f"which now has {now[:12] or 'other weights'}: upload the fine-tune again")
+    d.delta_reports[tenant] = report
+    labels = meta.get("num_labels", "")
+    d.tiers.learn(tenant, int(labels) if labels.isdigit() else None,
+                  meta.get("has_pooler") == "1")
+    return None
 
 
 def restore(d: Daemon) -> None:
@@ -133,29 +158,35 @@ def queue(d: Daemon, tenant: str, n: int, submit: Callable[[], list]) -> list:
         raise
     for t in tickets:
         t.add_done_callback(lambda _t: tiers.release(tenant))
-    tiers.ensure(tenant)
+    if not tiers.ensure(tenant):
+        st = d.status.get(tenant)
+        if st is None or st.state is not State.READY:  # deleted or FAILED as it was queued:
+            why = f" ({st.error})" if st is not None and st.error else ""  # nothing will load
+            d.scheduler.fail_parked(tenant, NoWeights(  # it; before, it waited for ever
+                f"tenant {tenant!r} has no ready weights{why}"))
     return tickets
 
 
-def room_for(d: Daemon, tenant: str, weights):
+def room_for(d: Daemon, tenant: str, weights, base: str | None = None):
     """Upload path: admission by bytes, then (a context manager) the store held for this
-    upload with room made for ``weights`` by evicting idle tenants. Without tiers: the plain
-    budget check. Yields the store's digests of the weights."""
+    upload with room made for ``weights`` by evicting idle tenants (never ``base``, a LoRA
+    tenant's, whose slots it is added on). Without tiers: the plain budget check. Yields the
+    store's digests of the weights."""
     if d.tiers is None:
         return nullcontext(None)
-    d.tiers.admit(tenant, weights)
-    return _Room(d.tiers, tenant, weights)
+    d.tiers.admit(tenant, weights, base)
+    return _Room(d.tiers, tenant, weights, base)
 
 
 class _Room:
-    def __init__(self, tiers: TierManager, tenant: str, weights) -> None:
-        self.tiers, self.tenant, self.weights = tiers, tenant, weights
+    def __init__(self, tiers: TierManager, tenant: str, weights, base: str | None) -> None:
+        self.tiers, self.tenant, self.weights, self.base = tiers, tenant, weights, base
         self._io = tiers.io()
 
     def __enter__(self):
         self._io.__enter__()
         try:
-            return self.tiers.make_room(self.weights, keep=(self.tenant,))
+            return self.tiers.make_room(self.weights, keep=(self.tenant, self.base))
         except BaseException:
             self._io.__exit__(None, None, None)
             raise

@@ -205,7 +205,7 @@ def test_misuse_is_refused_by_the_config_naming_the_field(tmp_path, tenant, mess
 def test_delta_tenant_is_promoted_from_its_blob_with_weight_tiers(models, tmp_path):
     """Tiers (a device budget of two bert-tiny tenants): the delta tenant is evicted by full
     tenants and promoted again from the host tier and, after a restart, from its stored blob
-    (its base promoted first), answering the same each time."""
+    (its base promoted first, to decompress it), answering the same each time."""
     cfg = parse_config(
         f"server:\n  listen: 127.0.0.1:{free_port()}\n  data_dir: ./data\n"
         f"  admin_token_sha256: {hash_token('admin')}\n"
@@ -224,9 +224,10 @@ def test_delta_tenant_is_promoted_from_its_blob_with_weight_tiers(models, tmp_pa
         ref = _logits(d, "d8")
         _upload(d, "f1", models["full"])
         _upload(d, "f2", make_hf_model("bert-tiny", 3, seed=13))
-        for t in ("f1", "f2"):
-            _logits(d, t)
+        for t in ("f1", "f1", "f2"):  # f1 used again while resident: protected, and d8,
+            _logits(d, t)                # moved down to probation, is the next one to leave
         assert "d8" not in d.engine.store  # evicted
+        assert "base" not in d.engine.store  # kept for nothing: d8's W_hat is whole
         np.testing.assert_array_equal(_logits(d, "d8"), ref)
     finally:
         d.stop(0)

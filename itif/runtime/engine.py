@@ -214,7 +214,9 @@ class Engine:
 
     def _tensors_of(self, tenant: str, prefixes: tuple[str, ...] | None = None) -> dict:
         """A stored tenant's canonical tensors (those starting with ``prefixes``; all when
-        None) as float32 CPU copies."""
+        None) as float32 CPU copies (copies even on a float32 CPU store, where ``to`` would
+        return views of its slots: a delta's W_hat is built from them, and the base may be
+        evicted, its slots reused, before W_hat is added)."""
         view = self.store.view
         if tenant not in view.tenants:
             raise TenantNotFound(f"base tenant {shown(tenant)} not found")
@@ -222,7 +224,7 @@ class Engine:
         for name in view.tenants[tenant].slots:
             if prefixes is None or name.startswith(prefixes):
                 buf, slot = view.param(tenant, name)
-                out[name] = buf[slot].detach().to("cpu", torch.float32)
+                out[name] = buf[slot].detach().to("cpu", torch.float32, copy=True)
         return out
 
     def load_delta(self, source, base: str, compress: str,

@@ -239,11 +239,32 @@ def report_of(blob: Mapping[str, torch.Tensor], meta: Mapping[str, str],
               error: float | None = None, output: str | None = None) -> DeltaReport:
     """The report of a blob (``error``/``output``: measured now; else those its metadata
     recorded at upload)."""
+    return _report({k: t.numel() * t.element_size() for k, t in blob.items()}, meta, error,
+                   output)
+
+
+def stored_report(path: str | os.PathLike) -> tuple[DeltaReport, dict[str, str]]:
+    """(the report, the metadata) of a stored blob from its header alone (no tensor is read):
+    what a tenant on disk shows before it is loaded, and the base sha256 it was taken against.
+    InvalidWeights for a file that is not a delta blob or whose metadata is corrupt."""
+    from itif.weights.safetensors_io import read_header, read_metadata  # noqa: PLC0415
+
+    meta = read_metadata(Path(path))
+    if meta.get("format") != FORMAT:
+        raise InvalidWeights(f"{Path(path).name} is not an itif delta blob")
+    try:
+        sizes = {n: info.nbytes for n, info in read_header(Path(path)).items()}
+        return _report(sizes, meta), meta
+    except (KeyError, ValueError, TypeError) as e:
+        raise InvalidWeights(f"delta blob metadata is corrupt ({e})") from None
+
+
+def _report(stored: Mapping[str, int], meta: Mapping[str, str], error: float | None = None,
+            output: str | None = None) -> DeltaReport:
     table = json.loads(meta["tensors"])
     method = meta["compress"]
     nbytes = {n: math.prod(shape) * 4 for n, shape, _ in table}
     matrices = {n for n, _, k in table if k == method}
-    stored = {k: t.numel() * t.element_size() for k, t in blob.items()}
     if error is None:
         error, output = float(meta.get("max_abs_error", "nan")), meta.get("error_output", "")
     return DeltaReport(

@@ -126,8 +126,13 @@ class TierManager:
             st = self._t.get(tenant)
             if st is None:
                 st = self._t[tenant] = TenantState(Tier.DISK if stored else Tier.NONE, pinned, base)
-            else:
+            else:  # registered again (forgotten first: its file changed, or it came back)
                 st.pinned, st.base = pinned, base
+                if not stored:
+                    self._drop_host(tenant, st)
+                    st.tier = Tier.NONE
+                elif st.tier is Tier.NONE:  # else ensure() would never promote it
+                    st.tier = Tier.DISK
             if st.tier is not Tier.DEVICE:
                 self.scheduler.park(tenant, True)
 
@@ -153,9 +158,12 @@ class TierManager:
         if pinned:
             self.ensure(tenant)
 
-    def forget(self, tenant: str) -> int:
+    def forget(self, tenant: str, fail: BaseException | None = None) -> int:
         """Its weights were deleted, replaced on disk, or it left the config: parked, and out
-        of every tier (removed from the store). Returns the store bytes that freed."""
+        of every tier (removed from the store). ``fail``: it will not be served (deleted,
+        FAILED): the requests waiting for it fail with this error now instead of staying parked
+        (kept: it is registered again, and they wait for its new weights). Returns the store
+        bytes that freed."""
         with self._io:
             with self._lock:
                 st = self._t.get(tenant)
@@ -163,8 +171,10 @@ class TierManager:
                     self._drop_host(tenant, st)
                     if self._unlist(tenant):
                         self._unchild(st)
-                    st.tier, st.error = Tier.NONE, ""
+                    st.tier, st.error, st.loading = Tier.NONE, "", False
                     self.scheduler.park(tenant, True)
+            if fail is not None:
+                self.scheduler.fail_parked(tenant, fail)
             if tenant not in self.store:
                 return 0
             freed = self.engine.tenant_info(tenant).exclusive_bytes
@@ -176,6 +186,16 @@ class TierManager:
         self.forget(tenant)
         with self._lock:
             self._t.pop(tenant, None)
+
+    @contextmanager
+    def holding(self, tenant: str) -> Iterator[None]:
+        """``tenant`` is busy (never evicted) while held: a base whose weights a LoRA or
+        delta tenant's load reads."""
+        self.acquire(tenant)
+        try:
+            yield
+        finally:
+            self.release(tenant)
 
     @contextmanager
     def io(self) -> Iterator[None]:
@@ -219,9 +239,10 @@ class TierManager:
             return False
 
     # ---- installing weights that arrive from outside (upload, restore) -------------------
-    def admit(self, tenant: str, weights: CanonicalWeights) -> None:
+    def admit(self, tenant: str, weights: CanonicalWeights, base: str | None = None) -> None:
         """Admission by bytes: weights that could never be resident beside the pinned tenants
-        are refused (Overloaded), whatever is resident now."""
+        (and ``base``, a LoRA tenant's, which is resident with it) are refused (Overloaded),
+        whatever is resident now."""
         budget = self.device_budget
         if budget is None:
             return
@@ -230,11 +251,14 @@ class TierManager:
             pinned = [t for t in (*self._prob, *self._prot) if t != tenant and self._t[t].pinned]
         held = sum(self.engine.tenant_info(t).exclusive_bytes for t in pinned
                    if t in self.store)
+        if base is not None and base not in pinned and base in self.store:
+            need += self.engine.tenant_info(base).bytes
         if need + held > budget:
+            with_base = f" with its base {base!r}" if base is not None else ""
             raise Overloaded(
-                f"tenant {tenant!r}'s weights need {need} bytes; the device tier holds "
-                f"{budget} bytes ({held} of them pinned by other tenants): they could never be "
-                "resident (raise backbone.device_weight_bytes or unpin tenants)")
+                f"tenant {tenant!r}'s weights{with_base} need {need} bytes; the device tier "
+                f"holds {budget} bytes ({held} of them pinned by other tenants): they could "
+                "never be resident (raise backbone.device_weight_bytes or unpin tenants)")
 
     def make_room(self, weights: CanonicalWeights, keep: tuple = (),
                   digests: Digests | None = None):
@@ -287,7 +311,7 @@ class TierManager:
                     weights, digests = self._host_weights(st, host, keys)
                 else:
                     weights = self.load(tenant)
-                self.admit(tenant, weights)
+                self.admit(tenant, weights, base)
                 digests = self.make_room(weights, keep=(tenant, base), digests=digests)
                 del digests  # check_budget remembered them: add_tenant reuses the keys
                 self._gap()
