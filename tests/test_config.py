@@ -682,3 +682,22 @@ def test_tenants_on_a_base_are_a_lookup_in_file_order():
     assert [t.id for t in cfg.tenants_on("b")] == ["l1", "l2"]
     assert [t.id for t in cfg.tenants_on("c")] == ["l3"]
     assert cfg.tenants_on("l1") == () and cfg.tenants_on("nobody") == ()
+
+
+@pytest.mark.parametrize("backbone, tenant, message", [
+    ("  host_weight_bytes: 1MiB\n", "", r"backbone\.host_weight_bytes: only applies with "
+                                      r"backbone\.device_weight_bytes"),
+    ("", "    pinned: true\n", r"tenants\[0\]\.pinned: only applies with "
+                                r"backbone\.device_weight_bytes"),
+])
+def test_tier_settings_without_tiers_are_refused(tmp_path, backbone, tenant, message):
+    """Both were accepted and did nothing (a review found it): every tenant is resident
+    without backbone.device_weight_bytes."""
+    text = ("server:\n  listen: 127.0.0.1:0\n  data_dir: ./data\n"
+            f"  admin_token_sha256: {hash_token('admin')}\n"
+            f"backbone:\n  config: bert-tiny\n{backbone}tenants:\n"
+            f"  - id: a\n    token_sha256: {hash_token('a')}\n{tenant}")
+    with pytest.raises(InvalidConfig, match=message):
+        parse_config(text, tmp_path)
+    fixed = text.replace("backbone:\n", "backbone:\n  device_weight_bytes: 1GiB\n")
+    parse_config(fixed, tmp_path)  # with tiers: accepted

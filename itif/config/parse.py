@@ -260,7 +260,15 @@ def _cross_checks(errs: _Errors, cfg: Config) -> None:
     if cfg.backbone.is_decoder and cfg.backbone.device_weight_bytes is not None:
         errs.add("backbone.device_weight_bytes", "weight tiers serve encoder backbones only; "
                                                   f"backbone.config {cfg.backbone.config!r} is a decoder")
+    tiers = cfg.backbone.device_weight_bytes is not None
+    if cfg.backbone.host_weight_bytes and not tiers:
+        errs.add("backbone.host_weight_bytes", "only applies with backbone.device_weight_bytes "
+                                               "(weight tiers), which is not set")
     for i, t in enumerate(cfg.tenants):
+        if t.pinned and not tiers:
+            errs.add(f"tenants[{i}].pinned", "only applies with backbone.device_weight_bytes "
+                                             "(weight tiers), which is not set: every tenant "
+                                             "is resident")
         if t.token_sha256 == admin:
             errs.add(
                 f"tenants[{i}].token_sha256",
