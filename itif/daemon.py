@@ -533,7 +533,8 @@ class Daemon:
         tier = tv.tier.value if tv is not None else ("device" if total else "none")
         rep = self.delta_reports.get(tenant) if st.state is State.READY else None
         conf = self.config.tenant(tenant)
-        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, st.error,
+        error = st.error or (tv.error if tv is not None else "")  # or its last promotion's
+        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, error,
                           tier, tv.host_bytes if tv is not None else 0,
                           rep.as_dict() if rep is not None else None,
                           conf.compress if conf is not None and conf.is_delta else "")

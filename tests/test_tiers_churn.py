@@ -277,3 +277,25 @@ def test_a_stored_delta_tenant_is_judged_and_described_at_start(tmp_path, P):
             _logits(d, "d8")
     finally:
         d.stop(0)
+
+
+def test_a_pinned_tenant_that_can_never_be_resident_says_why(tmp_path, P):
+    """Pinning two tenants where one fits: the reload is applied (the sizes of tenants on disk
+    are not known before they load) and the one that cannot be loaded answered UNAVAILABLE
+    while ListTenants showed it READY with no error; now its error names the budget."""
+    import time  # noqa: PLC0415
+
+    d = _daemon(_config(tmp_path, {"a": [], "b": []}, int(1.5 * P)))
+    try:
+        _upload(d, "a", make_hf_model("bert-tiny", 3, seed=1), tmp_path)
+        _upload(d, "b", make_hf_model("bert-tiny", 3, seed=2), tmp_path)
+        d.apply_config(_config(tmp_path, {"a": [], "b": []}, int(1.5 * P), pinned=("a", "b")))
+        end = time.monotonic() + WAIT_S
+        while time.monotonic() < end and not any(d.tenant_view(t).error for t in "ab"):
+            time.sleep(0.02)
+        (loser,) = [t for t in "ab" if d.tenant_view(t).error]
+        assert "device_weight_bytes" in d.tenant_view(loser).error
+        with pytest.raises(Exception, match="device_weight_bytes"):
+            _logits(d, loser)
+    finally:
+        d.stop(0)
