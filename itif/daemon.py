@@ -45,6 +45,7 @@ from itif.errors import (
 )
 from itif.generation.api import GenerateRequest, check_request
 from itif.runtime.engine import Engine, Request, Result
+from itif.requests import utf8_text
 from itif.scheduler import Scheduler, Ticket
 from itif.observer import DaemonObserver
 from itif.weights import delta
@@ -424,7 +425,7 @@ class Daemon:
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidRequest("this backbone ships no tokenizer: send input_ids")
-        return tok.encode(text).ids
+        return tok.encode(utf8_text(text, "text")).ids
 
     def submit(self, who: Identity, tenant: str, requests: list[Request],
                deadline: float | None = None, priority: int = 0) -> list[Ticket]:
@@ -476,7 +477,7 @@ class Daemon:
             tok = self.engine.tokenizer_of(tenant)
             if tok is None:
                 raise InvalidRequest(f"text: tenant {tenant!r} ships no tokenizer; send input_ids")
-            request = replace(request, input_ids=list(tok.encode(text).ids))
+            request = replace(request, input_ids=list(tok.encode(utf8_text(text, "text")).ids))
         check_request(request, self.config.server.max_new_tokens, gen.spec.vocab_size)
         if conf.max_seq_len is not None and len(request.input_ids) > conf.max_seq_len:
             raise InvalidRequest(f"input_ids: length {len(request.input_ids)} exceeds tenant "

@@ -14,7 +14,7 @@ import numpy as np
 
 from itif.errors import InvalidRequest
 
-__all__ = ["OUTPUTS", "Request", "Result", "numel"]
+__all__ = ["OUTPUTS", "Request", "Result", "numel", "utf8_text"]
 
 _MAX_INDEX = int(np.iinfo(np.intp).max)
 
@@ -29,6 +29,19 @@ def numel(name: str, shape: Sequence[int]) -> int:
     if math.prod(max(int(d), 1) for d in shape) > _MAX_INDEX:
         raise InvalidRequest(f"input {name!r}: shape {[int(d) for d in shape][:8]} is too large")
     return math.prod(shape)
+
+
+def utf8_text(text: str, what: str) -> str:
+    """``text`` when it is valid Unicode; InvalidRequest naming ``what`` otherwise. A JSON
+    string may hold a lone surrogate (``"\\ud800"``): Python takes it, UTF-8 and the tokenizers
+    do not (gRPC's string fields are checked UTF-8 already)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{what}: not valid Unicode text (a lone surrogate at character "
+                             f"{e.start})") from None
+    return text
+
 
 #: The outputs a request may ask for, in the order ``Result.as_dict`` lists them.
 OUTPUTS = ("logits", "pooled", "last_hidden_state")

@@ -573,7 +573,8 @@ def test_http_calls_go_through_admission(tmp_path):
     tokens = {"u1": "u1-tok", "u2": "u2-tok", "u3": "u3-tok"}
     d = Daemon(tmp_path / "d", tokens, tenant_extra={"u1": {"max_inflight": 1}},
                server_extra={"http_listen": f"127.0.0.1:{free_port()}",
-                             "max_inflight_calls": 2}).start()
+                             "max_inflight_calls": 2,  # the held bodies are not timed out
+                             "http_header_timeout_s": 120}).start()
     http = d.server_extra["http_listen"]
     infer = {"inputs": [_ids([5, 6, 7])]}
     try:

@@ -349,6 +349,30 @@ def test_bad_requests_get_4xx_naming_the_field(served):
 LONG = {"model": "acme", "prompt": [5, 6, 7], "max_tokens": 2000, "eos_token_id": VOCAB - 1}
 
 
+def test_hostile_bodies_get_400_and_never_hold_a_slot(served):
+    """A review's reproductions. A lone surrogate in an unknown parameter's name made the error
+    answer itself fail (500), which skipped the release of the call's admission slot: after
+    128 such calls (the tenant's max_inflight) every call of the tenant, over HTTP and gRPC,
+    answered 429 until a restart. A lone surrogate in a prompt was a 500; a 2**64 seed aliased
+    another seed; a prompt of millions of ids was checked element by element on the event
+    loop before it was refused."""
+    from itif.server.http.common import MAX_LIST  # noqa: PLC0415
+
+    bad = json.dumps({"model": "acme", "prompt": [5], "max_tokens": 2, "\ud800": 1})
+    for _ in range(140):  # over max_inflight (2 x max_queue = 128)
+        r = served.post(bad)
+        assert r.status_code == 400 and "unknown parameter" in r.text, r.text
+    assert served.post({"model": "acme", "prompt": [5, 6], "max_tokens": 2}).status_code == 200
+    r = served.post(json.dumps({"model": "acme", "prompt": "w5 \ud800", "max_tokens": 2}))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("prompt: not valid Unicode"), r.text
+    for seed in (2**63, -2**63 - 1, 2**64):
+        r = served.post({"model": "acme", "prompt": [5], "max_tokens": 2, "seed": seed})
+        assert r.status_code == 400 and "seed: must be a 64-bit integer" in r.text, r.text
+    r = served.post({"model": "acme", "prompt": [5] * (MAX_LIST + 1), "max_tokens": 2})
+    assert r.status_code == 400 and f"over the {MAX_LIST}" in r.text, r.text[:200]
+
+
 def test_a_disconnecting_client_frees_its_sequences_and_cache_blocks(served):
     """A long generation holds KV cache blocks while it streams; the client closing the
     connection mid-stream cancels it in the GenEngine (freed at its next step, long before the

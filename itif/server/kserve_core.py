@@ -27,7 +27,7 @@ from itif import daemon_tiers
 from itif.daemon import Daemon, Identity, State, TenantView
 from itif.errors import InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable
 from itif.metrics import TenantCallStats
-from itif.requests import numel
+from itif.requests import numel, utf8_text
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server.service import await_tickets
 
@@ -47,11 +47,15 @@ _SEQUENCE_PARAMS = ("sequence_id", "sequence_start", "sequence_end")
 
 
 # ---- tensors ------------------------------------------------------------------------------------
-def bytes_elements(name: str, raw: bytes) -> list[bytes]:
-    """Split BYTES raw data: each element is a 4-byte little-endian length, then the bytes."""
+def bytes_elements(name: str, raw: bytes, most: int | None = None) -> list[bytes]:
+    """Split BYTES raw data: each element is a 4-byte little-endian length, then the bytes.
+    ``most``: refused as soon as there are more elements (each costs Python on the loop)."""
     out, i, n = [], 0, len(raw)
     view = memoryview(raw)
     while i < n:
+        if most is not None and len(out) == most:
+            raise InvalidRequest(f"input {name!r}: more than {most} BYTES elements; its shape "
+                                 f"needs {most}")
         if i + 4 > n:
             raise InvalidRequest(f"input {name!r}: BYTES data ends inside a 4-byte length prefix")
         (k,) = struct.unpack_from("<I", raw, i)
@@ -82,7 +86,7 @@ def decode_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes) -> np
     shape = tuple(int(d) for d in shape)
     n = numel(name, shape)
     if datatype == "BYTES":
-        items = bytes_elements(name, raw)
+        items = bytes_elements(name, raw, n)
         if len(items) != n:
             raise InvalidRequest(
                 f"input {name!r}: {len(items)} BYTES elements; shape {list(shape)} needs {n}")
@@ -122,7 +126,8 @@ def decode_values(name: str, datatype: str, shape: Sequence[int], values: Iterab
         raise InvalidRequest(
             f"input {name!r}: {len(flat)} values in {where}; shape {list(shape)} needs {n}")
     if datatype == "BYTES":
-        items = [v.encode("utf-8") if isinstance(v, str) else v for v in flat]
+        items = [utf8_text(v, f"input {name!r}").encode("utf-8") if isinstance(v, str) else v
+                 for v in flat]
         if not all(isinstance(v, bytes) for v in items):
             raise InvalidRequest(f"input {name!r}: BYTES {where} must be strings")
         return _object_array(items, shape)

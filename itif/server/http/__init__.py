@@ -12,7 +12,9 @@ clients for theirs).
 Connections are bounded (:class:`_GuardedH11`): past ``server.http_max_connections`` a new one is
 answered 503 and closed, and one that has not sent its request line and headers within
 ``server.http_header_timeout_s`` is closed, so idle or half-sent connections cannot take the
-daemon's file descriptors (uvicorn's own keep-alive timeout starts only after a response).
+daemon's file descriptors (uvicorn's own keep-alive timeout starts only after a response); a
+request body that sends nothing for as long is answered 408 and closed (its call held an
+admission slot).
 A request line and headers over :data:`MAX_HEADER_BYTES` are answered 431, and the rest of what
 the client sends is read and dropped for a moment before the close, so that the client reads the
 answer instead of a connection reset (uvicorn answered 400 and closed with it unread).
@@ -71,6 +73,8 @@ def build_app(daemon, health=None, *, max_body: int, admission=None) -> Starlett
 
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
          b"content-length: 20\r\nconnection: close\r\n\r\ntoo many connections")
+_BODY_STALLED = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                 b"content-length: 24\r\nconnection: close\r\n\r\nthe request body stalled")
 #: the most bytes a request line and its headers may take, their blank line included (h11's
 #: default, and gRPC's default metadata limit): more is answered :data:`_TOO_LARGE`
 MAX_HEADER_BYTES = 16 * 1024
@@ -98,6 +102,7 @@ class _GuardedH11(H11Protocol):
     linger_s: float = 0.5
 
     _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
     _linger: asyncio.TimerHandle | None = None
     _linger_until: float = 0.0
 
@@ -125,14 +130,36 @@ class _GuardedH11(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is h11.IDLE:  # the first bytes of a kept-alive connection's next
             self._arm_header_timer()           # request (already armed: kept as it is)
+        self._watch_body()
 
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:  # a whole request line and headers came
             self._cancel_header_timer()
+        self._watch_body()
+
+    def _watch_body(self) -> None:
+        """While a request's body is still coming, it may not go ``header_timeout_s`` without
+        a byte: its call holds an admission slot meanwhile (restarted by every chunk)."""
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self._body_timer = self.loop.call_later(self.header_timeout_s, self._body_timeout)
+
+    def _body_timeout(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            self.transport.write(_BODY_STALLED)  # the route sees the client gone (499)
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
         if self._linger is not None:
             self._linger.cancel()
         super().connection_lost(exc)

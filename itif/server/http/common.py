@@ -27,7 +27,7 @@ import time
 import zlib
 from typing import Any, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from itif.errors import InvalidRequest, ItifError, Overloaded
@@ -60,7 +60,9 @@ def byte_count(text: str) -> int | None:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes (after a gzip or deflate Content-Encoding is
-    undone); more is refused without reading it all."""
+    undone); more is refused without reading it all (a body that stalls is cut off by the
+    connection guard, ``itif.server.http._GuardedH11``). A gzip body must be one whole member
+    with nothing after it."""
     too_large = BodyTooLarge(f"the request body is over server.max_message_bytes ({limit} bytes)")
     length = request.headers.get("content-length")
     if length is not None:
@@ -89,7 +91,23 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise InvalidRequest(f"the request body is not valid {encoding} data: {e}") from None
     if len(out) > limit or inflate.unconsumed_tail:
         raise too_large
+    if not inflate.eof or inflate.unused_data:
+        raise InvalidRequest(f"the request body is not one whole {encoding} stream ("
+                             f"{'data after its end' if inflate.eof else 'it is cut short'})")
     return out
+
+
+#: The longest token list or list of inputs a JSON body may carry: no backbone has this many
+#: positions, no tenant queues this many requests (``max_queue`` <= 1,000,000). Checked before
+#: the per-element checks, which run on the event loop that also serves gRPC.
+MAX_LIST = 1 << 20
+
+
+def bounded_list(value: list, where: str) -> list:
+    if len(value) > MAX_LIST:
+        raise InvalidRequest(f"{where}: {len(value)} elements, over the {MAX_LIST} any model "
+                             "or queue takes")
+    return value
 
 
 def parse_json(data: bytes, what: str = "the request body") -> Any:
@@ -174,38 +192,59 @@ def endpoint(api: str, method: str, render: Render, *, admit: bool = True):
     traceback to the client), and the request is counted in ``itif_http_requests_total`` by
     tenant (the one the daemon authorised it for, as on gRPC), ``api``, ``method`` and status.
     With ``admit`` (all routes but the health probes) the call is first counted in by the
-    API object's ``admission`` (None: not counted); over a limit it answers 429."""
+    API object's ``admission`` (None: not counted); over a limit it answers 429. Its slot is
+    released whatever happens before its answer is handed over (then: once it is sent). A
+    client that goes away while its body is read is counted 499 (nobody to answer)."""
 
     def wrap(handler: Callable[..., Awaitable[Response]]):
         @functools.wraps(handler)
         async def wrapper(self, request: Request) -> Response:
             start = time.perf_counter()
             slot = None
-            with call_tenant() as holder:
-                try:
-                    if admit:
-                        slot = _admit(self, request)
-                    response = await handler(self, request)
-                except Exception as e:  # noqa: BLE001 - the boundary: everything is an answer
-                    status, code, msg = http_status_of(e)
-                    status = getattr(e, "http_status", status)
-                    if code == "INTERNAL":
-                        log.error("%s %s failed", api, method, exc_info=e)
-                    response = render(status, code, msg)
-                except BaseException:  # cancelled (the client went away): nothing to send
-                    if slot is not None:
-                        slot.release()
-                    raise
-            metrics = getattr(self.daemon, "metrics", None)
-            if metrics is not None and hasattr(metrics, "observe_http"):
-                metrics.observe_http(holder[0], api, method, response.status_code,
-                                     time.perf_counter() - start)
-            return response if slot is None else _Held(response, slot)
+            try:
+                with call_tenant() as holder:
+                    try:
+                        if admit:
+                            slot = _admit(self, request)
+                        response = await handler(self, request)
+                    except ClientDisconnect:
+                        response = Response(status_code=CLIENT_GONE)
+                    except Exception as e:  # noqa: BLE001 - the boundary: all is an answer
+                        response = _error_answer(render, api, method, e)
+                metrics = getattr(self.daemon, "metrics", None)
+                if metrics is not None and hasattr(metrics, "observe_http"):
+                    metrics.observe_http(holder[0], api, method, response.status_code,
+                                         time.perf_counter() - start)
+                if slot is None:
+                    return response
+                held, slot = _Held(response, slot), None  # released once it is sent
+                return held
+            finally:  # cancelled (the client went away), or the answer failed: freed now
+                if slot is not None:
+                    slot.release()
 
         return wrapper
 
     return wrap
 
 
-__all__ = ["OFFLOAD_BYTES", "BodyTooLarge", "Render", "authorization", "byte_count", "endpoint",
+#: The status a call whose client went away mid-request is counted with (nginx's 499).
+CLIENT_GONE = 499
+
+
+def _error_answer(render: Render, api: str, method: str, e: Exception) -> Response:
+    status, code, msg = http_status_of(e)
+    status = getattr(e, "http_status", status)
+    if code == "INTERNAL":
+        log.error("%s %s failed", api, method, exc_info=e)
+    # what a client sent may come back in the message; a lone surrogate cannot be UTF-8
+    msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
+    try:
+        return render(status, code, msg)
+    except Exception:  # noqa: BLE001 - an answer is owed whatever the renderer does
+        log.exception("%s %s: rendering the error answer failed", api, method)
+        return Response(b"internal error", status_code=500, media_type="text/plain")
+
+
+__all__ = ["CLIENT_GONE", "MAX_LIST", "OFFLOAD_BYTES", "BodyTooLarge", "bounded_list", "Render", "authorization", "byte_count", "endpoint",
            "field", "json_object", "json_type", "parse_json", "read_body"]

@@ -70,9 +70,11 @@ from starlette.routing import Route
 
 from itif.errors import InvalidRequest, Unavailable
 from itif.generation.api import GenerateRequest
+from itif.requests import utf8_text
 from itif.server.errors import http_status_of
 from itif.server.generate import GenerationStream
-from itif.server.http.common import authorization, endpoint, json_object, json_type, read_body
+from itif.server.http.common import (authorization, bounded_list, endpoint, json_object,
+                                     json_type, read_body)
 from itif.server.http.openai import _is_int
 from itif.server.http.openai import error as openai_error
 
@@ -121,6 +123,8 @@ def _get(body: dict, key: str) -> Any:
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         names = "a number" if float in kinds else " or ".join(_NAMES[k] for k in kinds)
         raise InvalidRequest(f"{key}: must be {names}, got {json_type(value)}")
+    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+        raise InvalidRequest(f"{key}: must be a 64-bit integer (as Generate's), got {value}")
     return value
 
 
@@ -166,10 +170,11 @@ class CompletionsApi:
             if tok is None:
                 raise InvalidRequest(f"prompt: model {model!r} ships no tokenizer: send the "
                                      "prompt as a list of token ids")
-            return list(tok.encode(prompt).ids)
+            return list(tok.encode(utf8_text(prompt, "prompt")).ids)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest("prompt: is empty" if isinstance(prompt, list) else
                                  f"prompt: {_SHAPES}, got {json_type(prompt)}")
+        bounded_list(prompt, "prompt")
         if all(_is_int(v) for v in prompt):
             return list(prompt)
         if all(isinstance(v, (str, list)) for v in prompt):

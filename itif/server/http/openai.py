@@ -32,6 +32,7 @@ from itif.errors import InvalidRequest, Unavailable
 from itif.runtime.engine import Request as ItifRequest
 from itif.server.http.common import (
     authorization,
+    bounded_list,
     endpoint,
     field,
     json_object,
@@ -60,6 +61,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _token_list(ids: list, where: str) -> np.ndarray:
+    bounded_list(ids, where)
     if not ids:
         raise InvalidRequest(f"{where} is an empty token list")
     if not all(_is_int(v) for v in ids):
@@ -88,6 +90,7 @@ class OpenAIApi:
         if not isinstance(value, list) or not value:
             raise InvalidRequest(_INPUT_SHAPES + ("" if isinstance(value, list)
                                                   else f", got {json_type(value)}"))
+        bounded_list(value, "input")
         if all(isinstance(v, str) for v in value):
             return [np.asarray(d.tokenize(v), np.int64) for v in value]
         if all(_is_int(v) for v in value):
