@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import threading
 import time
 from contextlib import ExitStack, nullcontext
@@ -334,7 +335,12 @@ class Daemon:
         try:
             upload.seal()  # size and sha256
             base_sha = self._base_sha(self._base_of(tenant))
-            weights, base = self._load_weights(tenant, upload.temp_path, upload=True)
+            try:
+                weights, base = self._load_weights(tenant, upload.temp_path, upload=True)
+            except ItifError as e:  # the reader names the file: not the server's paths
+                e.args = tuple(str(a).replace(os.fspath(upload.temp_path), "the upload")
+                               for a in e.args)
+                raise
             sha = upload.expected_sha256
             # a tenant's own upload is not credited with what other tenants hold (see
             # WeightStore.check_budget); the operator's is

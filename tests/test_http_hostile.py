@@ -150,3 +150,14 @@ def test_bytes_data_with_more_elements_than_its_shape_is_refused_at_once(daemon)
               headers={"inference-header-content-length": str(len(head)),
                        "content-type": "application/octet-stream"})
     assert r.status_code == 400 and "more than 1 BYTES elements" in r.text, r.text
+
+
+def test_a_refused_upload_does_not_name_the_servers_paths(daemon):
+    """The safetensors reader names the file it read: the upload's temporary file under the
+    server's data directory, which a tenant has no business knowing."""
+    import base64  # noqa: PLC0415
+
+    body = {"parameters": {"file:model.safetensors": base64.b64encode(b"garbage").decode()}}
+    r = _post(daemon, "/v2/repository/models/acme/load", body)
+    assert r.status_code == 400 and "too short for safetensors" in r.text, r.text
+    assert "the upload" in r.text and str(daemon.root) not in r.text and "/tmp" not in r.text
