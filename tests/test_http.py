@@ -372,7 +372,7 @@ BAD = [
       "headers": {"Inference-Header-Content-Length": str(len(json.dumps(
           _infer_body(_ids([101, 102])))))}}, 400, "8 bytes of binary data"),
     ("unknown Content-Encoding", "POST", INFER, A,
-     {"content": b"{}", "headers": {"Content-Encoding": "br"}}, 400, "'br' is not supported"),
+     {"content": b"{}", "headers": {"Content-Encoding": "br"}}, 415, "'br' is not supported"),
     ("gzip that is not gzip", "POST", INFER, A,
      {"content": b"{}", "headers": {"Content-Encoding": "gzip"}}, 400, "not valid gzip"),
     ("deeply nested JSON", "POST", INFER, A, {"content": b"[" * 100000 + b"]" * 100000}, 400,

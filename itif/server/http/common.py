@@ -47,6 +47,12 @@ class BodyTooLarge(Overloaded):
     http_status = 413
 
 
+class UnsupportedEncoding(InvalidRequest):
+    """A Content-Encoding other than identity, gzip and deflate (HTTP 415)."""
+
+    http_status = 415
+
+
 def authorization(request: Request) -> str | None:
     return request.headers.get("authorization")
 
@@ -82,7 +88,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body
     if encoding not in ("gzip", "deflate"):
-        raise InvalidRequest(f"Content-Encoding {encoding[:32]!r} is not supported "
+        raise UnsupportedEncoding(f"Content-Encoding {encoding[:32]!r} is not supported "
                              "(identity, gzip, deflate)")
     inflate = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
     try:
