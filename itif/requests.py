@@ -69,7 +69,7 @@ class Result:
 
     tenant: str
     logits: np.ndarray | None = None  # [num_labels]
-    pooled: np.ndarray | None = None  # [hidden]
+    pooled: np.ndarray | None = None  # [hidden]: the pooler's output; without one, token 0's state
     last_hidden_state: np.ndarray | None = None  # [length, hidden]
 
     def as_dict(self) -> dict[str, np.ndarray]:

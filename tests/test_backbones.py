@@ -51,6 +51,56 @@ def test_bad_configs_are_refused(tmp_path):
         itif.load_spec(tmp_path)
 
 
+def test_configs_itif_would_compute_differently_are_refused():
+    """A review found each served silently with other numbers than Hugging Face's: causal
+    attention (is_decoder) run bidirectionally (logits 1.1e-2 off), a ViT pooler_act other than
+    tanh (pooled 0.31 off)."""
+    bert, vit = PRESETS["bert-tiny"].hf_config(), PRESETS["vit-tiny"].hf_config()
+    for change, match in (({"is_decoder": True}, "is_decoder: true is not supported"),
+                          ({"add_cross_attention": True}, "add_cross_attention")):
+        with pytest.raises(itif.InvalidConfig, match=match):
+            spec_from_hf_config({**bert, **change})
+    with pytest.raises(itif.InvalidConfig, match="pooler_act 'relu'"):
+        spec_from_hf_config({**vit, "pooler_act": "relu"})
+    assert spec_from_hf_config({**vit, "pooler_act": "tanh"}) == PRESETS["vit-tiny"]
+    # a [height, width] pair, as transformers takes: square only
+    pair = {**vit, "image_size": [vit["image_size"]] * 2, "patch_size": [vit["patch_size"]] * 2}
+    assert spec_from_hf_config(pair) == PRESETS["vit-tiny"]
+    with pytest.raises(itif.InvalidConfig, match="only square"):
+        spec_from_hf_config({**vit, "image_size": [32, 48]})
+
+
+def test_albert_without_hidden_act_defaults_as_transformers_does(hf_factory):
+    """AlbertConfig's default activation is gelu_new (itif took gelu: 5.7e-4 off)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = PRESETS["albert-tiny"].hf_config()
+    cfg.pop("hidden_act")
+    assert spec_from_hf_config(cfg).hidden_act == transformers.AlbertConfig().hidden_act
+    cfg = PRESETS["bert-tiny"].hf_config()
+    cfg.pop("hidden_act")
+    assert spec_from_hf_config(cfg).hidden_act == transformers.BertConfig().hidden_act
+
+
+def test_a_tenant_checkpoint_of_another_architecture_is_refused(tmp_path, hf_factory):
+    """A tenant directory's config.json was never read: one trained with relu, another
+    layer_norm_eps or per-token heads was served with the backbone's settings (logits 5e-3 off,
+    or a sequence head on a token classifier)."""
+    eng = itif.Engine("bert-tiny")
+    model = hf_factory("bert-tiny", 3, seed=5)
+    model.save_pretrained(tmp_path / "same")
+    eng.add_tenant("same", tmp_path / "same")  # agrees: accepted
+    for name, change, match in (("relu", {"hidden_act": "relu"}, "hidden_act 'relu'"),
+                                ("eps", {"layer_norm_eps": 1e-3}, "layer_norm_eps 0.001"),
+                                ("tok", {"architectures": ["BertForTokenClassification"]},
+                                 "per-token classification")):
+        model.save_pretrained(tmp_path / name)
+        cfg = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(itif.InvalidWeights, match=match):
+            eng.add_tenant(name, tmp_path / name)
+        assert name not in eng.store
+
+
 def test_checkpoint_file_dir_and_prefixes(tmp_path, hf_factory):
     model = hf_factory("bert-tiny", 3, seed=5)
     model.save_pretrained(tmp_path / "ckpt")  # dir with config.json + model.safetensors

@@ -21,8 +21,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from itif.backbones.spec import BackboneSpec
-from itif.errors import InvalidWeights
+from itif.backbones.spec import BackboneSpec, check_tenant_config
+from itif.errors import InvalidConfig, InvalidWeights
 from itif.weights.safetensors_io import load_safetensors
 
 # Tensors some checkpoints carry that are buffers, not weights.
@@ -276,4 +276,15 @@ def load_tenant_weights(spec: BackboneSpec, source) -> CanonicalWeights:
     """Canonical weights from a path (file or directory) or a dict of Hugging Face tensors."""
     if isinstance(source, Mapping):
         return to_canonical(spec, source)
+    config = Path(source) / "config.json"
+    if config.is_file():  # a checkpoint directory says what it was trained as: it must agree
+        try:
+            cfg = json.loads(config.read_text())
+            if not isinstance(cfg, dict):
+                raise ValueError("not a JSON object")
+            check_tenant_config(spec, cfg)
+        except InvalidConfig as e:  # (a ValueError too)
+            raise InvalidWeights(str(e)) from None
+        except (OSError, ValueError) as e:
+            raise InvalidWeights(f"cannot read {str(config)!r}: {e}") from None
     return to_canonical(spec, read_checkpoint(source))

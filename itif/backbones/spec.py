@@ -24,6 +24,7 @@ sha256 decides whether two tenants share the whole attention input projection.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -259,13 +260,21 @@ def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None
     family = cfg.get("model_type")
     if family not in ("bert", "albert", "vit"):
         raise InvalidConfig(f"model_type {family!r} is not supported (bert, albert, vit)")
+    for key in ("is_decoder", "add_cross_attention"):  # causal attention, cross-attention
+        if cfg.get(key):
+            raise InvalidConfig(f"config.json {key}: true is not supported (itif serves "
+                                f"{family} as an encoder: bidirectional self-attention only)")
+    if family == "vit" and cfg.get("pooler_act", "tanh") != "tanh":
+        raise InvalidConfig(f"config.json pooler_act {cfg['pooler_act']!r} is not supported "
+                            "(only 'tanh')")
     try:
         common = dict(
             hidden=int(cfg["hidden_size"]),
             layers=int(cfg["num_hidden_layers"]),
             heads=int(cfg["num_attention_heads"]),
             intermediate=int(cfg["intermediate_size"]),
-            hidden_act=str(cfg.get("hidden_act", "gelu")),
+            # transformers' defaults where config.json leaves it out: ALBERT's is gelu_new
+            hidden_act=str(cfg.get("hidden_act", "gelu_new" if family == "albert" else "gelu")),
             layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
             name=name,
             source_dir=source_dir,
@@ -295,8 +304,8 @@ def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None
             raise InvalidConfig("ViT without qkv_bias is not supported")
         return BackboneSpec(
             "vit", **common,
-            image_size=int(cfg.get("image_size", 224)),
-            patch_size=int(cfg.get("patch_size", 16)),
+            image_size=_side(cfg.get("image_size", 224), "image_size"),
+            patch_size=_side(cfg.get("patch_size", 16), "patch_size"),
             num_channels=int(cfg.get("num_channels", 3)),
         )
     except KeyError as e:
@@ -305,6 +314,43 @@ def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None
         if isinstance(e, InvalidConfig):
             raise
         raise InvalidConfig(f"config.json has a bad value: {e}") from None
+
+
+def _side(value, key: str) -> int:
+    """A ViT size: an int, or a [height, width] pair (as transformers takes) that is square."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2 or value[0] != value[1]:
+            raise InvalidConfig(f"config.json {key} {list(value)!r}: only square sizes are "
+                                "supported")
+        value = value[0]
+    return int(value)
+
+
+#: What a tenant's own config.json must agree on with the backbone: the fields that change
+#: the computation (weight shapes are checked anyway, by the tensors).
+_COMPUTE_FIELDS = ("hidden", "layers", "heads", "intermediate", "hidden_act", "layer_norm_eps",
+                   "vocab_size", "max_position", "type_vocab_size", "embedding_size",
+                   "num_hidden_groups", "image_size", "patch_size", "num_channels")
+
+
+def check_tenant_config(spec: BackboneSpec, cfg: dict) -> None:
+    """InvalidConfig naming the first field where a tenant checkpoint's config.json differs
+    from the backbone (itif computes every tenant with the backbone's settings: a tenant of
+    another activation or epsilon would be served wrong, silently), or whose head is per token
+    (itif serves one label vector per sequence)."""
+    archs = cfg.get("architectures") or []
+    if any(str(a).endswith("ForTokenClassification") for a in archs):
+        raise InvalidConfig(f"config.json architectures {archs!r}: per-token classification "
+                            "heads are not served (one label vector per sequence)")
+    mine = spec_from_hf_config(cfg, name="tenant")
+    for key in _COMPUTE_FIELDS:
+        want, got = getattr(spec, key), getattr(mine, key)
+        if key == "layer_norm_eps" and math.isclose(want, got, rel_tol=1e-9, abs_tol=0.0):
+            continue
+        if want != got:
+            raise InvalidConfig(f"the checkpoint's config.json has {key} {got!r}; backbone "
+                                f"{spec.name!r} computes with {want!r}: a tenant must share the "
+                                "backbone's architecture")
 
 
 def load_spec(backbone: str | os.PathLike | BackboneSpec) -> BackboneSpec:
