@@ -182,3 +182,34 @@ def test_the_daemon_collects_its_youngest_generation_rarely(daemon):
             c.infer(tid, list(range(1, 20 + k % 30)))
         after = value(scrape(daemon.metrics_port), "python_gc_collections_total", generation="0")
     assert after - before <= 6, (before, after)
+
+
+def test_a_deadline_that_passes_while_queued_is_counted_deadline_exceeded(tmp_path):
+    """Before: gRPC had ended the call when the handler's abort ran, the abort raised, and the
+    call was counted UNKNOWN (an alert on UNKNOWN fired under ordinary timeouts)."""
+    import threading  # noqa: PLC0415
+
+    d = Daemon(tmp_path, {"acme": "acme-tok"}, faults="slow:300",
+               server_extra={"metrics_listen": f"127.0.0.1:{free_port()}"}).start()
+    try:
+        m = make_hf_model("bert-tiny", 2, seed=400)
+        path = tmp_path / "w.safetensors"
+        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, path)
+        with d.client("acme-tok") as c:
+            c.upload("acme", path)
+            for _ in range(3):
+                first = threading.Thread(target=lambda: c.infer("acme", [5, 6, 7], timeout=30))
+                first.start()
+                time.sleep(0.05)  # its 300 ms forward runs: the next call waits in the queue
+                with pytest.raises(grpc.RpcError) as e:
+                    c.infer("acme", [5, 6, 7], timeout=0.1)
+                assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                first.join()
+        time.sleep(0.3)  # the server finishes counting
+        s = scrape(d.metrics_port)
+        calls = dict(tenant="acme", method="Infer")
+        assert value(s, "itif_requests_total", code="DEADLINE_EXCEEDED", **calls) == 3
+        assert value(s, "itif_requests_total", code="UNKNOWN", **calls) == 0
+        assert value(s, "itif_requests_total", code="OK", **calls) == 3
+    finally:
+        d.stop()

@@ -38,6 +38,19 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
 
+def _ended(context: Any) -> str | None:
+    """DEADLINE_EXCEEDED when the call's deadline has passed, CANCELLED when the client
+    cancelled it: what the client was told, whatever the handler raised after (a call whose
+    deadline passed while it was queued was counted UNKNOWN: its abort raised)."""
+    try:
+        left = context.time_remaining()
+        if left is not None and left <= 0:
+            return "DEADLINE_EXCEEDED"
+        return "CANCELLED" if context.cancelled() else None
+    except Exception:  # noqa: BLE001 - a context that cannot say: the caller's default
+        return None
+
+
 class _Counted:
     """Held for one call: the call's tenant holder is current inside it (``note_tenant``); on
     the way out the call is counted with its final status code."""
@@ -55,9 +68,9 @@ class _Counted:
         if typ is None or issubclass(typ, grpc.aio.AbortError):
             code = None  # the status the handler set, or OK
         elif issubclass(typ, (asyncio.CancelledError, GeneratorExit)):
-            code = "CANCELLED"
-        else:
-            code = "UNKNOWN"  # what gRPC answers for an exception that escapes
+            code = _ended(self.context) or "CANCELLED"
+        else:  # what gRPC answers for an exception that escapes, unless gRPC had ended the
+            code = _ended(self.context) or "UNKNOWN"  # call (then abort itself raises)
         try:
             _CALL_TENANT.reset(self.token)
         except ValueError:  # finalised in another context (a dropped stream)
