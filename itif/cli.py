@@ -149,7 +149,7 @@ def cmd_upload(args) -> int:
         _read(args.file, 0)  # a missing file or a directory: one clear line, before connecting
     with _client(args) as c, _upload_source(args) as path:
         kw = {} if args.chunk_bytes is None else {"chunk_bytes": args.chunk_bytes}
-        r = c.upload(args.tenant, path, progress=not args.quiet, **kw)
+        r = c.upload(args.tenant, path, progress=not args.quiet, timeout=args.timeout, **kw)
     print(json.dumps({"tenant": r.tenant, "sha256": r.sha256, "bytes": r.bytes,
                       "weight_bytes": r.weight_bytes, "shared_bytes": r.shared_bytes}))
     return 0
@@ -214,7 +214,7 @@ def cmd_tenants(args) -> int:
     from itif.server._proto.itif.v1 import itif_pb2  # noqa: PLC0415
 
     with _client(args) as c:
-        rows = c.tenants()
+        rows = c.tenants(timeout=args.timeout)
     for t in rows:
         state = itif_pb2.TenantInfo.State.Name(t.state)
         print(json.dumps({"id": t.id, "state": state, "sha256": t.sha256,
@@ -275,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-bytes", type=positive_int, default=None,
                    help="file bytes per message; keep it below the server's max_message_bytes "
                         "(default: itif.client.UPLOAD_CHUNK, 256 KiB)")
+    s.add_argument("--timeout", type=timeout_s, default=None,
+                   help="deadline of the whole upload, seconds (default: none; a server that "
+                        "stops answering mid-upload is waited for)")
     s.set_defaults(fn=cmd_upload, usage_check=functools.partial(_check_upload, s))
 
     s = sub.add_parser("infer", help="run one input")
@@ -313,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("tenants", help="list tenants (admin token)")
     remote(s, tenant=False)
+    s.add_argument("--timeout", type=timeout_s, default=30.0, help="deadline, seconds")
     s.set_defaults(fn=cmd_tenants)
 
     s = sub.add_parser("demo", help="daemon on loopback, demo tenants fine-tuned from the "

@@ -197,9 +197,9 @@ class Client:
     def get_tenant(self, tenant: str) -> itif_pb2.TenantInfo:
         return self.stub.GetTenant(itif_pb2.GetTenantRequest(tenant=tenant), metadata=self.metadata)
 
-    def tenants(self) -> list[itif_pb2.TenantInfo]:
+    def tenants(self, timeout: float | None = None) -> list[itif_pb2.TenantInfo]:
         return list(self.stub.ListTenants(itif_pb2.ListTenantsRequest(),
-                                          metadata=self.metadata).tenants)
+                                          metadata=self.metadata, timeout=timeout).tenants)
 
     def delete_weights(self, tenant: str) -> itif_pb2.DeleteWeightsResponse:
         return self.stub.DeleteWeights(itif_pb2.DeleteWeightsRequest(tenant=tenant),

@@ -232,3 +232,25 @@ def test_infer_text_output_is_rounded(capsys, monkeypatch):
     out = capsys.readouterr().out.splitlines()
     assert out == ["logits [1, 2]: [[0.2338, -1.1]]",
                    "pooled [20]: [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, '...']"]
+
+
+@pytest.mark.parametrize("cmd", ["tenants", "upload"])
+def test_a_server_that_never_answers_ends_at_the_deadline(capsys, tmp_path, cmd):
+    """A wedged server (accepted by the kernel, never answered): ``itif tenants`` and
+    ``itif upload`` waited for ever; now ``tenants`` has a 30 s default deadline and both take
+    ``--timeout``."""
+    import socket  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    with socket.socket() as wedged:
+        wedged.bind(("127.0.0.1", 0))
+        wedged.listen(8)  # connections complete in the backlog; nothing reads them
+        server = ["--server", f"127.0.0.1:{wedged.getsockname()[1]}", "--token", "t"]
+        argv = ["tenants", *server, "--timeout", "1"]
+        if cmd == "upload":
+            f = tmp_path / "w.safetensors"
+            f.write_bytes(b"x" * 100)
+            argv = ["upload", *server, "--tenant", "acme", "--quiet", "--timeout", "1", str(f)]
+        start = time.monotonic()
+        one_error_line(capsys, argv, "error: DEADLINE_EXCEEDED")
+        assert time.monotonic() - start < 15
