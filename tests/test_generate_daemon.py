@@ -495,6 +495,9 @@ def test_max_new_tokens_is_live(served):
             code, msg = error_of(lambda: c.generate("acme", [5], max_new_tokens=7, timeout=30))
             assert code == C.INVALID_ARGUMENT and "over the limit 6" in msg, (code, msg)
             assert len(c.generate("acme", [5], max_new_tokens=6, timeout=60).sequences) == 1
+            # no max_new_tokens: the default (20) is kept within the limit, not refused
+            (seq,) = c.generate("acme", [5], timeout=60).sequences
+            assert 1 <= len(seq.ids) <= 6
         finally:
             d.apply_config(before)
         assert error_of(lambda: c.generate("acme", [5], max_new_tokens=7, timeout=60))[0] == C.OK

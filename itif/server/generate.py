@@ -187,6 +187,9 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
                         ) -> AsyncIterator[itif_pb2.GenerateResponse]:
     """The Generate stream of one authenticated caller (``who``)."""
     req, text = to_request(msg)
+    if not msg.HasField("max_new_tokens"):  # the default never over the server's limit
+        req = replace(req, max_new_tokens=min(req.max_new_tokens,
+                                              daemon.config.server.max_new_tokens))
     tenant = msg.tenant
     gen = daemon.generator
     if gen is not None:  # an encoder daemon: submit_generate says so

@@ -62,6 +62,7 @@ import json
 import re
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -308,6 +309,9 @@ class CompletionsApi:
         try:
             ids = self._prompt(model, _get(body, "prompt"))
             req = self._request(model, ids, body)
+            if body.get("max_tokens") is None:  # the default never over the server's limit
+                cap = self.daemon.config.server.max_new_tokens
+                req = replace(req, max_new_tokens=min(req.max_new_tokens, cap))
         except InvalidRequest as e:
             raise _renamed(e) from None
         call = self._start(who, model, req)
