@@ -366,6 +366,8 @@ def main(argv=None) -> int:
             msg = f"{e.code}: {e}"
         elif isinstance(e, OSError) and e.filename is not None:
             msg = f"INVALID_ARGUMENT: {e.filename}: {e.strerror or e}"
+        elif isinstance(e, OSError):  # a port in use, a full disk: the machine's, not a bug
+            msg = f"UNAVAILABLE: {e}"
         else:
             msg = f"UNKNOWN: {type(e).__name__}: {e}"
         print(f"error: {msg}", file=sys.stderr)

@@ -66,8 +66,11 @@ def apply(d: Daemon, new: Config) -> ConfigDiff:
             with d._tenant_lock(t.id):
                 _come_back(d, t)
         d.reloads_ok += 1
-        log.info("config applied: +%s -%s ~%s", [t.id for t in diff.added], list(diff.removed),
-                 [t.id for t in diff.changed])
+        settings = [f"server.{k}" for k in diff.server_changed] + (
+            ["scheduler"] if diff.scheduler_changed else [])
+        log.info("config applied: tenants +%s -%s ~%s; settings changed: %s",
+                 [t.id for t in diff.added], list(diff.removed), [t.id for t in diff.changed],
+                 ", ".join(settings) or "none")
         return diff
 
 

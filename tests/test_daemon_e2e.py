@@ -229,6 +229,7 @@ def test_a_taken_port_fails_the_start_in_one_line(tmp_path, setting):
             assert d.proc.wait(60) != 0
             logs = d.logs()
             assert f"cannot listen on {taken} (server.{setting})" in logs, logs[-2000:]
+            assert "error: UNAVAILABLE: cannot listen on" in logs  # was UNKNOWN: OSError:
             assert "Traceback" not in logs and "Exception ignored" not in logs, logs[-2000:]
         finally:
             d.stop()

@@ -288,6 +288,8 @@ def test_grace_s_changed_live_bounds_the_shutdown(tmp_path):
             d.server_extra = {"grace_s": 0.5}
             d.write_config()
             wait_until(lambda: "config applied" in d.logs(), what="the reload")
+            # the log says what changed (before: only the tenant lists, here all empty)
+            assert "settings changed: server.grace_s" in d.logs()
             got = {}
             t = threading.Thread(target=lambda: got.update(code=code_of(
                 lambda: c.infer("a", [1, 2, 3], timeout=60))))

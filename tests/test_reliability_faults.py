@@ -679,14 +679,15 @@ def _halves(d: Daemon, text: str) -> None:
 
 def _quota_effect(d: Daemon, q: int) -> list:
     """Tenant a's new max_queue ``q`` is in force: an InferBatch of q+1 rows is refused whole
-    (RESOURCE_EXHAUSTED, whatever else is queued), one of q-2 rows is accepted and served (a's
+    (INVALID_ARGUMENT: more rows than the queue holds can never be queued), one of q-2 rows is
+    accepted and served (a's
     two traffic threads hold at most 2 more in its queue). The sequence 8, 40, 5 makes each
     check fail under the previous quota (9 rows fit under the default 64, 38 are refused under
     8, 6 fit under 40)."""
     with d.client(CFG_TOKENS["a"]) as c:
         over = code_of(lambda: c.infer_batch("a", [c.make_input(PROBE)] * (q + 1), timeout=60))
         fits = code_of(lambda: c.infer_batch("a", [c.make_input(PROBE)] * (q - 2), timeout=60))
-    assert (over, fits) == (C.RESOURCE_EXHAUSTED, OK), (q, over, fits)
+    assert (over, fits) == (C.INVALID_ARGUMENT, OK), (q, over, fits)
     return [q, over.name, fits.name]
 
 
@@ -698,6 +699,7 @@ def test_reload_under_traffic_drops_nothing_and_removed_tenant_drains(tmp_path, 
     were queued or running when the removal applied all finish OK, its new calls are refused
     (UNAUTHENTICATED, or NOT_FOUND at the boundary), and re-adding it restores its weights."""
     d = Daemon(tmp_path, dict(CFG_TOKENS), faults="slow:500").start()
+    stop_x = threading.Event()
     try:
         for i, (tid, tok) in enumerate(CFG_TOKENS.items()):
             with d.client(tok) as c:
@@ -705,7 +707,6 @@ def test_reload_under_traffic_drops_nothing_and_removed_tenant_drains(tmp_path, 
         before = answers(d, CFG_TOKENS)
         ab = {k: CFG_TOKENS[k] for k in ("a", "b")}
         x_done: list[tuple[float, str]] = []  # (when it returned, code)
-        stop_x = threading.Event()
 
         def x_loop():
             with d.client(CFG_TOKENS["x"]) as c:
@@ -754,6 +755,7 @@ def test_reload_under_traffic_drops_nothing_and_removed_tenant_drains(tmp_path, 
         assert not traffic.not_ok(), traffic.codes
         assert answers(d, CFG_TOKENS) == before
     finally:
+        stop_x.set()  # a failed check must not leave the x threads calling for ever
         d.stop()
 
 

@@ -210,7 +210,7 @@ class ConfigWatcher:
     def _report(self, exc: Exception) -> None:
         with self._lock:
             self._last_error = exc
-        log.warning("config reload rejected: %s", exc)
+        log.debug("config reload rejected: %s", exc)  # on_error reports it (the daemon: once)
         try:
             self._on_error(exc)
         except Exception:
