@@ -161,3 +161,19 @@ def test_a_refused_upload_does_not_name_the_servers_paths(daemon):
     r = _post(daemon, "/v2/repository/models/acme/load", body)
     assert r.status_code == 400 and "too short for safetensors" in r.text, r.text
     assert "the upload" in r.text and str(daemon.root) not in r.text and "/tmp" not in r.text
+
+
+def test_an_upload_not_stored_is_logged_once(daemon, tmp_path):
+    """Only successful uploads were logged: a refused file, a wrong sha256, an idle client
+    left no line at all (found by an operator's review; gRPC's UploadWeights here)."""
+    import grpc  # noqa: PLC0415
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"garbage")
+    before = daemon.logs().count("not stored")
+    with daemon.client(TOKENS["acme"]) as c, pytest.raises(grpc.RpcError):
+        c.upload("acme", bad)
+    logs = daemon.logs()
+    assert logs.count("not stored") == before + 1
+    line = logs[logs.rindex("upload of 7 bytes not stored"):].splitlines()[0]
+    assert "INVALID_ARGUMENT" in line and "too short for safetensors" in line, line

@@ -186,20 +186,32 @@ class ItifService(itif_pb2_grpc.ItifServicer):
             raise InvalidRequest("the first UploadWeights message must carry the header")
         h = first.header
         up = d.begin_upload(who, h.tenant, h.sha256, h.total_size)
+        commit = None
         try:
-            async for msg in messages:
-                if msg.WhichOneof("payload") != "chunk":
-                    raise InvalidRequest("only chunks may follow the UploadWeights header")
-                up.write(msg.chunk)
-        except BaseException:  # a bad or broken stream, or the client went away
-            up.abort()  # removes the temp file and frees the tenant's upload lock
+            try:
+                async for msg in messages:
+                    if msg.WhichOneof("payload") != "chunk":
+                        raise InvalidRequest("only chunks may follow the UploadWeights header")
+                    up.write(msg.chunk)
+            except BaseException:  # a bad or broken stream, or the client went away
+                up.abort()  # removes the temp file and frees the tenant's upload lock
+                raise
+            # From here the commit owns the upload (Upload.commit aborts it on its own
+            # failures) and runs to its end even if this call is cancelled: aborting under a
+            # running commit would free the tenant's upload lock, and delete the file, while
+            # the commit still uses them.
+            commit = asyncio.ensure_future(asyncio.to_thread(d.finish_upload, h.tenant, up, who))
+            commit.add_done_callback(_retrieve)
+            view = await asyncio.shield(commit)
+        except BaseException as e:  # one line per upload not stored (successes log theirs)
+            if isinstance(e, asyncio.CancelledError) and commit is not None:
+                raise  # the commit runs on and logs what it did
+            why = (f"{e.code}: {e}" if isinstance(e, ItifError) else
+                   "the client went away" if isinstance(e, asyncio.CancelledError) else
+                   f"{type(e).__name__}: {e}")
+            log.warning("tenant %r: upload of %d bytes not stored: %s", h.tenant,
+                        h.total_size, why[:300])
             raise
-        # From here the commit owns the upload (Upload.commit aborts it on its own failures) and
-        # runs to its end even if this call is cancelled: aborting under a running commit would
-        # free the tenant's upload lock, and delete the file, while the commit still uses them.
-        commit = asyncio.ensure_future(asyncio.to_thread(d.finish_upload, h.tenant, up, who))
-        commit.add_done_callback(_retrieve)
-        view = await asyncio.shield(commit)
         shared = view.weight_bytes - view.exclusive_bytes
         return itif_pb2.UploadWeightsResponse(
             tenant=h.tenant, sha256=view.sha256, bytes=h.total_size,
