@@ -81,6 +81,25 @@ def test_albert_without_hidden_act_defaults_as_transformers_does(hf_factory):
     assert spec_from_hf_config(cfg).hidden_act == transformers.BertConfig().hidden_act
 
 
+def test_albert_layers_not_a_multiple_of_groups_equal_transformers(tmp_path):
+    """3 layers over 2 groups (transformers maps layer i to group int(i / (3 / 2)): 0, 0, 1);
+    itif refused any count that was not a multiple."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AlbertConfig(**{**PRESETS["albert-tiny"].hf_config(),
+                                       "num_hidden_layers": 3, "num_hidden_groups": 2,
+                                       "num_labels": 3})
+    torch.manual_seed(3)
+    model = transformers.AlbertForSequenceClassification(cfg).eval()
+    model.save_pretrained(tmp_path / "a")
+    eng = itif.Engine(tmp_path / "a")
+    assert [eng.spec.layer_params(i) for i in range(3)] == [0, 0, 1]
+    eng.add_tenant("a", tmp_path / "a")
+    rng = np.random.default_rng(1)
+    reqs = [random_request(eng.spec, "a", rng) for _ in range(3)]
+    for res, req in zip(eng.infer(reqs), reqs):
+        assert max_diff(res, reference(model, req)) <= 1e-4
+
+
 def test_a_tenant_checkpoint_of_another_architecture_is_refused(tmp_path, hf_factory):
     """A tenant directory's config.json was never read: one trained with relu, another
     layer_norm_eps or per-token heads was served with the backbone's settings (logits 5e-3 off,

@@ -79,11 +79,8 @@ class BackboneSpec:
             raise InvalidConfig(
                 f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}"
             )
-        if self.family == "albert" and self.layers % self.num_hidden_groups:
-            raise InvalidConfig(
-                f"num_hidden_layers {self.layers} is not a multiple of "
-                f"num_hidden_groups {self.num_hidden_groups}"
-            )
+        if self.family == "albert" and self.num_hidden_groups < 1:
+            raise InvalidConfig(f"num_hidden_groups {self.num_hidden_groups} must be >= 1")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -119,8 +116,8 @@ class BackboneSpec:
 
     def layer_params(self, layer: int) -> int:
         """Index of the parameter set that encoder layer ``layer`` uses."""
-        if self.family == "albert":
-            return layer * self.num_hidden_groups // self.layers
+        if self.family == "albert":  # transformers' own float formula, to the last rounding
+            return int(layer / (self.layers / self.num_hidden_groups))
         return layer
 
     # ---- canonical table -----------------------------------------------------------------
