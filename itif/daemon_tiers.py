@@ -96,16 +96,12 @@ def _delta_on_disk(d: Daemon, tenant: str, base: str) -> str | None:
     report and head are known before it is first loaded (GetTenant, KServe metadata)."""
     try:
         report, meta = delta.stored_report(d.blobs.path_for(tenant))
-    except ItifError as e:
+        delta.check_base(meta, base, d._base_sha(base))
+        labels, has_pooler = delta.head_of(meta)
+    except ItifError as e:  # as the load would refuse it (Daemon._load_stored)
         return f"stored weights refused: {e}"
-    was, now = meta.get("base_sha256", ""), d._base_sha(base)
-    if was != now:
-        return (f"this delta was compressed against base {base!r} with sha256 {was[:12]}, "
-                f"which now has {now[:12] or 'other weights'}: upload the fine-tune again")
     d.delta_reports[tenant] = report
-    labels = meta.get("num_labels", "")
-    d.tiers.learn(tenant, int(labels) if labels.isdigit() else None,
-                  meta.get("has_pooler") == "1")
+    d.tiers.learn(tenant, labels, has_pooler)
     return None
 
 

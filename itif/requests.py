@@ -14,7 +14,7 @@ import numpy as np
 
 from itif.errors import InvalidRequest
 
-__all__ = ["OUTPUTS", "Request", "Result", "numel", "utf8_text"]
+__all__ = ["OUTPUTS", "Request", "Result", "numel", "utf8_bytes", "utf8_text"]
 
 _MAX_INDEX = int(np.iinfo(np.intp).max)
 
@@ -31,15 +31,20 @@ def numel(name: str, shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def utf8_text(text: str, what: str) -> str:
-    """``text`` when it is valid Unicode; InvalidRequest naming ``what`` otherwise. A JSON
+def utf8_bytes(text: str, what: str) -> bytes:
+    """``text`` in UTF-8; InvalidRequest naming ``what`` when it is not valid Unicode. A JSON
     string may hold a lone surrogate (``"\\ud800"``): Python takes it, UTF-8 and the tokenizers
     do not (gRPC's string fields are checked UTF-8 already)."""
     try:
-        text.encode("utf-8")
+        return text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequest(f"{what}: not valid Unicode text (a lone surrogate at character "
                              f"{e.start})") from None
+
+
+def utf8_text(text: str, what: str) -> str:
+    """``text``, checked as :func:`utf8_bytes` checks it (for a tokenizer, which takes str)."""
+    utf8_bytes(text, what)
     return text
 
 

@@ -267,11 +267,8 @@ class Engine:
         ``base``; ``base_sha256``: the base's current sha256, which must be the one the delta
         was taken against (InvalidWeights otherwise, saying to upload the fine-tune again)."""
         blob, meta = delta.read_blob(source)
-        was = meta.get("base_sha256", "")
-        if base_sha256 is not None and was != base_sha256:
-            raise InvalidWeights(
-                f"this delta was compressed against base {shown(base)} with sha256 {was[:12]}, "
-                f"which now has {base_sha256[:12] or 'other weights'}: upload the fine-tune again")
+        if base_sha256 is not None:
+            delta.check_base(meta, base, base_sha256)
         w_hat = delta.decompress(self.spec, self._tensors_of(base), blob, meta)
         return delta.DeltaWeights(w_hat.tensors, w_hat.num_labels, w_hat.has_pooler,
                                   blob=blob, meta=meta, report=delta.report_of(blob, meta))

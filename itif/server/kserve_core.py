@@ -27,7 +27,7 @@ from itif import daemon_tiers
 from itif.daemon import Daemon, Identity, State, TenantView
 from itif.errors import InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable
 from itif.metrics import TenantCallStats
-from itif.requests import numel, utf8_text
+from itif.requests import numel, utf8_bytes
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server.service import await_tickets
 
@@ -126,8 +126,7 @@ def decode_values(name: str, datatype: str, shape: Sequence[int], values: Iterab
         raise InvalidRequest(
             f"input {name!r}: {len(flat)} values in {where}; shape {list(shape)} needs {n}")
     if datatype == "BYTES":
-        items = [utf8_text(v, f"input {name!r}").encode("utf-8") if isinstance(v, str) else v
-                 for v in flat]
+        items = [utf8_bytes(v, f"input {name!r}") if isinstance(v, str) else v for v in flat]
         if not all(isinstance(v, bytes) for v in items):
             raise InvalidRequest(f"input {name!r}: BYTES {where} must be strings")
         return _object_array(items, shape)

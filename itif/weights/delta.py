@@ -164,10 +164,9 @@ def decompress(spec: BackboneSpec, base: Mapping[str, torch.Tensor],
     if meta.get("format") != FORMAT:
         raise InvalidWeights(f"not an itif delta blob (format {meta.get('format')!r}, "
                              f"expected {FORMAT!r})")
+    labels, has_pooler = head_of(meta)
     try:
         table = json.loads(meta["tensors"])
-        labels = int(meta["num_labels"]) if meta["num_labels"] else None
-        has_pooler = meta["has_pooler"] == "1"
         if not isinstance(table, list) or not all(
                 isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
                 and isinstance(e[1], list) and all(isinstance(n, int) for n in e[1])
@@ -241,6 +240,24 @@ def report_of(blob: Mapping[str, torch.Tensor], meta: Mapping[str, str],
     recorded at upload)."""
     return _report({k: t.numel() * t.element_size() for k, t in blob.items()}, meta, error,
                    output)
+
+
+def head_of(meta: Mapping[str, str]) -> tuple[int | None, bool]:
+    """(num_labels, has_pooler) a blob's metadata records."""
+    try:
+        return (int(meta["num_labels"]) if meta["num_labels"] else None,
+                meta["has_pooler"] == "1")
+    except (KeyError, ValueError, TypeError) as e:
+        raise InvalidWeights(f"delta blob metadata is corrupt ({e})") from None
+
+
+def check_base(meta: Mapping[str, str], base: str, base_sha256: str) -> None:
+    """InvalidWeights unless the blob was taken against ``base`` as it is now (its sha256)."""
+    was = meta.get("base_sha256", "")
+    if was != base_sha256:
+        raise InvalidWeights(
+            f"this delta was compressed against base {shown(base)} with sha256 {was[:12]}, "
+            f"which now has {base_sha256[:12] or 'other weights'}: upload the fine-tune again")
 
 
 def stored_report(path: str | os.PathLike) -> tuple[DeltaReport, dict[str, str]]:

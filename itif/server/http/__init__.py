@@ -71,17 +71,22 @@ def build_app(daemon, health=None, *, max_body: int, admission=None) -> Starlett
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-         b"content-length: 20\r\nconnection: close\r\n\r\ntoo many connections")
-_BODY_STALLED = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                 b"content-length: 24\r\nconnection: close\r\n\r\nthe request body stalled")
+def _closing_answer(status: str, text: str) -> bytes:
+    """A whole plain-text HTTP answer, written straight to a connection that closes after it
+    (below the ASGI app: no request was parsed)."""
+    body = text.encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
 #: the most bytes a request line and its headers may take, their blank line included (h11's
 #: default, and gRPC's default metadata limit): more is answered :data:`_TOO_LARGE`
 MAX_HEADER_BYTES = 16 * 1024
 _HEADERS_END = re.compile(rb"\n\r?\n")  # the blank line h11 looks for
-_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-              b"content-type: text/plain; charset=utf-8\r\ncontent-length: 49\r\n"
-              b"connection: close\r\n\r\nthe request line and headers are over 16384 bytes")
+_BUSY = _closing_answer("503 Service Unavailable", "too many connections")
+_BODY_STALLED = _closing_answer("408 Request Timeout", "the request body stalled")
+_TOO_LARGE = _closing_answer("431 Request Header Fields Too Large",
+                             f"the request line and headers are over {MAX_HEADER_BYTES} bytes")
 
 
 class _GuardedH11(H11Protocol):
@@ -130,13 +135,12 @@ class _GuardedH11(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is h11.IDLE:  # the first bytes of a kept-alive connection's next
             self._arm_header_timer()           # request (already armed: kept as it is)
-        self._watch_body()
 
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state is not h11.IDLE:  # a whole request line and headers came
             self._cancel_header_timer()
-        self._watch_body()
+        self._watch_body()  # (data_received comes here too, through uvicorn's own)
 
     def _watch_body(self) -> None:
         """While a request's body is still coming, it may not go ``header_timeout_s`` without

@@ -252,5 +252,6 @@ def _error_answer(render: Render, api: str, method: str, e: Exception) -> Respon
         return Response(b"internal error", status_code=500, media_type="text/plain")
 
 
-__all__ = ["CLIENT_GONE", "MAX_LIST", "OFFLOAD_BYTES", "BodyTooLarge", "bounded_list", "Render", "authorization", "byte_count", "endpoint",
-           "field", "json_object", "json_type", "parse_json", "read_body"]
+__all__ = ["CLIENT_GONE", "MAX_LIST", "OFFLOAD_BYTES", "BodyTooLarge", "bounded_list", "Render",
+           "authorization", "byte_count", "endpoint", "field", "json_object", "json_type",
+           "parse_json", "read_body"]
