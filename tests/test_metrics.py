@@ -213,3 +213,52 @@ def test_a_deadline_that_passes_while_queued_is_counted_deadline_exceeded(tmp_pa
         assert value(s, "itif_requests_total", code="OK", **calls) == 3
     finally:
         d.stop()
+
+
+def test_an_aborted_call_is_counted_before_its_status_is_sent():
+    """gRPC's ``context.abort`` sends the status and only then raises; a count made on the way
+    out trailed the client's answer, and a scrape right after an error missed it (the CI once
+    saw the scripted workload's last NOT_FOUND missing). The counter now counts inside abort,
+    once, and a call aborted after its deadline passed still counts as DEADLINE_EXCEEDED."""
+    import asyncio  # noqa: PLC0415
+    from collections import namedtuple  # noqa: PLC0415
+
+    from itif.metrics import Metrics, note_tenant  # noqa: PLC0415
+    from itif.server.call_metrics import MetricsInterceptor  # noqa: PLC0415
+
+    metrics = Metrics(nvml=None)
+    icpt = MetricsInterceptor(metrics)
+    Details = namedtuple("Details", ["method", "invocation_metadata"])
+
+    def count(code: str) -> float:
+        return metrics.requests.labels("acme", "Infer", code)._value.get()
+
+    class Context:
+        """What the server hands a handler: ``abort`` 'sends' (records what a scrape would
+        show at that moment), then raises as gRPC's does."""
+        def __init__(self, remaining: float | None = None) -> None:
+            self.remaining, self.seen_at_send = remaining, None
+
+        def time_remaining(self): return self.remaining
+        def cancelled(self): return False
+        def code(self): return None
+
+        async def abort(self, code, details=""):
+            self.seen_at_send = {c: count(c) for c in ("NOT_FOUND", "DEADLINE_EXCEEDED")}
+            raise grpc.aio.AbortError(details)
+
+    async def refuse(request, context):
+        note_tenant("acme")
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such model")
+
+    async def main():
+        async def continuation(details):
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        h = await icpt.intercept_service(continuation, Details("/itif.v1.Itif/Infer", ()))
+        for ctx, want in ((Context(), "NOT_FOUND"), (Context(remaining=-0.1), "DEADLINE_EXCEEDED")):
+            before = count(want)
+            with pytest.raises(grpc.aio.AbortError):
+                await h.unary_unary(b"", ctx)
+            assert ctx.seen_at_send[want] == before + 1  # counted before the status went out
+            assert count(want) == before + 1  # and once
+    asyncio.run(main())

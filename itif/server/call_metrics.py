@@ -31,7 +31,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         hit = self._wrapped.get(id(handler))
         if hit is not None and hit[0] is handler and hit[1] == method:
             return hit[2]
-        wrapped = wrap_handler(handler, guard=lambda ctx: _Counted(self.metrics, method, ctx))
+        wrapped = wrap_handler(handler, guard=lambda ctx: _Counted(self.metrics, method, ctx),
+                               context_of=_AbortCounts)
         if len(self._wrapped) >= 4096:
             self._wrapped.clear()
         self._wrapped[id(handler)] = (handler, method, wrapped)
@@ -53,16 +54,26 @@ def _ended(context: Any) -> str | None:
 
 class _Counted:
     """Held for one call: the call's tenant holder is current inside it (``note_tenant``); on
-    the way out the call is counted with its final status code."""
+    the way out the call is counted with its final status code. A call ended by
+    ``context.abort`` is counted just before gRPC sends that status (``_AbortCounts``), so a
+    client holding its answer finds the call already in /metrics."""
 
-    __slots__ = ("metrics", "method", "context", "holder", "start", "token")
+    __slots__ = ("metrics", "method", "context", "holder", "start", "token", "done")
 
     def __init__(self, metrics: Metrics, method: str, context: Any) -> None:
         self.metrics, self.method, self.context = metrics, method, context
 
-    def __enter__(self) -> None:
-        self.holder, self.start = [""], time.perf_counter()
+    def __enter__(self) -> "_Counted":
+        self.holder, self.start, self.done = [""], time.perf_counter(), False
         self.token = _CALL_TENANT.set(self.holder)
+        return self
+
+    def count(self, code: str) -> None:
+        """Count the call, once, with ``code``."""
+        if not self.done:
+            self.done = True
+            self.metrics.observe_rpc(self.holder[0], self.method, code,
+                                     time.perf_counter() - self.start)
 
     def __exit__(self, typ, exc, tb) -> bool:
         if typ is None or issubclass(typ, grpc.aio.AbortError):
@@ -75,7 +86,23 @@ class _Counted:
             _CALL_TENANT.reset(self.token)
         except ValueError:  # finalised in another context (a dropped stream)
             pass
-        self.metrics.observe_rpc(self.holder[0], self.method,
-                                 code or _code_name(self.context.code()) or "OK",
-                                 time.perf_counter() - self.start)
+        self.count(code or _code_name(self.context.code()) or "OK")
         return False
+
+
+class _AbortCounts:
+    """The context the handlers below the counter receive: the call's own, except that
+    ``abort`` counts the call before it has gRPC send the status (gRPC's ``abort`` sends and
+    only then raises: counted on the way out, the count trailed the client's answer)."""
+
+    __slots__ = ("_context", "_counted")
+
+    def __init__(self, counted: _Counted, context: Any) -> None:
+        self._context, self._counted = context, counted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code, details: str = "", *args: Any, **kwargs: Any) -> None:
+        self._counted.count(_ended(self._context) or _code_name(code) or "UNKNOWN")
+        await self._context.abort(code, details, *args, **kwargs)

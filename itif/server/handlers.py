@@ -23,6 +23,9 @@ Prepare = Callable[[Any, Any, bool], Awaitable[Any]]
 #: last response; its ``__exit__`` sees the exception the call ends with (a dropped stream's
 #: ``GeneratorExit`` included).
 Guard = Callable[[Any], ContextManager[Any]]
+#: ``context_of(held, context)``: the context the original behaviour receives, given what the
+#: guard's ``__enter__`` returned (a wrapper of the call's own context).
+ContextOf = Callable[[Any, Any], Any]
 
 
 def _no_guard(context: Any) -> ContextManager[Any]:
@@ -33,11 +36,12 @@ def wrap_handler(handler: grpc.RpcMethodHandler, *, guard: Guard | None = None,
                  prepare: Prepare | None = None,
                  request_deserializer: Callable[[bytes], Any] | None = None,
                  response_serializer: Callable[[Any], bytes] | None = None,
+                 context_of: ContextOf | None = None,
                  ) -> grpc.RpcMethodHandler:
     """``handler``'s kind and serializers (``request_deserializer`` and ``response_serializer``
     replace its own when given), with a behaviour that runs the original inside ``guard``
-    after ``prepare``. The original may be sync or async; a streaming one may yield,
-    async-yield, or write through ``context.write``."""
+    after ``prepare``, given ``context_of``'s context when that is given. The original may be
+    sync or async; a streaming one may yield, async-yield, or write through ``context.write``."""
     guard = guard or _no_guard
     kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
               response_serializer=response_serializer or handler.response_serializer)
@@ -45,7 +49,9 @@ def wrap_handler(handler: grpc.RpcMethodHandler, *, guard: Guard | None = None,
         inner, streamed = handler.unary_unary or handler.stream_unary, bool(handler.stream_unary)
 
         async def unary(request, context):
-            with guard(context):
+            with guard(context) as held:
+                if context_of is not None:
+                    context = context_of(held, context)
                 if prepare is not None:
                     request = await prepare(request, context, streamed)
                 out = inner(request, context)
@@ -58,7 +64,9 @@ def wrap_handler(handler: grpc.RpcMethodHandler, *, guard: Guard | None = None,
     inner, streamed = handler.unary_stream or handler.stream_stream, bool(handler.stream_stream)
 
     async def streaming(request, context):
-        with guard(context):
+        with guard(context) as held:
+            if context_of is not None:
+                context = context_of(held, context)
             if prepare is not None:
                 request = await prepare(request, context, streamed)
             out = inner(request, context)
