@@ -79,6 +79,7 @@ class Daemon:
         self.delta_reports: dict[str, delta.DeltaReport] = {}  # delta tenants' last measure
         #: what each stored file was committed as (``daemon_state.identity``; from its note)
         self.stored_as: dict[str, tuple[str | None, str]] = {}
+        self.sizes: dict[str, tuple[str, int]] = {}  # tenant -> (sha256, bytes) last resident
         self._gen_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -524,15 +525,13 @@ class Daemon:
     # ---- tenants ---------------------------------------------------------------------------
     def tenant_view(self, tenant: str, who: Identity | None = None) -> TenantView:
         """``who``: the caller, when not the operator. A tenant is told nothing that depends on
-        other tenants' weights: its exclusive bytes are all its bytes (what sharing saves is
-        reported to the admin and the operator's metrics only)."""
+        other tenants (``daemon_state.own_view``)."""
         st = self.status[tenant]
         total = exclusive = labels = 0
         if self.engine is not None and tenant in self.engine.store:
             info = self.engine.tenant_info(tenant)
             total, exclusive, labels = info.bytes, info.exclusive_bytes, info.num_labels or 0
-            if who is not None and not who.admin:
-                exclusive = total
+            self.sizes[tenant] = (st.sha256, total)
         elif self.tiers is not None and (sig := self.tiers.signature(tenant)) is not None:
             labels = sig[0] or 0  # its head wherever its weights are now
         depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0
@@ -541,10 +540,11 @@ class Daemon:
         rep = self.delta_reports.get(tenant) if st.state is State.READY else None
         conf = self.config.tenant(tenant)
         error = st.error or (tv.error if tv is not None else "")  # or its last promotion's
-        return TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, error,
+        view = TenantView(tenant, st.state, st.sha256, total, exclusive, labels, depth, error,
                           tier, tv.host_bytes if tv is not None else 0,
                           rep.as_dict() if rep is not None else None,
                           conf.compress if conf is not None and conf.is_delta else "")
+        return view if who is None or who.admin else daemon_state.own_view(self, view)
 
     def get_tenant(self, who: Identity, tenant: str) -> TenantView:
         self._visible(who, tenant)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -64,6 +64,17 @@ class TenantView:
     compress: str = ""  # a delta tenant's tenants[].compress
 
 
+def own_view(d: Daemon, v: TenantView) -> TenantView:
+    """What a tenant is told of itself: nothing that moves with other tenants' weights or
+    traffic. Its bytes are all its bytes (what sharing saves is the operator's to see), the
+    same wherever its weights are (as last seen resident with the same sha256: an eviction
+    by another tenant's request no longer shows as 0), and its tier is not shown."""
+    seen = d.sizes.get(v.id)
+    size = v.weight_bytes or (seen[1] if seen is not None and v.sha256 and seen[0] == v.sha256
+                              else 0)
+    return replace(v, weight_bytes=size, exclusive_bytes=size, tier="", host_bytes=0)
+
+
 # ---- what a stored file was committed for ----------------------------------------------------
 def identity(t: Tenant | None) -> tuple[str | None, str]:
     """What a tenant's stored file was committed as: (its base, its compress)."""
@@ -87,6 +98,9 @@ def misplaced(d: Daemon, tenant: str) -> str | None:
     """Why ``tenant``'s stored file may not serve it as configured now, or None."""
     t = d.config.tenant(tenant)
     was = d.stored_as.get(tenant)
+    if was is None and t is not None and d.blobs.exists(tenant):
+        # a file this run has not placed yet (its tenant came back after a restart): its note
+        was = d.stored_as[tenant] = noted(d, t)
     if t is None or was is None or was == identity(t):
         return None
     return (f"its stored weights were uploaded as {_describe(was)}; it is now "

@@ -253,3 +253,26 @@ def test_a_lora_tenant_on_another_base_after_a_restart_is_failed(tmp_path, tiers
         assert d.status["l"].state is State.READY
     finally:
         d.stop(0)
+
+
+@pytest.mark.parametrize("tiers", ["", TIERS], ids=["resident", "tiers"])
+def test_a_lora_tenant_removed_over_a_restart_and_back_on_another_base_is_failed(tmp_path,
+                                                                                 tiers):
+    """The note of a stored file whose tenant was not configured at start is read when the
+    tenant comes back (before: only configured tenants' notes were read at start, so l, out of
+    tenants.yaml over a restart and added back live on b2, served b1's adapter on b2, READY)."""
+    d, _ = _lora_on_b1(tmp_path, tiers)
+    d.stop(0)
+    d = Daemon(_config(tmp_path, ["b1", "b2"], tiers))
+    d.start()
+    try:
+        assert d.blobs.exists("l")  # kept while not configured
+        d.apply_config(_config(tmp_path, LORA, tiers, bases={"l": "b2"}))
+        st = d.status["l"]
+        assert st.state is State.FAILED and "a LoRA tenant of 'b1'" in st.error, st
+        assert "l" not in d.engine.store
+        d.apply_config(_config(tmp_path, ["b1", "b2"], tiers))
+        d.apply_config(_config(tmp_path, LORA, tiers, bases={"l": "b1"}))  # as uploaded: served
+        assert _until(lambda: d.status["l"].state is State.READY), d.status["l"]
+    finally:
+        d.stop(0)

@@ -299,3 +299,26 @@ def test_a_pinned_tenant_that_can_never_be_resident_says_why(tmp_path, P):
             _logits(d, loser)
     finally:
         d.stop(0)
+
+
+def test_what_a_tenant_sees_of_itself_does_not_move_with_other_tenants_requests(tmp_path, P):
+    """A tenant's own view showed its tier and its device bytes: another tenant's request that
+    evicted it turned them into 'disk' and 0 (a review read other tenants' traffic from it).
+    It now shows its weights' size wherever they are and no tier; the operator sees both."""
+    cfg = _config(tmp_path, {"a": [], "b": []}, int(1.5 * P))
+    d = _daemon(cfg)
+    me = Identity("a")
+    try:
+        _upload(d, "a", make_hf_model("bert-tiny", 3, seed=1), tmp_path)
+        _upload(d, "b", make_hf_model("bert-tiny", 3, seed=2), tmp_path)  # evicts a
+        _logits(d, "a")
+        resident = d.get_tenant(me, "a")
+        assert resident.weight_bytes == resident.exclusive_bytes >= P
+        _logits(d, "b")  # evicts a again
+        assert d.get_tenant(ADMIN, "a").tier == "disk"  # the operator's view
+        evicted = d.get_tenant(me, "a")
+        assert evicted == resident, (resident, evicted)
+        assert (evicted.tier, evicted.host_bytes) == ("", 0)
+        assert d.list_tenants(me) == [evicted]
+    finally:
+        d.stop(0)

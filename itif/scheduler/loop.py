@@ -479,8 +479,9 @@ class Scheduler:
             with self._lock:
                 self._runs += 1
             if not isinstance(e, ItifError):
-                log.warning("run_batch failed for %d requests: %s: %s", len(part),
-                            type(e).__name__, e)
+                log.warning("run_batch failed for %d requests (%d tokens; tenants %s): %s: %s",
+                            len(part), sum(t.tokens for t in part),
+                            sorted({t.tenant for t in part}), type(e).__name__, e)
             return e
         elapsed_ms = (time.perf_counter() - start) * 1000.0
         with self._lock:
@@ -550,12 +551,15 @@ def _wrap(exc: BaseException, part: list[Ticket]) -> ItifError:
             except Exception:
                 return exc
         return exc
-    tokens = sum(t.tokens for t in part)
+    # the batch's size and the exception's text (shapes, allocation sizes) would tell a tenant
+    # of the other tenants' requests beside its own: the daemon's log has them (``_call``)
     if is_out_of_memory(exc):
         err: ItifError = OutOfMemory(
-            f"out of memory running a batch of {len(part)} requests ({tokens} tokens): {exc}")
+            "the device ran out of memory running the batch this request was in: retry, or "
+            "send fewer or shorter rows")
     else:
-        err = InternalError(f"batch of {len(part)} requests failed: {type(exc).__name__}: {exc}")
+        err = InternalError(f"the batch this request was in failed ({type(exc).__name__}); "
+                            "the daemon's log has the details")
     err.__cause__ = exc
     return err
 
