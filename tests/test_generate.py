@@ -233,7 +233,7 @@ def test_bad_requests_name_the_field(family):
     with pytest.raises(InvalidRequest, match="num_beams"):
         eng.generate([GenerateRequest("a", [5], num_beams=0)])
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
-        eng.generate([GenerateRequest("a", [5], max_new_tokens=spec.max_position)])
+        eng.generate([GenerateRequest("a", [5], max_new_tokens=spec.max_position + 1)])
     with pytest.raises(InvalidRequest, match="input_ids"):
         eng.generate([GenerateRequest("a", [spec.vocab_size])])
     with pytest.raises(TenantNotFound):
@@ -350,3 +350,77 @@ def test_a_tenant_removed_while_its_request_is_submitted_fails_that_request_alon
     assert [e.kind for e in done] == ["done"]
     assert done[0].generation.sequences == hf_generate(spec, models["a"], ra)[0]
     assert eng.cache_stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bart-tiny", "marian-tiny"])
+def test_a_preset_backbone_generates_with_its_familys_ids_for_uploaded_weights(name):
+    """A daemon's tenants upload weights only: on a preset backbone nothing else says which ids
+    start, pad and end a sequence. Before, bart-tiny refused every request ('sets no
+    decoder_start_token_id') and marian-tiny never ended one (its end token unknown); each
+    preset now carries its family's ids (gpt2-tiny has none: the request names its end)."""
+    spec = PRESETS[name]
+    m = hf_model(spec, 5)
+    eng = GenEngine(name)
+    eng.add_tenant("t", {k: v.detach().clone() for k, v in m.state_dict().items()})
+    eos = {"eos_token_id": 0} if spec.family == "gpt2" else {}
+    reqs = [GenerateRequest("t", [5, 9, 13, 4], max_new_tokens=12, num_beams=b,
+                            num_return_sequences=b, **eos) for b in (1, 3)]
+    got = eng.generate(reqs)
+    for r, g in zip(reqs, got):
+        want, _ = hf_generate(spec, m, r)
+        assert g.sequences == want, (r, g.sequences, want)
+    assert any(EOS[spec.family] in s for g in got for s in g.sequences)  # the end is known
+
+
+def test_checkpoint_generation_settings_are_applied_or_refused_by_name(tmp_path):
+    """generate() applies every setting of a checkpoint's generation_config.json to every
+    request. suppress_tokens is applied (banned at every step, as a single-token bad word);
+    settings itif does not apply are refused naming the key (before: ignored, so the answers
+    differed from generate()'s: repetition_penalty 1.5 gave [11, 11, 11, 0] for [11, 0])."""
+    import json  # noqa: PLC0415
+
+    from itif.errors import InvalidConfig  # noqa: PLC0415
+
+    spec = PRESETS["bart-tiny"]
+    m = hf_model(spec, 3)
+    r = GenerateRequest("s", [5, 9, 13, 4], max_new_tokens=10)
+    free, _ = hf_generate(spec, m, r)
+    banned = [t for t in dict.fromkeys(free[0]) if t != EOS["bart"]][:2]
+    assert banned
+    m.generation_config.suppress_tokens = banned
+    m.save_pretrained(tmp_path / "s")
+    eng = GenEngine("bart-tiny")
+    eng.add_tenant("s", tmp_path / "s")
+    got = eng.generate([r])[0].sequences
+    want, _ = hf_generate(spec, m, r)
+    assert got == want and want != free and not set(banned) & set(want[0]), (got, want, free)
+    path = tmp_path / "s" / "generation_config.json"
+    saved = json.loads(path.read_text())
+    for key, value in (("repetition_penalty", 1.5), ("begin_suppress_tokens", [94]),
+                       ("num_beam_groups", 2), ("sequence_bias", [[[5], 1.0]])):
+        path.write_text(json.dumps({**saved, key: value}))
+        with pytest.raises(InvalidConfig, match=key):
+            eng.add_tenant(f"x-{key}", tmp_path / "s")
+    path.write_text(json.dumps({**saved, "repetition_penalty": 1.0}))  # off: served
+    eng.add_tenant("neutral", tmp_path / "s")
+
+
+def test_generation_reaches_the_last_position_as_generate_does(family):
+    """generate() never feeds the last new token back, so prompt + max_new_tokens may be one
+    more than the positions (a GPT-2 prompt of all 64 positions and 1 new token; 64 new BART
+    tokens). Before, itif refused both; a prompt alone over the positions blamed max_new_tokens."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    spec, models, eng = family
+    P = spec.max_position
+    if spec.encoder_decoder:
+        r = GenerateRequest("a", [5, 6, 7], max_new_tokens=P, eos_token_id=spec.vocab_size - 2)
+    else:
+        r = GenerateRequest("a", [5 + i % 80 for i in range(P)], max_new_tokens=1)
+    want, _ = hf_generate(spec, models["a"], r)
+    assert eng.generate([r])[0].sequences == want
+    with pytest.raises(InvalidRequest, match="^max_new_tokens"):
+        eng.generate([replace(r, max_new_tokens=r.max_new_tokens + 1)])
+    with pytest.raises(InvalidRequest, match="^input_ids"):
+        eng.generate([replace(r, input_ids=[5] * (P + 1))])
+    assert eng.cache_stats()["waiting"] == 0 and eng.cache_stats()["running"] == 0

@@ -365,6 +365,9 @@ BAD = [  # (what the request says, the field the refusal names)
     (dict(ids=[5, VOCAB]), "input_ids"),
     (dict(ids=[-1]), "input_ids"),
     (dict(ids=list(range(1, 60)) * 34, max_new_tokens=50), "max_new_tokens"),  # past 2048 positions
+    (dict(ids=list(range(1, 60)) * 35), "input_ids"),  # the prompt alone is past them
+    # more samples than the whole KV cache holds: not RESOURCE_EXHAUSTED for the reply's size
+    (dict(do_sample=True, num_return_sequences=100000, max_new_tokens=20), "num_return_sequences"),
 ]
 
 
@@ -533,6 +536,24 @@ def test_generation_presets_match_the_engine_registry():
                        "/tmp")
     assert cfg.backbone.is_decoder and cfg.backbone.kv_cache_bytes == 8 << 20
     assert not dataclasses.replace(cfg.backbone, config="bert-tiny").is_decoder
+
+
+def test_a_backbone_generation_setting_itif_does_not_apply_refuses_the_start(tmp_path):
+    """A backbone checkpoint whose generation_config.json sets what generate() would apply to
+    every request and itif does not (here repetition_penalty) stops the daemon's start naming
+    the key (before: served, every answer differing from generate()'s)."""
+    from itif.errors import InvalidConfig  # noqa: PLC0415
+
+    backbone = write_backbone(tmp_path / "backbone")
+    gc = backbone / "generation_config.json"
+    saved = json.loads(gc.read_text()) if gc.exists() else {}
+    gc.write_text(json.dumps({**saved, "repetition_penalty": 1.3}))
+    d = InProcess(parse_config(config_text(backbone), tmp_path))
+    try:
+        with pytest.raises(InvalidConfig, match="repetition_penalty=1.3 is not applied"):
+            d.start()
+    finally:
+        d.stop(0)
 
 
 # ---- a real itif serve: upload, the documented commands, restart --------------------------------

@@ -39,7 +39,7 @@ from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.running import Admission, RunningBatch
-from itif.generation.spec import DecoderSpec, defaults_from_dir, load_decoder_spec
+from itif.generation.spec import PRESET_DEFAULTS, DecoderSpec, defaults_from_dir, load_decoder_spec
 from itif.platform import tune_host_malloc
 from itif.runtime import cpu_gemm
 from itif.weights.store import WeightStore
@@ -102,9 +102,10 @@ class GenEngine:
         self._defaults: dict[str, GenerationDefaults] = {}
         self._tokenizers: dict[str, Any] = {}
         base = self.spec.source_dir
-        self._base_defaults = (defaults_from_dir(base) if base is not None else None) or GenerationDefaults(
+        self._base_defaults = ((defaults_from_dir(base) if base is not None else None)
+                               or PRESET_DEFAULTS.get(self.spec.name) or GenerationDefaults(
             pad_token_id=self.spec.pad_token_id,
-            decoder_start_token_id=self.spec.pad_token_id if self.spec.family == "marian" else None)
+            decoder_start_token_id=self.spec.pad_token_id if self.spec.family == "marian" else None))
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._waiting: FairWaiting[Ticket] = FairWaiting()
@@ -192,6 +193,11 @@ class GenEngine:
         return self._tokenizers.get(tenant)
 
     # ---- validation --------------------------------------------------------------------------
+    def check(self, r: GenerateRequest) -> None:
+        """Raise what :meth:`generate` would refuse ``r`` for (InvalidRequest naming the field:
+        out of range, over the positions, more than the whole KV cache), running nothing."""
+        self._prepare(r)
+
     def _prepare(self, r: GenerateRequest) -> Ticket:
         """Validate ``r`` fully (InvalidRequest naming the field) and resolve its search."""
         spec = self.spec
@@ -210,14 +216,17 @@ class GenEngine:
                                      f"{spec.max_position} positions")
             prompt, source, total = [int(start)], [int(t) for t in r.input_ids], 1 + r.max_new_tokens
         else:
+            if n > spec.max_position:
+                raise InvalidRequest(f"input_ids: {n} tokens, over the backbone's "
+                                     f"{spec.max_position} positions")
             prompt, source, total = [int(t) for t in r.input_ids], None, n + r.max_new_tokens
-        if total > spec.max_position:
+        if total - 1 > spec.max_position:  # the last new token is never fed back (generate())
             raise InvalidRequest(f"max_new_tokens: {r.max_new_tokens} new tokens after "
-                                 f"{len(prompt)} decoder tokens exceed the backbone's "
-                                 f"{spec.max_position} positions")
+                                 f"{len(prompt)} decoder tokens need {total - 1} positions, "
+                                 f"over the backbone's {spec.max_position}")
         params = _search().search_params(r, d, spec.encoder_decoder)
         t = Ticket(next(self._ids), r, lambda ev: None, params)
-        t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens, source)
+        t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens - 1, source)
         t.history = prompt
         t.stream = params.mode != "beam"
         need = self._batch.blocks_needed(t.admission)

@@ -33,7 +33,9 @@ from itif.weights.store import WeightStore
 class Admission:
     """One request joining: ``source`` (encoder-decoder: the encoder input, else None),
     ``prompt`` (decoder-only: the prompt; encoder-decoder: ``[decoder_start_token_id]``),
-    ``rows`` (beams or samples) and the most tokens it may still generate."""
+    ``rows`` (beams or samples) and ``max_new_tokens``: the most generated tokens each row
+    feeds back, so the cache positions it needs (the request's ``max_new_tokens`` - 1: the
+    last token is never fed, as in ``generate()``)."""
 
     key: Hashable
     tenant: str

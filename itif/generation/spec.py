@@ -181,6 +181,26 @@ PRESETS: dict[str, DecoderSpec] = {
 PRESETS = {k: replace(v, name=k) for k, v in PRESETS.items()}
 
 
+def _marian_defaults(pad: int) -> GenerationDefaults:
+    """Marian's: end token 0, forced at the last step; the pad token (the last id) starts the
+    decoder and is never generated (Marian checkpoints ban it: ``bad_words_ids``)."""
+    return GenerationDefaults(eos_token_ids=(0,), pad_token_id=pad, decoder_start_token_id=pad,
+                              forced_eos_token_id=0, bad_words_ids=((pad,),))
+
+
+#: A preset backbone's generation settings (tenants upload weights only, so a preset daemon has
+#: no checkpoint to read them from): each family's own ids, as its Hugging Face config class
+#: sets them. GPT-2's end token is its last id (50256); ``gpt2-tiny`` has none (its vocabulary
+#: is 96): a sequence ends at max_new_tokens or at the request's ``eos_token_id``.
+PRESET_DEFAULTS: dict[str, GenerationDefaults] = {
+    "gpt2-tiny": GenerationDefaults(),
+    "bart-tiny": GenerationDefaults(eos_token_ids=(2,), pad_token_id=1, bos_token_id=0,
+                                    decoder_start_token_id=2, forced_eos_token_id=2),
+    "marian-tiny": _marian_defaults(95),
+    "marian-decoding": _marian_defaults(7999),
+}
+
+
 def _get(cfg: dict, *names, default=None):
     for n in names:
         if cfg.get(n) is not None:
@@ -266,6 +286,19 @@ def _ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+#: generate() settings that change every request's scores and that itif does not apply, with
+#: the values that leave them off: a checkpoint with another value is refused (its answers
+#: would differ from generate()'s) rather than served differently.
+_NOT_APPLIED: dict[str, tuple] = {
+    "repetition_penalty": (None, 1, 1.0), "encoder_repetition_penalty": (None, 1, 1.0),
+    "begin_suppress_tokens": (None, [], ()), "sequence_bias": (None, {}, []),
+    "exponential_decay_length_penalty": (None,), "encoder_no_repeat_ngram_size": (None, 0),
+    "forced_decoder_ids": (None, [], ()), "renormalize_logits": (None, False),
+    "typical_p": (None, 1, 1.0), "epsilon_cutoff": (None, 0, 0.0), "eta_cutoff": (None, 0, 0.0),
+    "min_p": (None,), "guidance_scale": (None, 1, 1.0),
+}
+
+
 def defaults_from_config(cfg: dict, gen: dict | None = None) -> GenerationDefaults:
     """GenerationDefaults as ``generate()`` reads them: ``generation_config.json`` when the
     checkpoint has one, else the generation keys of ``config.json``."""
@@ -275,7 +308,17 @@ def defaults_from_config(cfg: dict, gen: dict | None = None) -> GenerationDefaul
         v = src.get(key)
         return None if v is None else int(v)
 
-    bad = src.get("bad_words_ids") or ()
+    for key, neutral in _NOT_APPLIED.items():
+        if src.get(key) not in neutral:
+            raise InvalidConfig(
+                f"generation setting {key}={src[key]!r} is not applied by itif (generate() would "
+                f"apply it to every request); remove it from the checkpoint's "
+                f"{'generation_config.json' if gen is not None else 'config.json'}")
+    if int(src.get("num_beam_groups") or 1) > 1:
+        raise InvalidConfig("generation setting num_beam_groups > 1 (diverse beam search) is "
+                            "not applied by itif; remove it from the checkpoint")
+    # suppress_tokens: banned at every step, as single-token bad words are
+    bad = [*(src.get("bad_words_ids") or ()), *([t] for t in src.get("suppress_tokens") or ())]
     return GenerationDefaults(
         eos_token_ids=_ids(src.get("eos_token_id")), pad_token_id=opt("pad_token_id"),
         bos_token_id=opt("bos_token_id"), decoder_start_token_id=opt("decoder_start_token_id"),
@@ -295,5 +338,5 @@ def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:
     return defaults_from_config(cfg, gen)
 
 
-__all__ = ["DecoderSpec", "PRESETS", "defaults_from_config", "defaults_from_dir",
+__all__ = ["DecoderSpec", "PRESETS", "PRESET_DEFAULTS", "defaults_from_config", "defaults_from_dir",
            "load_decoder_spec", "spec_from_hf_config"]

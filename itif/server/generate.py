@@ -196,8 +196,10 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
         daemon._visible(who, tenant)
         # the parameters first (a text prompt is checked once tokenized): a reply sized from
         # out-of-range values must not answer RESOURCE_EXHAUSTED for what is INVALID_ARGUMENT
-        check_request(req if req.input_ids else replace(req, input_ids=[0]),
-                      daemon.config.server.max_new_tokens)
+        probe = req if req.input_ids else replace(req, input_ids=[0])
+        check_request(probe, daemon.config.server.max_new_tokens)
+        if tenant in gen.store:  # what can never fit the KV cache (n samples of it, say)
+            gen.check(probe)
         reserve_reply(daemon, _reply_bytes(req),  # in an admitted call, before any work
                       "ask for fewer sequences (num_return_sequences) or fewer new tokens")
     remaining = context.time_remaining()
