@@ -197,9 +197,10 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
         # the parameters first (a text prompt is checked once tokenized): a reply sized from
         # out-of-range values must not answer RESOURCE_EXHAUSTED for what is INVALID_ARGUMENT
         probe = req if req.input_ids else replace(req, input_ids=[0])
-        check_request(probe, daemon.config.server.max_new_tokens)
-        if tenant in gen.store:  # what can never fit the KV cache (n samples of it, say)
+        if tenant in gen.store:  # every check generate() makes: ranges, positions, KV cache
             gen.check(probe)
+        else:
+            check_request(probe, daemon.config.server.max_new_tokens)
         reserve_reply(daemon, _reply_bytes(req),  # in an admitted call, before any work
                       "ask for fewer sequences (num_return_sequences) or fewer new tokens")
     remaining = context.time_remaining()
