@@ -662,3 +662,37 @@ def test_config_isolate_tenants():
     with pytest.raises(InvalidConfig, match="scheduler.isolate_tenants"):
         parse_config(base + "scheduler: {isolate_tenants: 'yes'}\n", ".")
 
+
+
+def test_measured_peak_keeps_each_matmul_within_its_budget(monkeypatch):
+    """Where a dtype's matmuls are slow (bfloat16 emulated on a CPU without AVX512-BF16: six
+    2048-sided ones took five minutes before a bench started), the peak's matmul shrinks to fit
+    MM_BUDGET_S; at a fast rate it stays the full size. On a fake clock: a matmul advances it by
+    its FLOPs at ``rate``, anything else timed by a microsecond."""
+    clock, rate, sides = [0.0], [1e8], []
+
+    def tick():
+        clock[0] += 1e-6
+        return clock[0]
+
+    def mm(a, b):
+        clock[0] += 2 * a.shape[0] ** 3 / rate[0]
+        return a
+
+    def randn(n, m, device):
+        sides.append(n)
+        return torch.zeros(1, 1).expand(n, m)
+
+    monkeypatch.setattr(rl.time, "perf_counter", tick)
+    monkeypatch.setattr(rl.torch, "mm", mm)
+    monkeypatch.setattr(rl.torch, "randn", randn)
+    p = rl.measure_peak(torch.device("cpu"), torch.float32)
+    assert sides[-1] == 256 and "256x256" in p.source
+    assert p.flops == pytest.approx(1e8, rel=1e-3)
+    assert clock[0] < 5.0  # eight 256-sided matmuls; 2048-sided ones were 172 s each
+    rate[0] = 1e11
+    rl.measure_peak(torch.device("cpu"), torch.float32)
+    assert sides[-1] == 2048  # (0.5 s * 1e11 / 2)^(1/3) = 2924: the target stands
+    rate[0] = 1e9
+    rl.measure_peak(torch.device("cpu"), torch.float32)
+    assert sides[-1] == 512 and 2 * 512**3 / 1e9 <= rl.MM_BUDGET_S  # 630 rounds down to 512

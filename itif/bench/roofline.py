@@ -79,11 +79,28 @@ def _best_s(fn, repeats: int, sync) -> float:
     return best
 
 
+#: the longest one matmul of the measured peak may take: where a dtype's matmuls are emulated
+#: (bfloat16 on a CPU without AVX512-BF16 or AMX, ~0.3 GFLOP/s) a 2048^3 one takes a minute
+MM_BUDGET_S = 0.5
+_PROBE_N = 256
+
+
+def _mm_side(target: int, dtype: torch.dtype, device: torch.device, sync) -> int:
+    """``target``, or less (a multiple of :data:`_PROBE_N`) when a ``target``-sided matmul
+    would take over :data:`MM_BUDGET_S` at the rate a warm ``_PROBE_N``-sided one runs."""
+    ab = [torch.randn(_PROBE_N, _PROBE_N, device=device).to(dtype) for _ in range(2)]
+    rate = 2 * _PROBE_N**3 / _best_s(lambda: torch.mm(*ab), 1, sync)
+    fits = int((MM_BUDGET_S * rate / 2) ** (1 / 3)) // _PROBE_N * _PROBE_N
+    return max(_PROBE_N, min(target, fits))
+
+
 def measure_peak(device: torch.device, dtype: torch.dtype, quick: bool = False) -> Peak:
-    """Measured peak: best of a few ``n x n`` matmuls and a large copy (read + write)."""
+    """Measured peak: best of a few ``n x n`` matmuls (``n`` as large as
+    :data:`MM_BUDGET_S` allows) and a large copy (read + write)."""
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    n = (4096 if quick else 8192) if cuda else (768 if quick else 2048)
+    n = _mm_side((4096 if quick else 8192) if cuda else (768 if quick else 2048),
+                 dtype, device, sync)
     ab = [torch.randn(n, n, device=device).to(dtype) for _ in range(2)]
     s = _best_s(lambda: torch.mm(*ab), 3 if quick else 5, sync)
     flops = 2 * n**3 / s
