@@ -79,7 +79,6 @@ class Daemon:
         self.delta_reports: dict[str, delta.DeltaReport] = {}  # delta tenants' last measure
         #: what each stored file was committed as (``daemon_state.identity``; from its note)
         self.stored_as: dict[str, tuple[str | None, str]] = {}
-        self.sizes: dict[str, tuple[str, int]] = {}  # tenant -> (sha256, bytes) last resident
         self._gen_lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -531,7 +530,6 @@ class Daemon:
         if self.engine is not None and tenant in self.engine.store:
             info = self.engine.tenant_info(tenant)
             total, exclusive, labels = info.bytes, info.exclusive_bytes, info.num_labels or 0
-            self.sizes[tenant] = (st.sha256, total)
         elif self.tiers is not None and (sig := self.tiers.signature(tenant)) is not None:
             labels = sig[0] or 0  # its head wherever its weights are now
         depth = self.scheduler.queue_depth(tenant) if self.scheduler is not None else 0

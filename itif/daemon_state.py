@@ -67,11 +67,12 @@ class TenantView:
 def own_view(d: Daemon, v: TenantView) -> TenantView:
     """What a tenant is told of itself: nothing that moves with other tenants' weights or
     traffic. Its bytes are all its bytes (what sharing saves is the operator's to see), the
-    same wherever its weights are (as last seen resident with the same sha256: an eviction
-    by another tenant's request no longer shows as 0), and its tier is not shown."""
-    seen = d.sizes.get(v.id)
-    size = v.weight_bytes or (seen[1] if seen is not None and v.sha256 and seen[0] == v.sha256
-                              else 0)
+    same wherever its weights are (with tiers: as installed when they were last resident, so
+    an eviction by another tenant's request does not show as 0), and its tier is not shown."""
+    size = v.weight_bytes
+    if not size and v.sha256 and d.tiers is not None:
+        tv = d.tiers.view(v.id)
+        size = tv.weight_bytes if tv is not None else 0
     return replace(v, weight_bytes=size, exclusive_bytes=size, tier="", host_bytes=0)
 
 

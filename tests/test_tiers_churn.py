@@ -322,3 +322,31 @@ def test_what_a_tenant_sees_of_itself_does_not_move_with_other_tenants_requests(
         assert d.list_tenants(me) == [evicted]
     finally:
         d.stop(0)
+
+
+def test_a_tenant_never_viewed_while_resident_sees_its_size_after_an_eviction(tmp_path, P):
+    """The size a tenant sees of itself was recorded when a view of it was built while it was
+    resident, not when its weights were loaded: after a restart, a tenant its own request
+    promoted and another tenant's request evicted before it looked saw 0 bytes (resident: its
+    size), so its view still moved with the other tenant's traffic. Its size is now recorded
+    whenever its weights are installed on the device."""
+    cfg = _config(tmp_path, {"a": [], "b": []}, int(1.5 * P))
+    d = _daemon(cfg)
+    try:
+        _upload(d, "a", make_hf_model("bert-tiny", 3, seed=1), tmp_path)
+        _upload(d, "b", make_hf_model("bert-tiny", 3, seed=2), tmp_path)
+    finally:
+        d.stop(0)
+    d = _daemon(cfg)  # both on disk; nothing seen resident by this run
+    me = Identity("a")
+    try:
+        _logits(d, "a")  # its own request promotes it
+        _logits(d, "b")  # another tenant's request evicts it, before it looks
+        assert d.get_tenant(ADMIN, "a").tier == "disk"
+        evicted = d.get_tenant(me, "a")
+        _logits(d, "a")
+        resident = d.get_tenant(me, "a")
+        assert resident.weight_bytes == resident.exclusive_bytes >= P
+        assert evicted == resident, (evicted, resident)
+    finally:
+        d.stop(0)

@@ -50,12 +50,16 @@ class TierView:
     failures: int
     last_promotion_ms: float
     error: str
+    #: the store bytes its weights read when they were last installed on the device, shared
+    #: tensors included; kept while they are evicted (0: not installed since this run
+    #: registered it or since its weights changed)
+    weight_bytes: int = 0
 
 
 class TenantState:
-    __slots__ = ("tier", "pinned", "busy", "loading", "base", "own", "signed", "num_labels", "has_pooler",
-                 "host", "host_keys", "host_bytes", "promotions", "evictions", "failures",
-                 "last_ms", "error")
+    __slots__ = ("tier", "pinned", "busy", "loading", "base", "own", "signed", "num_labels",
+                 "has_pooler", "host", "host_keys", "host_bytes", "weight_bytes", "promotions",
+                 "evictions", "failures", "last_ms", "error")
 
     def __init__(self, tier: Tier, pinned: bool, base: str | None) -> None:
         self.tier, self.pinned, self.base = tier, pinned, base
@@ -68,6 +72,7 @@ class TenantState:
         self.host: dict[str, torch.Tensor] | None = None  # host tier: interned tensors
         self.host_keys: dict[str, str] = {}  # their content keys (``tensor_key``), kept
         self.host_bytes = 0
+        self.weight_bytes = 0  # its store bytes when last installed (``TierView.weight_bytes``)
         self.promotions = self.evictions = self.failures = 0
         self.last_ms = 0.0
         self.error = ""

@@ -172,6 +172,7 @@ class TierManager:
                     if self._unlist(tenant):
                         self._unchild(st)
                     st.tier, st.error, st.loading = Tier.NONE, "", False
+                    st.weight_bytes = 0  # its weights changed or left: not known until resident
                     self.scheduler.park(tenant, True)
             if fail is not None:
                 self.scheduler.fail_parked(tenant, fail)
@@ -495,6 +496,7 @@ class TierManager:
             self._children[st.base] = self._children.get(st.base, 0) + 1
         st.tier, st.loading = Tier.DEVICE, False
         st.own = tuple(weights.tensors)
+        st.weight_bytes = self.store.tenant_bytes(tenant)[0]  # kept when it is evicted
         st.num_labels, st.has_pooler, st.signed = weights.num_labels, weights.has_pooler, True
         if tenant not in self._prot:
             self._prob[tenant] = None
@@ -540,7 +542,8 @@ class TierManager:
             if st is None:
                 return None
             return TierView(st.tier, st.pinned, st.loading, st.busy, st.host_bytes,
-                            st.promotions, st.evictions, st.failures, st.last_ms, st.error)
+                            st.promotions, st.evictions, st.failures, st.last_ms, st.error,
+                            st.weight_bytes)
 
     def totals(self) -> dict[str, int]:
         """Bytes and tenants per tier, and the budgets (metrics, health)."""
