@@ -77,8 +77,10 @@ def test_equal_to_per_sequence_attention(L, form):
 def test_a_partial_block_runs_faster_rounded_up():
     """32 sequences of at most 15 rows (12 heads of 32, one thread): the op over 16 keys (the
     copy of K and V included) against the op with the rounding turned off, taking turns, best of
-    7 samples each (thread CPU time). bench/cpu_attention.py measured 0.41-0.60x for masked
-    groups of 15 rows in three shapes on this project's 2-core EPYC; asserted: at most 0.8x."""
+    7 samples each (thread CPU time), three turns. bench/cpu_attention.py measured 0.41-0.60x for
+    masked groups of 15 rows in three shapes on this project's 2-core EPYC; another EPYC of the
+    same project gave 0.70-0.82x for this shape (a fresh-clone CI failed at 0.83x against the
+    0.8x it asserted before); asserted: at most 0.9x (no rounding: 1x)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -93,11 +95,11 @@ def test_a_partial_block_runs_faster_rounded_up():
             reference.attention(qkv, [group], heads, out)
 
         times = {"rounded": [], "as_is": []}
-        for _ in range(2):  # taking turns
+        for _ in range(3):  # taking turns
             times["rounded"].append(measure_ms(op))
             with mock.patch.object(reference, "cpu_attention_len", lambda L: L):
                 times["as_is"].append(measure_ms(op))
-        assert min(times["rounded"]) <= 0.8 * min(times["as_is"]), times
+        assert min(times["rounded"]) <= 0.9 * min(times["as_is"]), times
     finally:
         torch.set_num_threads(before)
 
