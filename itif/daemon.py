@@ -542,7 +542,7 @@ class Daemon:
                           tier, tv.host_bytes if tv is not None else 0,
                           rep.as_dict() if rep is not None else None,
                           conf.compress if conf is not None and conf.is_delta else "")
-        return view if who is None or who.admin else daemon_state.own_view(self, view)
+        return view if who is None or who.admin else daemon_state.own_view(view, tv)
 
     def get_tenant(self, who: Identity, tenant: str) -> TenantView:
         self._visible(who, tenant)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from itif.config import Tenant
     from itif.daemon import Daemon
+    from itif.weights.tier_state import TierView
 
 __all__ = ["Identity", "State", "TenantStatus", "TenantView", "identity", "misplaced", "note",
            "noted"]
@@ -64,15 +65,13 @@ class TenantView:
     compress: str = ""  # a delta tenant's tenants[].compress
 
 
-def own_view(d: Daemon, v: TenantView) -> TenantView:
+def own_view(v: TenantView, tv: TierView | None) -> TenantView:
     """What a tenant is told of itself: nothing that moves with other tenants' weights or
     traffic. Its bytes are all its bytes (what sharing saves is the operator's to see), the
-    same wherever its weights are (with tiers: as installed when they were last resident, so
-    an eviction by another tenant's request does not show as 0), and its tier is not shown."""
-    size = v.weight_bytes
-    if not size and v.sha256 and d.tiers is not None:
-        tv = d.tiers.view(v.id)
-        size = tv.weight_bytes if tv is not None else 0
+    same wherever its weights are (``tv``, its place in the tiers: as installed when they were
+    last resident, so an eviction by another tenant's request does not show as 0), and its
+    tier is not shown."""
+    size = v.weight_bytes or (tv.weight_bytes if tv is not None and v.sha256 else 0)
     return replace(v, weight_bytes=size, exclusive_bytes=size, tier="", host_bytes=0)
 
 
