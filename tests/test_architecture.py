@@ -3,8 +3,8 @@
 - no module in ``itif/`` is over 600 lines (the generated ``_proto`` stubs aside);
 - no import cycle among itif's modules (the graph of module-level imports, read with ``ast``;
   imports inside functions and under ``if TYPE_CHECKING:`` are not edges);
-- the scheduler and the request types load without torch; the daemon loads neither grpc nor
-  the metrics (the server layer wires those up).
+- the scheduler, the request types and the HTTP JSON workers' module load without torch; the
+  daemon loads neither grpc nor the metrics (the server layer wires those up).
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def _has(loaded: set[str], top: str) -> bool:
     return top in loaded or any(m.startswith(top + ".") for m in loaded)
 
 
-@pytest.mark.parametrize("module", ["itif.scheduler", "itif.requests", "itif.config"])
+@pytest.mark.parametrize("module", ["itif.scheduler", "itif.requests", "itif.config",
+                                    "itif.server.json_procs"])  # a JSON worker starts light
 def test_light_modules_load_without_torch(module):
     loaded = _loaded(module)
     assert not _has(loaded, "torch"), f"import {module} loads torch"

@@ -338,7 +338,8 @@ def test_pixel_values_from_whole_numbers_and_an_empty_batch_of_many_rows():
     from types import SimpleNamespace
 
     from itif.errors import InvalidRequest
-    from itif.server.kserve_core import KServeCore, decode_values
+    from itif.server.kserve_core import KServeCore
+    from itif.server.tensors import decode_values
 
     px = decode_values("pixel_values", "FP32", [1, 2], [0, 1])
     assert px.dtype == np.float32 and px.tolist() == [[0.0, 1.0]]

@@ -89,6 +89,7 @@ RESTART = {
     "server.ingress_processes": 2,
     "server.http_max_connections": 64,
     "server.http_header_timeout_s": 2.5,
+    "server.http_json_processes": 0,
     "server.tls": "tls",
     "backbone.config": "bert-small",
     "backbone.device": "auto",

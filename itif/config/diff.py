@@ -20,7 +20,8 @@ __all__ = ["ConfigDiff", "diff_configs"]
 # server keys that are baked into listeners / the gRPC server at start-up.
 _RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "http_listen", "max_message_bytes",
                         "tls", "max_pending_calls", "max_streams_per_connection",
-                        "ingress_processes", "http_max_connections", "http_header_timeout_s")
+                        "ingress_processes", "http_max_connections", "http_header_timeout_s",
+                        "http_json_processes")
 _LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s",
                      "max_inflight_calls", "max_active_calls", "max_pending_reply_bytes",
                      "max_new_tokens")
@@ -67,7 +68,8 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
     (``server.listen``, ``server.data_dir``, ``server.metrics_listen``, ``server.http_listen``,
     ``server.max_message_bytes``, ``server.tls``, ``server.max_pending_calls``,
     ``server.max_streams_per_connection``, ``server.ingress_processes``,
-    ``server.http_max_connections``, ``server.http_header_timeout_s``, any ``backbone.*``).
+    ``server.http_max_connections``, ``server.http_header_timeout_s``,
+    ``server.http_json_processes``, any ``backbone.*``).
     Tenant, scheduler and the other server keys are live-applicable.
     """
     problems: list[str] = []

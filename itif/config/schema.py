@@ -71,6 +71,11 @@ class ServerConfig:
     #: opened (or, kept alive, after the first byte of its next request) is closed. An idle
     #: kept-alive connection is closed after uvicorn's keep-alive timeout (5 s).
     http_header_timeout_s: float = setting(F.number, 10.0, lo=0.0, hi=3600.0, lo_open=True)
+    #: Processes that parse HTTP JSON bodies, and write JSON answers, over 256 KiB
+    #: (``itif.server.json_procs``): Python's json holds the GIL, so in the daemon a 3 MB body
+    #: (one image as JSON numbers) stalls every other call for its whole parse. Started when the
+    #: HTTP port opens. 0: a thread of the daemon parses them.
+    http_json_processes: int = setting(F.integer, 2, lo=0, hi=64)
     max_message_bytes: int = setting(F.size, 64 * MiB, lo=KiB, hi=GRPC_MAX_MESSAGE)
     max_upload_bytes: int = setting(F.size, 4 * GiB, lo=1, hi=TiB)
     grace_s: float = setting(F.number, 10.0, lo=0.0, hi=3600.0)

@@ -42,7 +42,8 @@ from itif.daemon import Daemon, Identity
 from itif.errors import InvalidRequest
 from itif.server.admission import finish_reply
 from itif.server.errors import rpc
-from itif.server.kserve_core import VERSION, KServeCore, decode_raw, decode_values
+from itif.server.kserve_core import VERSION, KServeCore
+from itif.server.tensors import decode_raw, decode_values
 from itif.server.service import AuthInterceptor, reject_malformed
 
 log = logging.getLogger("itif.server.kserve")

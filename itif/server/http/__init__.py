@@ -49,6 +49,7 @@ from itif.server.admission import Admission
 from itif.server.http.completions import CompletionsApi
 from itif.server.http.kserve_rest import KServeRest
 from itif.server.http.openai import OpenAIApi
+from itif.server.json_procs import IN_THREAD, JsonProcs
 
 log = logging.getLogger("itif.server.http")
 
@@ -59,15 +60,17 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
                         status_code=exc.status_code, headers=exc.headers)
 
 
-def build_app(daemon, health=None, *, max_body: int, admission=None) -> Starlette:
+def build_app(daemon, health=None, *, max_body: int, admission=None,
+              procs: JsonProcs = IN_THREAD) -> Starlette:
     """The Starlette app of the APIs on ``daemon``. ``admission``: the
     :class:`~itif.server.admission.Admission` that counts the calls (the gRPC server's, so both
-    protocols share the limits); None: a new one of this app's own."""
+    protocols share the limits); None: a new one of this app's own. ``procs``: what parses
+    large JSON bodies and writes large JSON answers (``itif.server.json_procs``)."""
     if admission is None:
         admission = Admission(daemon)
-    routes = (KServeRest(daemon, health, max_body=max_body, admission=admission).routes()
-              + OpenAIApi(daemon, max_body=max_body, admission=admission).routes()
-              + CompletionsApi(daemon, max_body=max_body, admission=admission).routes())
+    kw = dict(max_body=max_body, admission=admission, procs=procs)
+    routes = (KServeRest(daemon, health, **kw).routes() + OpenAIApi(daemon, **kw).routes()
+              + CompletionsApi(daemon, **kw).routes())
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
@@ -232,7 +235,9 @@ class HttpServer:
             tls = dict(ssl_certfile=str(s.tls.cert), ssl_keyfile=str(s.tls.key))
             if s.tls.client_ca is not None:
                 tls.update(ssl_ca_certs=str(s.tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        app = build_app(daemon, health, max_body=s.max_message_bytes, admission=admission)
+        self.procs = JsonProcs(s.http_json_processes)
+        app = build_app(daemon, health, max_body=s.max_message_bytes, admission=admission,
+                        procs=self.procs)
         protocol = type("_GuardedH11", (_GuardedH11,), {
             "max_connections": _max_connections(s.http_max_connections),
             "header_timeout_s": s.http_header_timeout_s})
@@ -249,6 +254,7 @@ class HttpServer:
         return self.sock.getsockname()[1]
 
     async def start(self) -> None:
+        self.procs.start()
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
         while not self.server.started:
             if self.task.done():
@@ -267,6 +273,7 @@ class HttpServer:
             await self.task
         finally:
             self.sock.close()
+            self.procs.close()
 
 
 __all__ = ["HttpServer", "build_app"]

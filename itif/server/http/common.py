@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 import zlib
@@ -33,6 +32,7 @@ from starlette.responses import Response
 from itif.errors import InvalidRequest, ItifError, Overloaded
 from itif.metrics import call_tenant
 from itif.server.errors import http_status_of
+from itif.server.json_procs import IN_THREAD, OFFLOAD_BYTES, JsonProcs, json_load
 
 log = logging.getLogger("itif.server.http")
 
@@ -92,7 +92,8 @@ async def read_body(request: Request, limit: int) -> bytes:
                              "(identity, gzip, deflate)")
     inflate = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
     try:
-        out = inflate.decompress(body, limit + 1)
+        # zlib lets the GIL go while it inflates; the loop does not wait for it
+        out = await asyncio.to_thread(inflate.decompress, body, limit + 1)
     except zlib.error as e:
         raise InvalidRequest(f"the request body is not valid {encoding} data: {e}") from None
     if len(out) > limit or inflate.unconsumed_tail:
@@ -117,24 +118,21 @@ def bounded_list(value: list, where: str) -> list:
 
 
 def parse_json(data: bytes, what: str = "the request body") -> Any:
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise InvalidRequest(f"{what} is not valid JSON: {str(e)[:200]}") from None
+    return json_load(data, what)
 
 
-#: Bodies larger than this are parsed in a worker thread: the event loop also serves gRPC.
-OFFLOAD_BYTES = 256 << 10
-
-
-async def json_object(data: bytes, what: str = "the request body",
-                      empty_ok: bool = False) -> dict:
+async def json_object(data: bytes, what: str = "the request body", empty_ok: bool = False,
+                      procs: JsonProcs = IN_THREAD, load: Callable[[bytes, str], Any] = json_load
+                      ) -> dict:
+    """The JSON object ``data`` holds, parsed by ``load``: on the event loop, or, over
+    :data:`OFFLOAD_BYTES`, by ``procs`` (``itif.server.json_procs``: a worker process, or a
+    thread where it has none)."""
     if empty_ok and not data.strip():
         return {}
     if len(data) > OFFLOAD_BYTES:
-        obj = await asyncio.to_thread(parse_json, data, what)
+        obj = await procs.run(load, data, what)
     else:
-        obj = parse_json(data, what)
+        obj = load(data, what)
     if not isinstance(obj, dict):
         raise InvalidRequest(f"{what} must be a JSON object, got {type(obj).__name__}")
     return obj

@@ -76,6 +76,7 @@ from itif.server.errors import http_status_of
 from itif.server.generate import GenerationStream
 from itif.server.http.common import (authorization, bounded_list, endpoint, json_object,
                                      json_type, read_body)
+from itif.server.json_procs import IN_THREAD, JsonProcs
 from itif.server.http.openai import _is_int
 from itif.server.http.openai import error as openai_error
 
@@ -156,8 +157,10 @@ def _refuse_unsupported(body: dict) -> None:
 
 
 class CompletionsApi:
-    def __init__(self, daemon, *, max_body: int, admission=None) -> None:
+    def __init__(self, daemon, *, max_body: int, admission=None,
+                 procs: JsonProcs = IN_THREAD) -> None:
         self.daemon = daemon
+        self.procs = procs  # parses large bodies (itif.server.json_procs)
         self.max_body = max_body
         self.admission = admission  # itif.server.admission.Admission; None: calls not counted
 
@@ -289,7 +292,7 @@ class CompletionsApi:
         if not d.ready:
             raise Unavailable("the daemon is starting or shutting down")
         who = d.identify(authorization(request))
-        body = await json_object(await read_body(request, self.max_body))
+        body = await json_object(await read_body(request, self.max_body), procs=self.procs)
         if body.get("model") is None:
             raise InvalidRequest("model: is required")
         model = _get(body, "model")

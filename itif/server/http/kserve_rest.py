@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -29,7 +28,6 @@ from starlette.routing import Route
 
 from itif.errors import InvalidRequest, Unavailable
 from itif.server.http.common import (
-    OFFLOAD_BYTES,
     authorization,
     byte_count,
     endpoint,
@@ -37,7 +35,10 @@ from itif.server.http.common import (
     json_object,
     read_body,
 )
-from itif.server.kserve_core import VERSION, KServeCore, decode_raw, decode_values
+from itif.server.json_procs import (ANSWER_NUMBERS, IN_THREAD, Decoded, JsonProcs, json_bytes,
+                                   load_infer)
+from itif.server.kserve_core import VERSION, KServeCore
+from itif.server.tensors import decode_raw, decode_values
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -94,9 +95,11 @@ def _tensors(core: KServeCore, model: str, req: dict, binary: bytes) -> dict:
             offset += size
         elif "data" in t:
             data = t["data"]
-            if not isinstance(data, list):
-                data = [data]
-            tensors[name] = decode_values(name, datatype, shape, data)
+            if isinstance(data, Decoded):  # json_procs.load_infer decoded it with the body
+                tensors[name] = data.tensor()
+            else:
+                tensors[name] = decode_values(name, datatype, shape,
+                                              data if isinstance(data, list) else [data])
         else:
             raise InvalidRequest(f"{where} has neither 'data' nor a binary_data_size parameter")
     if offset != len(binary):
@@ -122,9 +125,10 @@ def _outputs(req: dict) -> tuple[list[str], set[str], dict[str, bool]]:
     return names, classification, binary
 
 
-def _answer(answer: dict, out: list, binary: dict[str, bool]) -> Response:
-    """The inference answer: JSON, or JSON then the binary outputs in order."""
-    tensors, blobs = [], []
+async def _answer(procs: JsonProcs, answer: dict, out: list, binary: dict[str, bool]) -> Response:
+    """The inference answer: JSON, or JSON then the binary outputs in order (more than
+    :data:`ANSWER_NUMBERS` JSON numbers written by ``procs``)."""
+    tensors, blobs, numbers = [], [], 0
     for o, a in out:
         t: dict[str, Any] = {"name": o, "datatype": "FP32", "shape": list(a.shape)}
         if binary[o]:
@@ -132,9 +136,11 @@ def _answer(answer: dict, out: list, binary: dict[str, bool]) -> Response:
             t["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            t["data"] = a.ravel().tolist()
+            t["data"] = a  # json_bytes writes it as a flat list
+            numbers += a.size
         tensors.append(t)
-    head = json.dumps({**answer, "outputs": tensors}).encode()
+    obj = {**answer, "outputs": tensors}
+    head = await procs.run(json_bytes, obj) if numbers > ANSWER_NUMBERS else json_bytes(obj)
     if not blobs:
         return Response(head, media_type="application/json")
     return Response(b"".join([head, *blobs]), media_type="application/octet-stream",
@@ -144,8 +150,10 @@ def _answer(answer: dict, out: list, binary: dict[str, bool]) -> Response:
 class KServeRest:
     """The routes of the KServe v2 REST API; the handlers share one ``KServeCore``."""
 
-    def __init__(self, daemon, health=None, *, max_body: int, admission=None) -> None:
+    def __init__(self, daemon, health=None, *, max_body: int, admission=None,
+                 procs: JsonProcs = IN_THREAD) -> None:
         self.daemon = daemon
+        self.procs = procs  # parses large bodies, writes large answers (itif.server.json_procs)
         self.core = KServeCore(daemon, health)
         self.max_body = max_body
         self.admission = admission  # itif.server.admission.Admission; None: calls not counted
@@ -154,7 +162,8 @@ class KServeRest:
         return self.core.who(authorization(request))
 
     async def _body(self, request: Request, empty_ok: bool = True) -> dict:
-        return await json_object(await read_body(request, self.max_body), empty_ok=empty_ok)
+        return await json_object(await read_body(request, self.max_body), empty_ok=empty_ok,
+                                 procs=self.procs)
 
     # -- health and server ---------------------------------------------------------------------
     @endpoint("kserve", "ServerLive", error, admit=False)
@@ -235,11 +244,9 @@ class KServeRest:
         self.core.model(who, name, version)  # 404 before any tensor check, as on gRPC
         head, binary = _split(await read_body(request, self.max_body),
                               request.headers.get(HEADER_LENGTH))
-        req = await json_object(head, "the inference request")
-        if len(head) > OFFLOAD_BYTES:  # JSON data: decoding it is Python work, off the loop
-            tensors = await asyncio.to_thread(_tensors, self.core, name, req, binary)
-        else:
-            tensors = _tensors(self.core, name, req, binary)
+        # over OFFLOAD_BYTES parsed, and each input's data decoded, off the loop (procs)
+        req = await json_object(head, "the inference request", procs=self.procs, load=load_infer)
+        tensors = _tensors(self.core, name, req, binary)
         outputs, classification, binary_by_output = _outputs(req)
         params = field(req, "parameters", dict, "the inference request", {})
         binary_default = params.get("binary_data_output") is True
@@ -249,9 +256,7 @@ class KServeRest:
         if isinstance(req.get("id"), str) and req["id"]:
             answer["id"] = req["id"]
         binary = {o: binary_by_output.get(o, binary_default) for o, _ in out}
-        if sum(a.size for o, a in out if not binary[o]) * 12 > OFFLOAD_BYTES:  # JSON numbers
-            return await asyncio.to_thread(_answer, answer, out, binary)
-        return _answer(answer, out, binary)
+        return await _answer(self.procs, answer, out, binary)
 
     # -- routes --------------------------------------------------------------------------------
     def routes(self) -> list[Route]:

@@ -39,6 +39,7 @@ from itif.server.http.common import (
     json_type,
     read_body,
 )
+from itif.server.json_procs import ANSWER_NUMBERS, IN_THREAD, JsonProcs, json_bytes
 from itif.server.service import await_tickets
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -72,8 +73,10 @@ def _token_list(ids: list, where: str) -> np.ndarray:
 
 
 class OpenAIApi:
-    def __init__(self, daemon, *, max_body: int, admission=None) -> None:
+    def __init__(self, daemon, *, max_body: int, admission=None,
+                 procs: JsonProcs = IN_THREAD) -> None:
         self.daemon = daemon
+        self.procs = procs  # parses large bodies, writes large answers (itif.server.json_procs)
         self.max_body = max_body
         self.admission = admission  # itif.server.admission.Admission; None: calls not counted
 
@@ -105,7 +108,7 @@ class OpenAIApi:
     @endpoint("openai", "embeddings", error)
     async def embeddings(self, request: Request) -> Response:
         who = self._who(request)
-        body = await json_object(await read_body(request, self.max_body))
+        body = await json_object(await read_body(request, self.max_body), procs=self.procs)
         model = field(body, "model", str, "the request")
         if "input" not in body:
             raise InvalidRequest("the request: 'input' is required")
@@ -129,12 +132,15 @@ class OpenAIApi:
         data = []
         for i, r in enumerate(results):
             vec = np.ascontiguousarray(r.pooled, dtype="<f4")
-            emb = (base64.b64encode(vec.tobytes()).decode("ascii") if fmt == "base64"
-                   else vec.tolist())
+            emb = base64.b64encode(vec.tobytes()).decode("ascii") if fmt == "base64" else vec
             data.append({"object": "embedding", "index": i, "embedding": emb})
         tokens = int(sum(a.size for a in ids))
-        return JSONResponse({"object": "list", "data": data, "model": model,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+        answer = {"object": "list", "data": data, "model": model,
+                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        numbers = 0 if fmt == "base64" else len(data) * spec.hidden
+        body = (await self.procs.run(json_bytes, answer, False) if numbers > ANSWER_NUMBERS
+                else json_bytes(answer, False))  # NaN refused, as Starlette's JSONResponse
+        return Response(body, media_type="application/json")
 
     @endpoint("openai", "models", error)
     async def models(self, request: Request) -> Response:

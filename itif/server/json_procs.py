@@ -1,0 +1,187 @@
+"""Large JSON bodies parsed, and large JSON answers written, in worker processes.
+
+The HTTP routes run on the daemon's event loop, the one that also serves gRPC and hands work to
+the forward. Python's ``json`` holds the GIL for a whole parse or dump, so a worker *thread*
+does not help: a KServe request carrying one 224x224 image as JSON numbers (3 MB) is about 75
+ms of ``json.loads`` on a 2-core EPYC, and one ViT ``last_hidden_state`` written back as JSON
+about 110 ms, during which every other tenant's call waits. With ``server.http_json_processes``
+(default 2) a body over :data:`OFFLOAD_BYTES` is parsed in one of that many processes and comes
+back as Python objects, each KServe input's ``data`` already turned into its numpy tensor
+(:func:`load_infer`, :class:`Decoded`); an answer of more than :data:`ANSWER_NUMBERS` numbers
+is written there (:func:`json_bytes`). What crosses back is a pickle whose arrays are one copy
+each, so the daemon's share is a small fraction of the parse. ``bench/http_json_stall.py``
+measures what the loop feels.
+
+A daemon embedded in a script of one's own: the workers start with ``spawn``, which imports
+the script again, so it must keep its start under ``if __name__ == "__main__":`` (``itif
+serve``, ``python -m itif`` and Ray Serve's replicas do).
+
+Nothing a client sees changes: the same checks run in the same order, with the same messages (a
+worker keeps a decoding error in the :class:`Decoded` it returns; the route raises it where it
+would have decoded the input). A worker that dies (killed, out of memory) fails only the calls
+it held, with UNAVAILABLE (503), and the pool is replaced; a result that cannot come back (a
+pickling error) is computed in a thread of the daemon instead. 0 processes: a thread, as before.
+
+This module imports only the standard library, numpy and ``itif.server.tensors``: a worker
+starts (``spawn``) without torch or the HTTP stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable
+
+import numpy as np
+
+from itif.errors import InvalidRequest, ItifError, Unavailable
+from itif.server.tensors import decode_values
+
+log = logging.getLogger("itif.server.json_procs")
+
+#: Bodies larger than this are parsed off the event loop (about 6 ms of ``json.loads``).
+OFFLOAD_BYTES = 256 << 10
+#: Answers with more JSON numbers than this are written off the event loop: a float32 value
+#: written as a Python float takes about 0.7 us of ``json.dumps`` (~18 characters), 3 ms here.
+ANSWER_NUMBERS = 4096
+
+
+# ---- what a worker runs (also run in a thread: 0 processes, or a fallback) ----------------------
+def json_load(data: bytes, what: str = "the request body") -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise InvalidRequest(f"{what} is not valid JSON: {str(e)[:200]}") from None
+
+
+class Decoded:
+    """A KServe input's JSON ``data`` after :func:`load_infer`: its tensor, or the message of
+    the error decoding it raised (raised again by :meth:`tensor`, where the route reads it)."""
+
+    __slots__ = ("array", "error")
+
+    def __init__(self, array: np.ndarray | None, error: str | None = None) -> None:
+        self.array, self.error = array, error
+
+    def tensor(self) -> np.ndarray:
+        if self.error is not None:
+            raise InvalidRequest(self.error)
+        return self.array
+
+    def __getstate__(self):
+        return self.array, self.error
+
+    def __setstate__(self, state) -> None:
+        self.array, self.error = state
+
+
+def load_infer(data: bytes, what: str) -> Any:
+    """A KServe inference request: :func:`json_load`, then each input whose ``data`` the route
+    would decode turned into a :class:`Decoded` (by ``decode_values``, as the route calls it).
+    Inputs the route refuses before it reads their data (no string name or datatype, a shape
+    that is not a list of integers) keep it as it is."""
+    obj = json_load(data, what)
+    inputs = obj.get("inputs") if isinstance(obj, dict) else None
+    for t in inputs if isinstance(inputs, list) else ():
+        if not isinstance(t, dict) or "data" not in t:
+            continue
+        name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")
+        if not (isinstance(name, str) and isinstance(datatype, str) and isinstance(shape, list)
+                and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+            continue
+        values = t["data"] if isinstance(t["data"], list) else [t["data"]]
+        try:
+            t["data"] = Decoded(decode_values(name, datatype, shape, values))
+        except InvalidRequest as e:
+            t["data"] = Decoded(None, str(e))
+    return obj
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.ravel().tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def json_bytes(obj: Any, allow_nan: bool = True) -> bytes:
+    """``obj`` as compact UTF-8 JSON (Starlette's ``JSONResponse`` format); numpy arrays become
+    flat lists of their values (row-major)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"),
+                      default=_plain).encode()
+
+
+def _worker_start() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when its workers stop
+
+
+# ---- the daemon's side ---------------------------------------------------------------------------
+class JsonProcs:
+    """``processes`` worker processes, started (``spawn``) when first needed; 0: none, every
+    call runs in a thread of this process."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the daemon is shutting down")
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(
+                    self.processes, mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_worker_start)
+            return self._pool
+
+    def _discard(self, pool: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, in a worker process when there are any."""
+        if not self.processes:
+            return await asyncio.to_thread(fn, *args)
+        pool = self._executor()
+        try:
+            return await asyncio.wrap_future(pool.submit(fn, *args))
+        except ItifError:
+            raise
+        except BrokenProcessPool:
+            self._discard(pool)
+            log.warning("an HTTP JSON worker process died; its pool is replaced")
+            raise Unavailable("the process parsing this call's JSON died; try again") from None
+        except (RecursionError, pickle.PicklingError) as e:  # the result could not come back
+            log.warning("an HTTP JSON worker could not return %s (%s: %s); run in a thread",
+                        getattr(fn, "__name__", fn), type(e).__name__, str(e)[:200])
+            return await asyncio.to_thread(fn, *args)
+
+    def start(self) -> None:
+        """Start a worker now (in the background), so the first large body does not wait for
+        one to import numpy."""
+        if self.processes:
+            self._executor().submit(int)
+
+    def close(self) -> None:
+        """Stop the workers once what they hold is done; later calls answer UNAVAILABLE."""
+        with self._lock:
+            self._closed, pool, self._pool = True, self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+#: No processes: what an app built without a pool uses.
+IN_THREAD = JsonProcs(0)
+
+__all__ = ["ANSWER_NUMBERS", "IN_THREAD", "OFFLOAD_BYTES", "Decoded", "JsonProcs", "json_bytes", "json_load",
+           "load_infer"]
