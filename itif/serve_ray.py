@@ -66,6 +66,7 @@ from itif.platform import tune_gc
 from itif.server.errors import http_status_of
 from itif.server.http import build_app
 from itif.server.http.common import read_body
+from itif.server.json_procs import JsonProcs
 
 log = logging.getLogger("itif.serve_ray")
 
@@ -268,7 +269,10 @@ class ItifReplica:
         self.daemon = FleetDaemon(cfg)
         self.daemon.start()
         tune_gc()  # a serving process: itif.platform.tune_gc
-        self.app = build_app(self.daemon, max_body=cfg.server.max_message_bytes)
+        # large JSON bodies and answers in worker processes (itif.server.json_procs), as itif serve
+        self.procs = JsonProcs(cfg.server.http_json_processes)
+        self.app = build_app(self.daemon, max_body=cfg.server.max_message_bytes,
+                             procs=self.procs)
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx is not None else "local"
         self.watcher = _watch(config, self.daemon.apply_config)
@@ -339,6 +343,9 @@ class ItifReplica:
         daemon = self.__dict__.get("daemon")
         if daemon is not None:
             daemon.stop(0)
+        procs = self.__dict__.get("procs")
+        if procs is not None:
+            procs.close()
 
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0})

@@ -82,6 +82,9 @@ def test_lone_surrogates_are_400_not_500(daemon):
                                    "data": ["\ud800"]}]}).encode()  # ensure_ascii: "\\ud800"
     r = _post(daemon, "/v2/models/acme/infer", text)
     assert r.status_code == 400 and "not valid Unicode" in r.text, r.text
+    # a request id is echoed in the answer, which is written as ASCII JSON: escaped, not a 500
+    r = _post(daemon, "/v2/models/acme/infer", {**_ids(), "id": "r\ud800\u00e9"})
+    assert r.status_code == 200 and r.json()["id"] == "r\ud800\u00e9", r.text
     assert "Traceback" not in daemon.logs()
 
 

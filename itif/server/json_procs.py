@@ -111,10 +111,9 @@ def _plain(value: Any) -> Any:
 
 
 def json_bytes(obj: Any, allow_nan: bool = True) -> bytes:
-    """``obj`` as compact UTF-8 JSON (Starlette's ``JSONResponse`` format); numpy arrays become
-    flat lists of their values (row-major)."""
-    return json.dumps(obj, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"),
-                      default=_plain).encode()
+    """``obj`` as compact JSON; numpy arrays become flat lists of their values (row-major).
+    ASCII, so that a string a client sent (a request id with a lone surrogate) cannot fail it."""
+    return json.dumps(obj, allow_nan=allow_nan, separators=(",", ":"), default=_plain).encode()
 
 
 def _worker_start() -> None:
