@@ -837,10 +837,10 @@ def flt_daemon(tmp_path_factory):
 @promise(15)
 def test_out_of_memory_in_a_forward_fails_that_batch_cleanly(flt_daemon, rel):
     """Every forward holding a request of tenant o raises CUDA's out-of-memory error (test
-    hook). Concurrent traffic of o and p: o's calls all fail RESOURCE_EXHAUSTED, p's calls
-    either succeed or, when they shared a batch with o, fail the same way (never INTERNAL,
-    never a hang). o and p taking turns: every o call fails, every p call succeeds. The
-    daemon keeps serving throughout."""
+    hook). Concurrent traffic of o and p: o's calls all fail RESOURCE_EXHAUSTED, p's calls all
+    succeed (a batch that ran out of memory runs each tenant's part again alone, so p's part
+    of a batch it shared with o is answered; never INTERNAL, never a hang). o and p taking
+    turns: every o call fails, every p call succeeds. The daemon keeps serving throughout."""
     d = flt_daemon
     with Traffic(d, {"o": FLT_TOKENS["o"], "p": FLT_TOKENS["p"]}, threads_per_tenant=3) as tr:
         wait_until(lambda: tr.codes["o"]["RESOURCE_EXHAUSTED"] >= 60, 60, what="OOMs")
@@ -849,9 +849,8 @@ def test_out_of_memory_in_a_forward_fails_that_batch_cleanly(flt_daemon, rel):
     for codes in tr.codes.values():
         rel.codes.update(codes)
     assert set(tr.codes["o"]) == {"RESOURCE_EXHAUSTED"}, tr.codes
-    assert set(tr.codes["p"]) <= {"OK", "RESOURCE_EXHAUSTED"}, tr.codes
-    rel.notes["concurrent phase, p OK / p failed with o's batch"] = [
-        tr.codes["p"]["OK"], tr.codes["p"]["RESOURCE_EXHAUSTED"]]
+    assert set(tr.codes["p"]) == {"OK"}, tr.codes
+    rel.notes["concurrent phase, p OK"] = tr.codes["p"]["OK"]
     with d.client(FLT_TOKENS["o"]) as co, d.client(FLT_TOKENS["p"]) as cp:
         for _ in range(20):
             code, msg = error_of(lambda: co.infer("o", PROBE))

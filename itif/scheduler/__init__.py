@@ -70,10 +70,12 @@ Failures
 If ``run_batch`` raises for a batch, a per-request error (:class:`InvalidRequest`,
 :class:`TenantNotFound`, :class:`NoWeights`) is isolated by bisection: the halves run again, so
 only the bad requests fail (one bad request among n costs at most 2*ceil(log2 n) extra runs; the
-budget is twice that, past it a still-failing part fails as a whole). Other typed errors fail the
-batch as they are; out-of-memory (``itif.errors.is_out_of_memory``) becomes :class:`OutOfMemory`
-(RESOURCE_EXHAUSTED) and anything else :class:`InternalError` (INTERNAL). The loop logs and
-carries on; it never dies.
+budget is twice that, past it a still-failing part fails as a whole). Out-of-memory
+(``itif.errors.is_out_of_memory``) runs each tenant's part of the batch again alone, once, so a
+tenant whose rows do not fit fails only its own calls; a part that still runs out fails with
+:class:`OutOfMemory` (RESOURCE_EXHAUSTED). Other typed errors fail the batch as they are, and
+anything else becomes :class:`InternalError` (INTERNAL). The loop logs and carries on; it never
+dies.
 
 Modules
 -------

@@ -462,6 +462,13 @@ class Scheduler:
                     if len(groups) > 1:  # one tenant's error never reaches another's tickets
                         stack.extend(reversed(groups))
                         continue
+                elif is_out_of_memory(out) and len(part) > 1:
+                    # each tenant's part runs alone (once: a part of one tenant is not split
+                    # again), so a tenant whose rows do not fit fails only its own calls
+                    groups = _by_tenant(part)
+                    if len(groups) > 1:
+                        stack.extend(reversed(groups))
+                        continue
                 err = _wrap(out, part)
                 for t in part:
                     self._complete(t, None, clone(err))
