@@ -41,7 +41,7 @@ from itif.backbones.spec import load_spec  # noqa: E402
 from itif.bench.meta import _cpu_model  # noqa: E402
 from itif.bench.serving import ServeDaemon, _free_ports, write_checkpoints  # noqa: E402
 from itif.client import Client  # noqa: E402
-from itif.server.json_procs import JsonProcs, json_load, load_infer  # noqa: E402
+from itif.server.json_procs import JsonProcs, load_embeddings, load_infer  # noqa: E402
 
 VIT = {"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
        "intermediate_size": 128, "image_size": 224, "patch_size": 16, "num_channels": 3}
@@ -125,14 +125,14 @@ async def _largest_gap(procs: JsonProcs, load, body: bytes) -> tuple[float, floa
 
 def loop_gaps(mib: float) -> list[dict]:
     """One body of about ``mib`` MiB of token ids parsed by one worker process and by a thread,
-    with the event loop's longest stall: a KServe request (its tensor comes back an array) and
-    an OpenAI embeddings request (its token lists come back Python lists)."""
+    as the routes parse them, with the event loop's longest stall: a KServe request and an
+    OpenAI embeddings request (each comes back with its ids in one array)."""
     ids = np.random.default_rng(0).integers(1000, 30000, int(mib * 2**20 / 6.5) // 100 * 100)
     bodies = {
         "kserve": (load_infer, json.dumps({"inputs": [
             {"name": "input_ids", "datatype": "INT64", "shape": [ids.size // 100, 100],
              "data": ids.tolist()}]}).encode()),
-        "openai": (json_load, json.dumps({"model": "m",
+        "openai": (load_embeddings, json.dumps({"model": "m",
                                           "input": ids.reshape(-1, 100).tolist()}).encode())}
 
     async def measure():

@@ -26,8 +26,8 @@ import pytest
 
 from itif.bench.daemon_probe import child_pids
 from itif.errors import InvalidRequest, Unavailable
-from itif.server.json_procs import (OFFLOAD_BYTES, Decoded, JsonProcs, json_bytes, json_load,
-                                   load_infer)
+from itif.server.json_procs import (OFFLOAD_BYTES, Decoded, JsonProcs, TokenLists, json_bytes,
+                                   json_load, load_embeddings, load_infer)
 from itif.server.tensors import decode_values
 
 httpx = pytest.importorskip("httpx")
@@ -193,6 +193,20 @@ def test_load_infer_decodes_what_the_route_would_and_keeps_its_errors():
     assert got[2]["data"] == [1]
     with pytest.raises(InvalidRequest, match="1 values in data; shape \\[2\\] needs 2"):
         got[3]["data"].tensor()
+
+
+def test_load_embeddings_packs_valid_token_lists_and_leaves_the_rest_to_the_route():
+    def loaded(value):
+        return load_embeddings(json.dumps({"model": "m", "input": value}).encode(), "the body")
+
+    got = loaded([[5, 6], [7], [2**63 - 1]])["input"]
+    assert isinstance(got, TokenLists)
+    assert [a.tolist() for a in got.arrays()] == [[5, 6], [7], [2**63 - 1]]
+    assert [a.tolist() for a in loaded([1, 2, 3])["input"].arrays()] == [[1, 2, 3]]
+    # what _token_list or _inputs would refuse (or tokenize) stays as it came
+    for value in ([[1, True]], [[1, -1]], [[2**63]], [[1.5]], [[]], [], [1, [2]], "text",
+                  ["a", "b"], [[1], "a"]):
+        assert loaded(value)["input"] == value, value
 
 
 def test_a_dead_worker_fails_its_call_and_is_replaced_and_a_closed_pool_refuses():

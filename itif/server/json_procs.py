@@ -7,10 +7,11 @@ ms of ``json.loads`` on a 2-core EPYC, and one ViT ``last_hidden_state`` written
 about 110 ms, during which every other tenant's call waits. With ``server.http_json_processes``
 (default 2) a body over :data:`OFFLOAD_BYTES` is parsed in one of that many processes and comes
 back as Python objects, each KServe input's ``data`` already turned into its numpy tensor
-(:func:`load_infer`, :class:`Decoded`); an answer of more than :data:`ANSWER_NUMBERS` numbers
-is written there (:func:`json_bytes`). What crosses back is a pickle whose arrays are one copy
-each, so the daemon's share is a small fraction of the parse. ``bench/http_json_stall.py``
-measures what the loop feels.
+(:func:`load_infer`, :class:`Decoded`), an OpenAI embeddings ``input`` of token-id lists
+already one int64 array (:func:`load_embeddings`, :class:`TokenLists`); an answer of more than
+:data:`ANSWER_NUMBERS` numbers is written there (:func:`json_bytes`). What crosses back is a
+pickle whose arrays are one copy each, so the daemon's share is a small fraction of the parse.
+``bench/http_json_stall.py`` measures what the loop feels.
 
 A daemon embedded in a script of one's own: the workers start with ``spawn``, which imports
 the script again, so it must keep its start under ``if __name__ == "__main__":`` (``itif
@@ -18,7 +19,8 @@ serve``, ``python -m itif`` and Ray Serve's replicas do).
 
 Nothing a client sees changes: the same checks run in the same order, with the same messages (a
 worker keeps a decoding error in the :class:`Decoded` it returns; the route raises it where it
-would have decoded the input). A worker that dies (killed, out of memory) fails only the calls
+would have decoded the input; token lists that any check would refuse stay as they are, for
+the route to refuse). A worker that dies (killed, out of memory) fails only the calls
 it held, with UNAVAILABLE (503), and the pool is replaced; a result that cannot come back (a
 pickling error) is computed in a thread of the daemon instead. 0 processes: a thread, as before.
 
@@ -29,6 +31,7 @@ starts (``spawn``) without torch or the HTTP stack.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import multiprocessing
@@ -48,6 +51,10 @@ log = logging.getLogger("itif.server.json_procs")
 
 #: Bodies larger than this are parsed off the event loop (about 6 ms of ``json.loads``).
 OFFLOAD_BYTES = 256 << 10
+#: The longest token list or list of inputs a JSON body may carry: no backbone has this many
+#: positions, no tenant queues this many requests (``max_queue`` <= 1,000,000). Checked before
+#: the per-element checks, which run on the event loop that also serves gRPC.
+MAX_LIST = 1 << 20
 #: Answers with more JSON numbers than this are written off the event loop: a float32 value
 #: written as a Python float takes about 0.7 us of ``json.dumps`` (~18 characters), 3 ms here.
 ANSWER_NUMBERS = 4096
@@ -101,6 +108,52 @@ def load_infer(data: bytes, what: str) -> Any:
             t["data"] = Decoded(decode_values(name, datatype, shape, values))
         except InvalidRequest as e:
             t["data"] = Decoded(None, str(e))
+    return obj
+
+
+class TokenLists:
+    """An OpenAI embeddings ``input`` of token-id lists (or one list) after
+    :func:`load_embeddings`: every id of every list, one int64 array, and where each list ends."""
+
+    __slots__ = ("flat", "ends")
+
+    def __init__(self, flat: np.ndarray, ends: np.ndarray) -> None:
+        self.flat, self.ends = flat, ends
+
+    def arrays(self) -> list[np.ndarray]:
+        return np.split(self.flat, self.ends[:-1])
+
+    def __getstate__(self):
+        return self.flat, self.ends
+
+    def __setstate__(self, state) -> None:
+        self.flat, self.ends = state
+
+
+def _id_rows(value: Any) -> list[list] | None:
+    """``value``'s token-id lists when it is an ``input`` the embeddings route takes as it is
+    (one list of ids, or a list of such lists; each non-empty, none over :data:`MAX_LIST`,
+    every id an integer in [0, 2**63)); None for anything else, which the route checks."""
+    if not isinstance(value, list) or not value or len(value) > MAX_LIST:
+        return None
+    rows = value if all(type(v) is list for v in value) else [value]
+    for r in rows:
+        if not 0 < len(r) <= MAX_LIST or not all(type(v) is int for v in r):
+            return None
+        if min(r) < 0 or max(r) >= 2**63:
+            return None
+    return rows
+
+
+def load_embeddings(data: bytes, what: str) -> Any:
+    """An OpenAI embeddings request: :func:`json_load`, then an ``input`` of valid token-id
+    lists turned into :class:`TokenLists` (one array crosses back, not a Python int per id)."""
+    obj = json_load(data, what)
+    rows = _id_rows(obj.get("input")) if isinstance(obj, dict) else None
+    if rows is not None:
+        lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, int(lengths.sum()))
+        obj["input"] = TokenLists(flat, np.cumsum(lengths))
     return obj
 
 
@@ -182,5 +235,5 @@ class JsonProcs:
 #: No processes: what an app built without a pool uses.
 IN_THREAD = JsonProcs(0)
 
-__all__ = ["ANSWER_NUMBERS", "IN_THREAD", "OFFLOAD_BYTES", "Decoded", "JsonProcs", "json_bytes", "json_load",
-           "load_infer"]
+__all__ = ["ANSWER_NUMBERS", "IN_THREAD", "MAX_LIST", "OFFLOAD_BYTES", "Decoded", "JsonProcs",
+           "TokenLists", "json_bytes", "json_load", "load_embeddings", "load_infer"]

@@ -32,7 +32,7 @@ from starlette.responses import Response
 from itif.errors import InvalidRequest, ItifError, Overloaded
 from itif.metrics import call_tenant
 from itif.server.errors import http_status_of
-from itif.server.json_procs import IN_THREAD, OFFLOAD_BYTES, JsonProcs, json_load
+from itif.server.json_procs import IN_THREAD, MAX_LIST, OFFLOAD_BYTES, JsonProcs, json_load
 
 log = logging.getLogger("itif.server.http")
 
@@ -102,12 +102,6 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise InvalidRequest(f"the request body is not one whole {encoding} stream ("
                              f"{'data after its end' if inflate.eof else 'it is cut short'})")
     return out
-
-
-#: The longest token list or list of inputs a JSON body may carry: no backbone has this many
-#: positions, no tenant queues this many requests (``max_queue`` <= 1,000,000). Checked before
-#: the per-element checks, which run on the event loop that also serves gRPC.
-MAX_LIST = 1 << 20
 
 
 def bounded_list(value: list, where: str) -> list:

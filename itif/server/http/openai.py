@@ -39,7 +39,8 @@ from itif.server.http.common import (
     json_type,
     read_body,
 )
-from itif.server.json_procs import ANSWER_NUMBERS, IN_THREAD, JsonProcs, json_bytes
+from itif.server.json_procs import (ANSWER_NUMBERS, IN_THREAD, JsonProcs, TokenLists, json_bytes,
+                                   load_embeddings)
 from itif.server.service import await_tickets
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -88,6 +89,8 @@ class OpenAIApi:
     def _inputs(self, value: Any) -> list[np.ndarray]:
         """Token ids per input, from any of the accepted ``input`` forms."""
         d = self.daemon
+        if isinstance(value, TokenLists):  # load_embeddings checked them as _token_list does
+            return value.arrays()
         if isinstance(value, str):
             return [np.asarray(d.tokenize(value), np.int64)]
         if not isinstance(value, list) or not value:
@@ -108,7 +111,8 @@ class OpenAIApi:
     @endpoint("openai", "embeddings", error)
     async def embeddings(self, request: Request) -> Response:
         who = self._who(request)
-        body = await json_object(await read_body(request, self.max_body), procs=self.procs)
+        body = await json_object(await read_body(request, self.max_body), procs=self.procs,
+                                 load=load_embeddings)
         model = field(body, "model", str, "the request")
         if "input" not in body:
             raise InvalidRequest("the request: 'input' is required")
