@@ -6,7 +6,8 @@ Two deployments (:func:`build`, or ``serve run itif.serve_ray:app config=tenants
     receives every HTTP request Serve's proxy accepts, reads its body (bounded by
     ``server.max_message_bytes``), finds the tenant it is for (the ``{model}`` of
     ``/v2/models/{model}/...``, ``/v2/repository/models/{model}/...`` and ``/v1/models/{model}``,
-    the ``model`` field of a ``/v1/embeddings`` or ``/v1/completions`` body) and hands it to
+    the ``model`` field of a ``/v1/embeddings`` or ``/v1/completions`` body, read by a JSON
+    worker process past 256 KiB, ``itif.server.json_procs``) and hands it to
     ``ItifReplica`` with that tenant as Serve's **multiplexed model id**, so Serve's router sends it to a replica that holds
     the tenant (the first call of a tenant goes to a replica holding the fewest). A name that is
     no configured tenant, and a route of no tenant (health, ``/v2``, indexes), go to any replica
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -66,7 +66,7 @@ from itif.platform import tune_gc
 from itif.server.errors import http_status_of
 from itif.server.http import build_app
 from itif.server.http.common import read_body
-from itif.server.json_procs import JsonProcs
+from itif.server.json_procs import OFFLOAD_BYTES, JsonProcs, model_of
 
 log = logging.getLogger("itif.serve_ray")
 
@@ -238,11 +238,7 @@ def tenant_of(method: str, path: str, body: bytes) -> str | None:
         name = m.group(1)
         return None if path.startswith("/v2/models/stats") and name == "stats" else name
     if method == "POST" and path in _MODEL_IN_BODY:
-        try:
-            model = json.loads(body).get("model")
-        except (ValueError, AttributeError, RecursionError):
-            return None  # the replica answers the malformed body
-        return model if isinstance(model, str) else None
+        return model_of(body)
     return None
 
 
@@ -356,9 +352,20 @@ class ItifRouter:
         self.replicas = replicas
         self.config: Config = load_config(config)
         self.watcher = _watch(config, self._reload)
+        # a large OpenAI body's model is read in a worker process: json holds the GIL, and
+        # this router's event loop routes every call of every tenant
+        self.procs = JsonProcs(self.config.server.http_json_processes)
 
     def _reload(self, cfg: Config) -> None:
         self.config = cfg
+
+    def __del__(self) -> None:
+        watcher = self.__dict__.get("watcher")
+        if watcher is not None:
+            watcher.stop()
+        procs = self.__dict__.get("procs")
+        if procs is not None:
+            procs.close()
 
     async def __call__(self, request: Request) -> Response:
         try:
@@ -370,7 +377,7 @@ class ItifRouter:
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):  # an application on a route prefix other than "/"
             path = path[len(root):] or "/"
-        tenant = tenant_of(method, path, body)
+        tenant = await self._tenant(method, path, body)
         handle = self.replicas
         if tenant is not None and self.config.tenant(tenant) is not None:
             handle = handle.options(multiplexed_model_id=tenant)
@@ -392,6 +399,16 @@ class ItifRouter:
         response.raw_headers = [(k, v) for k, v in out if k != b"content-length"]
         response.raw_headers.append((b"content-length", str(len(data)).encode()))
         return response
+
+    async def _tenant(self, method: str, path: str, body: bytes) -> str | None:
+        """:func:`tenant_of`, a body over ``OFFLOAD_BYTES`` read by a worker (one that dies
+        leaves the call without a tenant: any replica answers it)."""
+        if method == "POST" and path in _MODEL_IN_BODY and len(body) > OFFLOAD_BYTES:
+            try:
+                return await self.procs.run(model_of, body)
+            except ItifError:
+                return None
+        return tenant_of(method, path, body)
 
     async def _streamed(self, handle: DeploymentHandle, call: tuple) -> Response:
         """A call through Serve's streaming (:meth:`ItifReplica.stream`): sent again while its

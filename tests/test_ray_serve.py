@@ -23,6 +23,7 @@ on the replica that runs it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib
 import json
@@ -475,6 +476,35 @@ def test_tenant_of_reads_the_routes():
              ("GET", "/v2/health/ready", b"", None)]
     for method, path, body, want in cases:
         assert serve_ray.tenant_of(method, path, body) == want, (method, path, body)
+
+
+def test_the_router_reads_a_large_bodys_model_in_a_worker():
+    """A body over OFFLOAD_BYTES has its model read by a JSON worker process, not on the
+    router's event loop; a malformed one routes to no tenant, as a small one does."""
+    from itif.server.json_procs import OFFLOAD_BYTES, JsonProcs  # noqa: PLC0415
+
+    router = object.__new__(serve_ray.ItifRouter.func_or_class)
+    router.procs = JsonProcs(1)
+    ran = []
+    run = router.procs.run
+
+    async def counted(fn, *args):
+        ran.append(fn.__name__)
+        return await run(fn, *args)
+
+    router.procs.run = counted
+    pad = b" " * (OFFLOAD_BYTES + 1)
+
+    async def main():
+        return [await router._tenant("POST", "/v1/embeddings", b'{"model": "acme"}' + pad),
+                await router._tenant("POST", "/v1/completions", b"{bad" + pad),
+                await router._tenant("POST", "/v1/embeddings", b'{"model": "acme"}')]
+
+    try:
+        assert asyncio.run(main()) == ["acme", None, "acme"]
+    finally:
+        router.procs.close()
+    assert ran == ["model_of", "model_of"]  # the small body was read in place
 
 
 @pytest.mark.parametrize("marker", ["import httpx", "from openai import",

@@ -157,6 +157,17 @@ def load_embeddings(data: bytes, what: str) -> Any:
     return obj
 
 
+def model_of(body: bytes) -> str | None:
+    """The ``model`` string of an OpenAI request body; None for anything else (the replica that
+    gets the request answers a malformed one). What Ray Serve's router needs of a body."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return model if isinstance(model, str) else None
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.ravel().tolist()
@@ -236,4 +247,4 @@ class JsonProcs:
 IN_THREAD = JsonProcs(0)
 
 __all__ = ["ANSWER_NUMBERS", "IN_THREAD", "MAX_LIST", "OFFLOAD_BYTES", "Decoded", "JsonProcs",
-           "TokenLists", "json_bytes", "json_load", "load_embeddings", "load_infer"]
+           "TokenLists", "json_bytes", "json_load", "load_embeddings", "load_infer", "model_of"]
