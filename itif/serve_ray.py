@@ -242,6 +242,17 @@ def tenant_of(method: str, path: str, body: bytes) -> str | None:
     return None
 
 
+def _release(deployment: object) -> None:
+    """What a deployment's ``__del__`` stops: its tenants.yaml watcher and its JSON workers
+    (whichever its ``__init__`` got to start)."""
+    watcher = deployment.__dict__.get("watcher")
+    if watcher is not None:
+        watcher.stop()
+    procs = deployment.__dict__.get("procs")
+    if procs is not None:
+        procs.close()
+
+
 def _watch(path: str, on_change) -> ConfigWatcher:
     def failed(exc: Exception) -> None:
         log.error("tenants.yaml reload refused, keeping the last good config: %s", exc)
@@ -333,15 +344,10 @@ class ItifReplica:
                     **gen.cache_stats(), "cancelled": self.daemon.cancelled_generations}}
 
     def __del__(self) -> None:
-        watcher = self.__dict__.get("watcher")
-        if watcher is not None:
-            watcher.stop()
+        _release(self)
         daemon = self.__dict__.get("daemon")
         if daemon is not None:
             daemon.stop(0)
-        procs = self.__dict__.get("procs")
-        if procs is not None:
-            procs.close()
 
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0})
@@ -360,12 +366,7 @@ class ItifRouter:
         self.config = cfg
 
     def __del__(self) -> None:
-        watcher = self.__dict__.get("watcher")
-        if watcher is not None:
-            watcher.stop()
-        procs = self.__dict__.get("procs")
-        if procs is not None:
-            procs.close()
+        _release(self)
 
     async def __call__(self, request: Request) -> Response:
         try:

@@ -572,53 +572,40 @@ def _oom(e) -> None:
     assert not re.search(r"\d", str(e)), str(e)
 
 
-def test_out_of_memory_of_one_tenant_fails_only_its_calls():
-    """b's rows do not fit the device, with a's or alone: the batch fails, each tenant's part
-    runs again alone, a's calls are answered and only b's fail."""
-    def b_does_not_fit(requests, call):
-        if any(r.tenant == "b" for r in requests):
+def _oom_if(cond):
+    def fail(requests, call):
+        if cond(requests):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    fake = FakeEngine(fail=b_does_not_fit)
-    s = make(fake, start=False)
-    first = [s.submit(req(tid), tokens=1) for tid in "aab"]
-    s.start()
-    try:
-        for t in first[:2]:
-            check_result(t)
-        _oom(first[2].exception(timeout=WAIT))
-        assert fake.calls == 3  # the batch, then a's part and b's part, each once
-        assert s.stats.tenants["a"].failed == 0 and s.stats.tenants["b"].failed == 1
-        check_result(s.submit(req("a"), tokens=1))
-    finally:
-        s.stop(1)
+    return fail
 
 
-def test_out_of_memory_of_a_mixed_batch_reruns_each_tenant_alone():
-    """The batch as a whole does not fit, each tenant's part does: every call is answered."""
-    def three_do_not_fit(requests, call):
-        if len(requests) > 2:
-            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    fake = FakeEngine(fail=three_do_not_fit)
+@pytest.mark.parametrize("does_not_fit, failed", [
+    # b's rows do not fit, with a's or alone: a's calls are answered, only b's fail
+    (lambda rs: any(r.tenant == "b" for r in rs), "b"),
+    # the batch as a whole does not fit, each tenant's part does: every call is answered
+    (lambda rs: len(rs) > 2, ""),
+], ids=["one-tenant-does-not-fit", "the-batch-does-not-fit"])
+def test_out_of_memory_of_a_mixed_batch_reruns_each_tenants_part_alone(does_not_fit, failed):
+    fake = FakeEngine(fail=_oom_if(does_not_fit))
     s = make(fake, start=False)
     first = [s.submit(req(tid), tokens=1) for tid in "aab"]
     s.start()
     try:
         for t in first:
-            check_result(t)
-        assert fake.calls == 3
-        assert s.stats.tenants["a"].failed == 0 and s.stats.tenants["b"].failed == 0
+            if t.tenant in failed:
+                _oom(t.exception(timeout=WAIT))
+            else:
+                check_result(t)
+        assert fake.calls == 3  # the batch, then a's part and b's part, each once
+        assert s.stats.tenants["a"].failed == 0
+        assert s.stats.tenants["b"].failed == (1 if failed else 0)
     finally:
         s.stop(1)
 
 
 def test_out_of_memory_of_one_tenants_batch_fails_it_and_the_next_batch_succeeds():
-    def oom_once(requests, call):
-        if call == 1:
-            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    fake = FakeEngine(fail=oom_once)
+    calls = iter(range(1, 100))
+    fake = FakeEngine(fail=_oom_if(lambda rs: next(calls) == 1))
     s = make(fake, start=False)
     first = [s.submit(req("a"), tokens=1) for _ in range(3)]
     s.start()
