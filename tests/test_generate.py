@@ -12,6 +12,7 @@ parameters raise InvalidRequest naming the field.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -307,6 +308,53 @@ def test_a_request_the_search_refuses_fails_alone(family, monkeypatch):
     assert "unforeseen" in str(events["a"][0].error)
     assert [e.kind for e in events["b"]] == ["done"]
     assert events["b"][0].generation.sequences == hf_generate(spec, models["b"], rb)[0]
+    stats = eng.cache_stats()
+    assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
+
+
+def test_a_prompt_that_runs_out_of_memory_fails_alone(family, monkeypatch):
+    """Requests a and c join a running b in one step; any prompt (encoder) run holding c's
+    prompt raises CUDA's out-of-memory error, after their cache blocks are reserved. Before, the
+    step failed and with it every running generation; now the two prompts run again alone, c
+    fails with RESOURCE_EXHAUSTED, a and b finish as Hugging Face generates, and no block stays
+    reserved."""
+    from itif.generation import running  # noqa: PLC0415
+
+    spec, models, eng = family
+    events: dict[str, list] = {"a": [], "b": [], "c": []}
+    rb = GenerateRequest("b", [5, 6, 7], max_new_tokens=10, num_beams=2)
+    eng.submit(rb, events["b"].append)
+    eng._iterate()  # b is running
+    ra = GenerateRequest("a", [5, 9], max_new_tokens=6)
+    eng.submit(ra, events["a"].append)
+    eng.submit(GenerateRequest("c", [5, 8], max_new_tokens=4), events["c"].append)
+    runs = []
+
+    def failing(real):
+        def run(*args, **kwargs):
+            runs.append(args[3].tolist())  # the packed prompt (or source) ids
+            if (args[3] == 8).any():
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return real(*args, **kwargs)
+        return run
+
+    first = running.encode if spec.encoder_decoder else running.prefill
+    monkeypatch.setattr(running, "encode" if spec.encoder_decoder else "prefill", failing(first))
+    def ended(tenant):
+        return any(e.kind in ("done", "error") for e in events[tenant])
+
+    while not (ended("a") and ended("b")):
+        eng._iterate()
+    assert runs[0] == [5, 9, 5, 8] or runs[0] == [5, 8, 5, 9]  # together, then each alone
+    assert sorted(runs[1:]) == [[5, 8], [5, 9]]
+    (err,) = events["c"]
+    assert err.kind == "error" and err.error.code == "RESOURCE_EXHAUSTED"
+    assert "out of memory" in str(err.error) and not re.search(r"\d", str(err.error))
+    for tenant, r in (("a", ra), ("b", rb)):  # a streams its tokens; b does not (beams)
+        assert {e.kind for e in events[tenant][:-1]} <= {"tokens"}, events[tenant]
+        assert events[tenant][-1].kind == "done"
+        want = hf_generate(spec, models[tenant], r)[0]
+        assert events[tenant][-1].generation.sequences == want
     stats = eng.cache_stats()
     assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
 

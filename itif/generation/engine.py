@@ -12,7 +12,10 @@ row, ``itif.generation.search``). The iteration loop, each step:
    ``max_new_tokens`` positions per row); the next one that does not fit waits for blocks to
    free, never failing the batch;
 3. one decode forward over all rows already running (every tenant together), and the prefill
-   (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests;
+   (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests; joining
+   requests whose prompts fail together (out of memory: a long prompt) run again one by one, and
+   only those that still fail fail (RESOURCE_EXHAUSTED for out-of-memory), the running rows
+   untouched. A failure of the decode forward itself still fails every running request;
 4. ``SearchBatch.step`` over all rows' logits decides each row's token and the row it continues;
    the row table is reordered with those parents (indices, never cache contents);
 5. finished requests leave: their results are delivered and their blocks freed.
@@ -34,7 +37,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from itif.backbones.hf import CanonicalWeights
-from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
+from itif.errors import (InvalidRequest, ItifError, Overloaded, TenantNotFound, Unavailable,
+                         is_out_of_memory, shown)
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
@@ -401,10 +405,12 @@ class GenEngine:
         if batch.rows:
             parts.append(batch.decode())
         if joins:
-            parts.append(batch.admit([t.admission for t in joins]))
+            joins = self._admit(batch, sb, joins, parts)
             for t in joins:
                 if t.stream:
                     self._streaming[t.id] = t
+        if not parts:  # every join failed and nothing was running
+            return
         res = sb.step(torch.cat(parts) if len(parts) > 1 else parts[0])
         batch.apply(res.tokens, res.parent)
         self._stream()
@@ -420,6 +426,48 @@ class GenEngine:
                 t.done = True
                 if not t.cancelled:
                     t.on_event(GenEvent("done", generation=self._generation(t, results[k])))
+
+    def _admit(self, batch: RunningBatch, sb: Any, joins: list[Ticket],
+               parts: list[torch.Tensor]) -> list[Ticket]:
+        """Admit ``joins`` (their prompts run, their first logits appended to ``parts``); the
+        ones admitted. If their prompts fail together (out of memory, most often: one long
+        prompt), each runs again alone, in order, so only those that still fail fail; a failed
+        admission leaves the batch as it was (``RunningBatch.admit``), and the running rows go
+        on."""
+        try:
+            parts.append(batch.admit([t.admission for t in joins]))
+            return joins
+        except Exception as e:  # noqa: BLE001 - the running rows must not end with them
+            if len(joins) == 1:
+                self._refuse_join(sb, joins[0], e)
+                return []
+            log.warning("%d generation requests failed to start together (%s); each again alone",
+                        len(joins), type(e).__name__)
+        admitted = []
+        for t in joins:  # in join order: the search holds their rows in this order
+            try:
+                parts.append(batch.admit([t.admission]))
+                admitted.append(t)
+            except Exception as e:  # noqa: BLE001
+                self._refuse_join(sb, t, e)
+        return admitted
+
+    def _refuse_join(self, sb: Any, t: Ticket, e: Exception) -> None:
+        """Fail a request whose prompt could not run: out of the search and the running set."""
+        log.warning("generation request %s (tenant %s) could not start: %r", t.id,
+                    t.request.tenant, e)
+        sb.remove([t.id])
+        del self._running[t.id]
+        if isinstance(e, ItifError):
+            err: ItifError = e
+        elif is_out_of_memory(e):
+            err = Overloaded("the device ran out of memory running this generation's prompt: "
+                             "retry, or send a shorter prompt or fewer rows")
+        else:
+            err = ItifError(f"generation could not start: {type(e).__name__}")
+        if err is not e:
+            err.__cause__ = e
+        self._fail([t], err)
 
     def _join_search(self, sb: Any, t: Ticket) -> bool:
         """Add ``t``'s rows to the search (before the cache admits it: the rows of both stay in

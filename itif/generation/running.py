@@ -105,7 +105,8 @@ class RunningBatch:
     def admit(self, items: Sequence[Admission]) -> torch.Tensor:
         """Reserve the cache of ``items`` (all must fit), run their encoder / prompt, append
         their rows. Returns the logits of the new rows [sum rows, V] (each request's first-step
-        logits, repeated over its rows)."""
+        logits, repeated over its rows). If it raises, nothing of ``items`` stays: their blocks
+        are free again and the running rows are as they were."""
         spec, pool, dev = self.spec, self.pool, self.device
         sm = self._slots()
         n = len(items)
@@ -115,45 +116,54 @@ class RunningBatch:
         rids = np.arange(self._next, self._next + n, dtype=np.int64)
         self._next += n
         prompt_locs, own, src_locs = [], [], []
-        for a, rid in zip(items, rids.tolist()):  # admission: once per joining request
-            src = pool.blocks_for(len(a.source)) if a.source is not None else 0
-            pb, gb = pool.blocks_for(len(a.prompt)), pool.blocks_for(a.max_new_tokens)
-            blocks = pool.alloc(pb + a.rows * gb + src)
-            self.blocks[rid] = blocks
-            self.ids[a.key] = rid
-            prompt_locs.append(pool.locations(blocks[:pb], len(a.prompt)))
-            own.append(pool.locations(blocks[pb:pb + a.rows * gb], a.rows * gb * pool.block)
-                       .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
-            src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)) if src else None)
-        order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
-        P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
-        if spec.encoder_decoder:
-            slen = np.array([len(a.source) for a in items], np.int64)
-            sstart, _ = rows_of_requests(slen[order])
-            tok_tenant = np.repeat(row_tenant, slen[order])
-            Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
-            ids, pos = _packed([items[i].source for i in order], slen[order], dev)
-            sloc = torch.cat([src_locs[i] for i in order])
-            encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
-            # The first step's cross-attention reads only as many source columns as the longest
-            # new source (padding masked, and read at the request's own first source position),
-            # not the table's full width.
-            packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
-            cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
-                                     slen[order])
-            start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
-            loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
-            logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
-                              loc, cross)
-        else:
-            slen = np.zeros(n, np.int64)
-            pstart, _ = rows_of_requests(plen[order])
-            tok_tenant = np.repeat(row_tenant, plen[order])
-            Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
-            ids, pos = _packed([items[i].prompt for i in order], plen[order], dev)
-            wloc = torch.cat([prompt_locs[i] for i in order])
-            logits_f = prefill(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
-                               wloc, pstart + plen[order] - 1)
+        try:  # a failure (out of memory, most often) leaves the batch as it was
+            for a, rid in zip(items, rids.tolist()):  # admission: once per joining request
+                src = pool.blocks_for(len(a.source)) if a.source is not None else 0
+                pb, gb = pool.blocks_for(len(a.prompt)), pool.blocks_for(a.max_new_tokens)
+                blocks = pool.alloc(pb + a.rows * gb + src)
+                self.blocks[rid] = blocks
+                self.ids[a.key] = rid
+                prompt_locs.append(pool.locations(blocks[:pb], len(a.prompt)))
+                own.append(pool.locations(blocks[pb:pb + a.rows * gb], a.rows * gb * pool.block)
+                           .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
+                src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)) if src else None)
+            order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
+            P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
+            if spec.encoder_decoder:
+                slen = np.array([len(a.source) for a in items], np.int64)
+                sstart, _ = rows_of_requests(slen[order])
+                tok_tenant = np.repeat(row_tenant, slen[order])
+                Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
+                ids, pos = _packed([items[i].source for i in order], slen[order], dev)
+                sloc = torch.cat([src_locs[i] for i in order])
+                encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
+                # The first step's cross-attention reads only as many source columns as the longest
+                # new source (padding masked, and read at the request's own first source position),
+                # not the table's full width.
+                packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
+                cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
+                                         slen[order])
+                start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
+                loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
+                logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
+                                  loc, cross)
+            else:
+                slen = np.zeros(n, np.int64)
+                pstart, _ = rows_of_requests(plen[order])
+                tok_tenant = np.repeat(row_tenant, plen[order])
+                Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
+                ids, pos = _packed([items[i].prompt for i in order], plen[order], dev)
+                wloc = torch.cat([prompt_locs[i] for i in order])
+                logits_f = prefill(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
+                                   wloc, pstart + plen[order] - 1)
+        except BaseException:
+            for a, rid in zip(items, rids.tolist()):
+                blocks = self.blocks.pop(rid, None)
+                if blocks is not None:
+                    pool.release(blocks)
+                if self.ids.get(a.key) == rid:
+                    del self.ids[a.key]
+            raise
         logits = torch.empty_like(logits_f)
         logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
         for a, pl, ow in zip(items, prompt_locs, own):
