@@ -327,7 +327,7 @@ def test_a_prompt_that_runs_out_of_memory_fails_alone(family, monkeypatch):
     eng._iterate()  # b is running
     ra = GenerateRequest("a", [5, 9], max_new_tokens=6)
     eng.submit(ra, events["a"].append)
-    eng.submit(GenerateRequest("c", [5, 8], max_new_tokens=4), events["c"].append)
+    eng.submit(GenerateRequest("c", [5, 8], max_new_tokens=4, num_beams=2), events["c"].append)
     runs = []
 
     def failing(real):
