@@ -347,3 +347,31 @@ def test_pixel_values_from_whole_numbers_and_an_empty_batch_of_many_rows():
     empty = decode_values("pixel_values", "FP32", [2**20, 3, 224, 0], [])
     with pytest.raises(InvalidRequest, match="pixel_values"):
         KServeCore(vit).requests("vit", {"pixel_values": empty}, [])
+
+
+@pytest.mark.parametrize("datatype, field, values", [
+    ("FP32", "fp32_contents", [0.5, -1e-45, float("inf"), 3.4e38, 1.0, 2.0]),
+    ("INT64", "int64_contents", [0, -1, 2**63 - 1, -(2**63), 7, 8]),
+    ("INT32", "int_contents", [0, -1, 2**31 - 1, -(2**31), 7, 8]),
+    ("BYTES", "bytes_contents", [b"a", b"", b"\xff", b"bc", b"d", b"e"]),
+])
+def test_typed_contents_decode_in_one_copy_as_element_by_element(datatype, field, values):
+    """gRPC typed contents (a protobuf repeated field) give the tensor, the dtype and the error
+    messages of the element-by-element decoder they replaced."""
+    from itif.errors import InvalidRequest
+    from itif.server.tensors import decode_typed, decode_values
+
+    t = service_pb2.ModelInferRequest.InferInputTensor()
+    getattr(t.contents, field).extend(values)
+    contents = getattr(t.contents, field)
+    where = f"contents.{field}"
+    got = decode_typed("x", datatype, [2, 3], contents, where)
+    want = decode_values("x", datatype, [2, 3], contents, where)
+    assert got.dtype == want.dtype and got.shape == want.shape == (2, 3)
+    assert got.tolist() == want.tolist()
+    for shape in ([2, 2], [-1, 6], [2**62, 4]):
+        with pytest.raises(InvalidRequest) as e:
+            decode_typed("x", datatype, shape, contents, where)
+        with pytest.raises(InvalidRequest) as e_want:
+            decode_values("x", datatype, shape, contents, where)
+        assert str(e.value) == str(e_want.value)

@@ -43,7 +43,7 @@ from itif.errors import InvalidRequest
 from itif.server.admission import finish_reply
 from itif.server.errors import rpc
 from itif.server.kserve_core import VERSION, KServeCore
-from itif.server.tensors import decode_raw, decode_values
+from itif.server.tensors import decode_raw, decode_typed
 from itif.server.service import AuthInterceptor, reject_malformed
 
 log = logging.getLogger("itif.server.kserve")
@@ -80,8 +80,8 @@ def _decode(t, raw: bytes | None):
     field = _CONTENTS.get(t.datatype)
     if field is None:
         return decode_raw(t.name, t.datatype, t.shape, b"")  # names the unsupported datatype
-    return decode_values(t.name, t.datatype, t.shape, getattr(t.contents, field),
-                         where=f"contents.{field}")
+    return decode_typed(t.name, t.datatype, t.shape, getattr(t.contents, field),
+                        f"contents.{field}")
 
 
 def _param(p):

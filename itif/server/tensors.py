@@ -71,6 +71,23 @@ def decode_raw(name: str, datatype: str, shape: Sequence[int], raw: bytes) -> np
     return np.frombuffer(raw, dtype).reshape(shape)
 
 
+def decode_typed(name: str, datatype: str, shape: Sequence[int], values: Sequence,
+                 where: str) -> np.ndarray:
+    """One input tensor from a protobuf repeated field of its datatype's own type (gRPC typed
+    ``contents``: ``int64_contents`` for INT64, ``int_contents`` for INT32, ``fp32_contents``
+    for FP32). Its elements already have the field's type and range, so they are taken in one
+    copy (upb's container converts in C: a 224x224 image 0.4 ms, 39 ms element by element
+    through :func:`decode_values`, which still takes BYTES). Same checks and messages."""
+    if datatype == "BYTES" or datatype not in NUMERIC:
+        return decode_values(name, datatype, shape, values, where)
+    shape = tuple(int(d) for d in shape)
+    n = numel(name, shape)
+    if len(values) != n:
+        raise InvalidRequest(
+            f"input {name!r}: {len(values)} values in {where}; shape {list(shape)} needs {n}")
+    return np.asarray(values, dtype=NUMERIC[datatype][0]).reshape(shape)
+
+
 def _flat(values: Iterable) -> list:
     """Nested lists, flattened in row-major order (iteratively: any depth a parser allows)."""
     out, stack = [], [iter(values)]
@@ -118,4 +135,4 @@ def decode_values(name: str, datatype: str, shape: Sequence[int], values: Iterab
     return a.astype(dtype).reshape(shape)
 
 
-__all__ = ["NUMERIC", "bytes_elements", "decode_raw", "decode_values"]
+__all__ = ["NUMERIC", "bytes_elements", "decode_raw", "decode_typed", "decode_values"]
