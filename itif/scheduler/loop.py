@@ -451,20 +451,17 @@ class Scheduler:
                     for t, r in zip(part, out):
                         self._complete(t, r, None)
                     continue
-                if isinstance(out, _PER_REQUEST_ERRORS) and len(part) > 1:
-                    if extra_left >= 2:
-                        extra_left -= 2
-                        mid = len(part) // 2
-                        stack.append(part[mid:])
-                        stack.append(part[:mid])  # left half runs first
-                        continue
-                    groups = _by_tenant(part)
-                    if len(groups) > 1:  # one tenant's error never reaches another's tickets
-                        stack.extend(reversed(groups))
-                        continue
-                elif is_out_of_memory(out) and len(part) > 1:
-                    # each tenant's part runs alone (once: a part of one tenant is not split
-                    # again), so a tenant whose rows do not fit fails only its own calls
+                per_request = isinstance(out, _PER_REQUEST_ERRORS)
+                if per_request and len(part) > 1 and extra_left >= 2:
+                    extra_left -= 2
+                    mid = len(part) // 2
+                    stack.append(part[mid:])
+                    stack.append(part[:mid])  # left half runs first
+                    continue
+                # past bisection's budget, and on out-of-memory (once: a part of one tenant is
+                # not split again), each tenant's part runs alone: one tenant's error, or rows
+                # that do not fit, never reach another's tickets
+                if (per_request or is_out_of_memory(out)) and len(part) > 1:
                     groups = _by_tenant(part)
                     if len(groups) > 1:
                         stack.extend(reversed(groups))

@@ -82,12 +82,6 @@ class Decoded:
             raise InvalidRequest(self.error)
         return self.array
 
-    def __getstate__(self):
-        return self.array, self.error
-
-    def __setstate__(self, state) -> None:
-        self.array, self.error = state
-
 
 def load_infer(data: bytes, what: str) -> Any:
     """A KServe inference request: :func:`json_load`, then each input whose ``data`` the route
@@ -122,12 +116,6 @@ class TokenLists:
 
     def arrays(self) -> list[np.ndarray]:
         return np.split(self.flat, self.ends[:-1])
-
-    def __getstate__(self):
-        return self.flat, self.ends
-
-    def __setstate__(self, state) -> None:
-        self.flat, self.ends = state
 
 
 def _id_rows(value: Any) -> list[list] | None:

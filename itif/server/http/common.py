@@ -111,10 +111,6 @@ def bounded_list(value: list, where: str) -> list:
     return value
 
 
-def parse_json(data: bytes, what: str = "the request body") -> Any:
-    return json_load(data, what)
-
-
 async def json_object(data: bytes, what: str = "the request body", empty_ok: bool = False,
                       procs: JsonProcs = IN_THREAD, load: Callable[[bytes, str], Any] = json_load
                       ) -> dict:
@@ -246,4 +242,4 @@ def _error_answer(render: Render, api: str, method: str, e: Exception) -> Respon
 
 __all__ = ["CLIENT_GONE", "MAX_LIST", "OFFLOAD_BYTES", "BodyTooLarge", "bounded_list", "Render",
            "authorization", "byte_count", "endpoint", "field", "json_object", "json_type",
-           "parse_json", "read_body"]
+           "read_body"]

@@ -35,10 +35,9 @@ from itif.server.http.common import (
     json_object,
     read_body,
 )
-from itif.server.json_procs import (ANSWER_NUMBERS, IN_THREAD, Decoded, JsonProcs, json_bytes,
-                                   load_infer)
+from itif.server.json_procs import ANSWER_NUMBERS, IN_THREAD, JsonProcs, json_bytes, load_infer
 from itif.server.kserve_core import VERSION, KServeCore
-from itif.server.tensors import decode_raw, decode_values
+from itif.server.tensors import decode_raw
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -94,12 +93,9 @@ def _tensors(core: KServeCore, model: str, req: dict, binary: bytes) -> dict:
             tensors[name] = decode_raw(name, datatype, shape, binary[offset : offset + size])
             offset += size
         elif "data" in t:
-            data = t["data"]
-            if isinstance(data, Decoded):  # json_procs.load_infer decoded it with the body
-                tensors[name] = data.tensor()
-            else:
-                tensors[name] = decode_values(name, datatype, shape,
-                                              data if isinstance(data, list) else [data])
+            # a Decoded: json_procs.load_infer decoded it with the body (it decodes every input
+            # that passes the checks above)
+            tensors[name] = t["data"].tensor()
         else:
             raise InvalidRequest(f"{where} has neither 'data' nor a binary_data_size parameter")
     if offset != len(binary):
