@@ -359,6 +359,73 @@ def test_a_prompt_that_runs_out_of_memory_fails_alone(family, monkeypatch):
     assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
 
 
+def _run_with_failing_decode(family, monkeypatch, fails):
+    """b (2 beams), a (greedy, streamed) and c (2 beams) start together (prompts none of the
+    families ends at its first token); from the next step on,
+    every decode forward for which ``fails(P, ids)`` holds raises CUDA's out-of-memory error.
+    Returns the requests, their events and the decode calls' row counts."""
+    from itif.generation import running  # noqa: PLC0415
+
+    spec, models, eng = family
+    reqs = {"b": GenerateRequest("b", [11, 12], max_new_tokens=10, num_beams=2),
+            "a": GenerateRequest("a", [20, 21], max_new_tokens=6),
+            "c": GenerateRequest("c", [13, 4, 6], max_new_tokens=7, num_beams=2)}
+    events: dict[str, list] = {k: [] for k in reqs}
+    for k, r in reqs.items():
+        eng.submit(r, events[k].append)
+    eng._iterate()  # all three start in one step
+    assert eng.cache_stats()["running"] == 3
+    real, calls = running.decode, []
+
+    def decode(*args, **kwargs):
+        calls.append(args[3].numel())
+        if fails(args[1], args[3]):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(running, "decode", decode)
+    while not all(any(e.kind in ("done", "error") for e in ev) for ev in events.values()):
+        eng._iterate()
+    assert eng.cache_stats()["blocks_used"] == 0 and eng.cache_stats()["rows"] == 0
+    return spec, models, reqs, events, calls
+
+
+def _assert_as_hf(spec, models, reqs, events, tenants):
+    for tenant in tenants:
+        assert {e.kind for e in events[tenant][:-1]} <= {"tokens"}, events[tenant]
+        assert events[tenant][-1].kind == "done", events[tenant]
+        assert events[tenant][-1].generation.sequences == hf_generate(spec, models[tenant],
+                                                                      reqs[tenant])[0]
+
+
+def test_a_decode_step_out_of_memory_runs_again_in_halves(family, monkeypatch):
+    """A decode forward of over 3 rows runs out of memory: the 5 running rows fail together,
+    then run as halves of the requests (b and a: 3 rows; c: 2); nobody fails and every output
+    is Hugging Face's. Before, the first failure failed all three requests."""
+    spec, models, reqs, events, calls = _run_with_failing_decode(
+        family, monkeypatch, lambda P, ids: ids.numel() > 3)
+    assert calls[:3] == [5, 2, 3] or calls[:3] == [5, 3, 2]
+    _assert_as_hf(spec, models, reqs, events, "abc")
+
+
+def test_a_request_whose_decode_fails_alone_fails_alone(family, monkeypatch):
+    """Every decode forward holding tenant c's rows runs out of memory: the step runs again in
+    halves until c is alone; c fails with RESOURCE_EXHAUSTED (no figures in the message), its
+    rows and blocks leave, and a and b finish as Hugging Face generates, one forward a step."""
+    eng = family[2]
+    c = eng._batch._slots().tenant_index["c"]
+    spec, models, reqs, events, calls = _run_with_failing_decode(
+        family, monkeypatch, lambda P, ids: c in P.tenant_ids.tolist())
+    (err,) = events["c"]
+    assert err.kind == "error" and err.error.code == "RESOURCE_EXHAUSTED"
+    assert "out of memory" in str(err.error) and not re.search(r"\d", str(err.error))
+    assert calls[:3] == [5, 3, 2] or calls[:3] == [5, 2, 3]
+    assert 5 not in calls[3:] and all(n <= 3 for n in calls[3:])
+    steps = len(calls) - 3  # after the failing step, one decode forward per step
+    assert steps <= reqs["b"].max_new_tokens
+    _assert_as_hf(spec, models, reqs, events, "ab")
+
+
 def test_a_tenant_removed_while_its_request_is_submitted_fails_that_request_alone(
         family, tmp_path, monkeypatch):
     """submit checks the tenant, then queues: a remove_tenant in between used to leave the

@@ -15,7 +15,8 @@ row, ``itif.generation.search``). The iteration loop, each step:
    (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests; joining
    requests whose prompts fail together (out of memory: a long prompt) run again one by one, and
    only those that still fail fail (RESOURCE_EXHAUSTED for out-of-memory), the running rows
-   untouched. A failure of the decode forward itself still fails every running request;
+   untouched. A decode forward that fails runs again in halves of the running requests, halved
+   again, so only a request that fails alone fails (its rows leave), and the others go on;
 4. ``SearchBatch.step`` over all rows' logits decides each row's token and the row it continues;
    the row table is reordered with those parents (indices, never cache contents);
 5. finished requests leave: their results are delivered and their blocks freed.
@@ -403,7 +404,9 @@ class GenEngine:
             return
         parts = []
         if batch.rows:
-            parts.append(batch.decode())
+            logits = self._decode(batch, sb)
+            if logits.shape[0]:
+                parts.append(logits)
         if joins:
             joins = self._admit(batch, sb, joins, parts)
             for t in joins:
@@ -426,6 +429,39 @@ class GenEngine:
                 t.done = True
                 if not t.cancelled:
                     t.on_event(GenEvent("done", generation=self._generation(t, results[k])))
+
+    def _decode(self, batch: RunningBatch, sb: Any) -> torch.Tensor:
+        """The running rows' decode forward; their logits. If it fails for all of them together
+        (out of memory, most often), the requests run again in halves, halves again
+        (``RunningBatch.decode_apart``), so only a request that fails alone fails; it leaves the
+        batch and the search, and the others go on. Rows of requests joining this step are in
+        the search only, after the running ones: removing running rows leaves them in place."""
+        try:
+            return batch.decode()
+        except Exception as e:  # noqa: BLE001 - the running requests must not all end with it
+            if batch.requests == 1:
+                failed = {next(iter(batch.ids)): e}
+                logits = None
+            else:
+                log.warning("the decode step of %d generation requests failed (%s); they run "
+                            "again in halves", batch.requests, type(e).__name__)
+                logits, failed = batch.decode_apart()
+        if not failed:
+            return logits
+        keys = list(failed)
+        sb.remove(keys)
+        keep = batch.remove(keys)
+        for k, e in failed.items():
+            t = self._running.pop(k)
+            self._streaming.pop(k, None)
+            log.warning("generation request %s (tenant %s) failed in its decode step: %r", k,
+                        t.request.tenant, e)
+            self._fail([t], _error(e, "the device ran out of memory running this generation's "
+                                      "next token: retry, or ask for fewer rows or tokens",
+                                   "generation failed"))
+        if logits is None:
+            return keep.new_empty(0, 0, dtype=batch.dtype)
+        return logits.index_select(0, keep)
 
     def _admit(self, batch: RunningBatch, sb: Any, joins: list[Ticket],
                parts: list[torch.Tensor]) -> list[Ticket]:
@@ -458,16 +494,9 @@ class GenEngine:
                     t.request.tenant, e)
         sb.remove([t.id])
         del self._running[t.id]
-        if isinstance(e, ItifError):
-            err: ItifError = e
-        elif is_out_of_memory(e):
-            err = Overloaded("the device ran out of memory running this generation's prompt: "
-                             "retry, or send a shorter prompt or fewer rows")
-        else:
-            err = ItifError(f"generation could not start: {type(e).__name__}")
-        if err is not e:
-            err.__cause__ = e
-        self._fail([t], err)
+        self._fail([t], _error(e, "the device ran out of memory running this generation's "
+                                  "prompt: retry, or send a shorter prompt or fewer rows",
+                               "generation could not start"))
 
     def _join_search(self, sb: Any, t: Ticket) -> bool:
         """Add ``t``'s rows to the search (before the cache admits it: the rows of both stay in
@@ -504,6 +533,17 @@ class GenEngine:
         self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes)
         self._sb = None
         self._fail(running, err)
+
+
+def _error(e: Exception, out_of_memory: str, failed: str) -> ItifError:
+    """What a request that failed with ``e`` is told: ``e`` itself if it is an ItifError,
+    Overloaded (RESOURCE_EXHAUSTED) with ``out_of_memory`` for the device's out-of-memory error,
+    else ``failed`` and the exception's type (its text may name another request's data)."""
+    if isinstance(e, ItifError):
+        return e
+    err = Overloaded(out_of_memory) if is_out_of_memory(e) else ItifError(f"{failed}: {type(e).__name__}")
+    err.__cause__ = e
+    return err
 
 
 __all__ = ["GenEngine", "GenEvent", "Ticket"]

@@ -203,39 +203,88 @@ class RunningBatch:
         return keep
 
     # ---- one step ----------------------------------------------------------------------------
-    def _structure(self):
-        if self._fwd is None:
-            sm = self._slots()
-            row_tenant_all = np.repeat(self.tenant, self.nrows)
-            perm, tenant_ids, row_tenant = group_rows(row_tenant_all)
-            P = TenantParams(sm, tenant_ids, row_tenant, self.device, self.dtype)
-            cross = None
-            if self.spec.encoder_decoder:
-                rorder = np.argsort(self.tenant, kind="stable")  # requests in forward order
-                starts, counts = rows_of_requests(self.nrows[rorder])
-                S = max(int(self.src_len.max()), 1)
-                ro = torch.as_tensor(rorder, device=self.device)
-                cross = CrossGroup.build(SeqGroup.build(starts, counts, self.device),
-                                         self.src_loc.index_select(0, ro)[:, :S], self.src_len[rorder],
-                                         self.spec.dec_layers, 2 * self.spec.hidden,
-                                         self.dtype.itemsize)
-            self._fwd = (torch.as_tensor(perm, device=self.device), P, cross)
-        return self._fwd
+    def _structure(self, sel: np.ndarray | None = None):
+        """(perm, P, cross) of a decode over every row, cached per membership; or over the rows
+        of the requests at indices ``sel`` (ascending), built each call. ``perm``: the rows, as
+        indices into the row table, in forward order."""
+        if sel is None and self._fwd is not None:
+            return self._fwd
+        sm = self._slots()
+        req = np.arange(self.requests) if sel is None else sel
+        tenant, nrows = self.tenant[req], self.nrows[req]
+        perm, tenant_ids, row_tenant = group_rows(np.repeat(tenant, nrows))
+        if sel is not None:  # subset rows -> row table rows
+            perm = np.flatnonzero(np.isin(np.repeat(np.arange(self.requests), self.nrows), sel))[perm]
+        P = TenantParams(sm, tenant_ids, row_tenant, self.device, self.dtype)
+        cross = None
+        if self.spec.encoder_decoder:
+            rorder = req[np.argsort(tenant, kind="stable")]  # requests in forward order
+            starts, counts = rows_of_requests(self.nrows[rorder])
+            S = max(int(self.src_len[rorder].max()), 1)
+            ro = torch.as_tensor(rorder, device=self.device)
+            cross = CrossGroup.build(SeqGroup.build(starts, counts, self.device),
+                                     self.src_loc.index_select(0, ro)[:, :S], self.src_len[rorder],
+                                     self.spec.dec_layers, 2 * self.spec.hidden,
+                                     self.dtype.itemsize)
+        fwd = (torch.as_tensor(perm, device=self.device), P, cross)
+        if sel is None:
+            self._fwd = fwd
+        return fwd
+
+    def _forward(self, fwd, L: int) -> torch.Tensor:
+        """The decode forward of ``fwd``'s rows (writing their K/V at their next position);
+        their logits in forward order."""
+        perm, P, cross = fwd
+        pos = self.table.length.index_select(0, perm)
+        loc = self.table.loc[:, :L].index_select(0, perm)
+        return decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross,
+                      self._scratch)
+
+    def _advance(self) -> None:
+        self.table.advance()
+        self.length += 1
 
     def decode(self) -> torch.Tensor:
         """Run every row's input token (``last``) at its next position. Returns logits [rows, V]
-        in row order, and advances the rows."""
-        perm, P, cross = self._structure()
-        L = int(self.length.max()) + 1
-        pos = self.table.length.index_select(0, perm)
-        loc = self.table.loc[:, :L].index_select(0, perm)
-        logits_f = decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross,
-                          self._scratch)
+        in row order, and advances the rows. If it raises, nothing has advanced (a K/V written
+        at the next position is written again by the next try)."""
+        fwd = self._structure()
+        logits_f = self._forward(fwd, int(self.length.max()) + 1)
         logits = torch.empty_like(logits_f)
-        logits[perm] = logits_f
-        self.table.advance()
-        self.length += 1
+        logits[fwd[0]] = logits_f
+        self._advance()
         return logits
+
+    def decode_apart(self) -> tuple[torch.Tensor, dict[Hashable, Exception]]:
+        """``decode`` after it failed (out of memory, most often): the requests run in halves,
+        a half that fails is halved again, so a request fails only if it fails alone. Returns
+        the logits [rows, V] in row order (a failed request's rows undefined) and each failed
+        request's key and error; every row is advanced, so the caller removes the failed ones
+        (``remove``) before the next step."""
+        logits: torch.Tensor | None = None
+        failed: dict[int, Exception] = {}
+        todo = np.array_split(np.arange(self.requests), 2)
+        while todo:
+            sel = todo.pop()
+            if not sel.size:
+                continue
+            fwd = self._structure(sel)
+            try:
+                logits_f = self._forward(fwd, int(self.length[sel].max()) + 1)
+            except Exception as e:  # noqa: BLE001 - isolated below, one request at the end
+                if sel.size == 1:
+                    failed[int(self.rid[sel[0]])] = e
+                else:
+                    todo.extend(np.array_split(sel, 2))
+                continue
+            if logits is None:
+                logits = logits_f.new_empty(self.rows, logits_f.shape[1])
+            logits[fwd[0]] = logits_f
+        if logits is None:  # every request failed
+            logits = torch.empty(self.rows, 0, dtype=self.dtype, device=self.device)
+        self._advance()
+        key_of = {rid: k for k, rid in self.ids.items()}
+        return logits, {key_of[rid]: e for rid, e in failed.items()}
 
     def apply(self, tokens: torch.Tensor, parent: torch.Tensor) -> None:
         """The search's decision: row r continues row ``parent[r]`` and next feeds ``tokens[r]``."""
