@@ -9,7 +9,8 @@ naming every active hook. Unset (production), :func:`install` does nothing at al
 ``oom:<tenant>``
     every forward whose batch holds a request of ``<tenant>`` raises the error CUDA raises when
     the device runs out of memory (``torch.OutOfMemoryError: CUDA out of memory...``), before any
-    work is done: the out-of-memory path on a CPU-only machine.
+    work is done: the out-of-memory path on a CPU-only machine. On a decoder daemon: every
+    prompt or decode forward of the GenEngine holding a row of ``<tenant>``.
 ``slow:<ms>``
     every forward sleeps ``<ms>`` milliseconds first (the GIL is released): a device whose
     forward costs a fixed time, for queue-full, deadline and noisy-neighbour tests.
@@ -103,6 +104,9 @@ def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
                 ENV, environ[ENV])
     if faults.start_delay_ms:
         time.sleep(faults.start_delay_ms / 1000.0)
+    gen = getattr(engine, "gen", None)  # a decoder daemon's GenEngine (itif.decoder_backend)
+    if gen is not None and faults.oom_tenants:
+        gen.before_forward = _gen_oom(faults.oom_tenants)
     if faults.oom_tenants or faults.slow_ms:
         engine.infer = _faulty(engine.infer, faults)  # instance attribute: this engine only
     if faults.commit_pause_ms:
@@ -133,16 +137,27 @@ def _paused(add_tenant: Callable, seconds: float) -> Callable:
     return add
 
 
+def _oom(tenants: set[str] | frozenset[str]) -> BaseException:
+    import torch  # noqa: PLC0415
+
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by "
+                                  f"{ENV} for tenant(s) {sorted(tenants)})")
+
+
+def _gen_oom(oom_tenants: frozenset[str]) -> Callable[[set[str]], None]:
+    def check(tenants: set[str]) -> None:
+        if tenants & oom_tenants:
+            raise _oom(tenants & oom_tenants)
+
+    return check
+
+
 def _faulty(infer: Callable, faults: Faults) -> Callable:
     def run(requests, *args, **kwargs):
         if faults.slow_ms:
             time.sleep(faults.slow_ms / 1000.0)
         if faults.oom_tenants and any(r.tenant in faults.oom_tenants for r in requests):
-            import torch  # noqa: PLC0415
-
-            raise torch.OutOfMemoryError(
-                "CUDA out of memory. Tried to allocate 2.00 GiB (injected by "
-                f"{ENV} for tenant(s) {sorted(faults.oom_tenants & {r.tenant for r in requests})})")
+            raise _oom(faults.oom_tenants & {r.tenant for r in requests})
         return infer(requests, *args, **kwargs)
 
     return run

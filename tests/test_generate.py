@@ -426,6 +426,34 @@ def test_a_request_whose_decode_fails_alone_fails_alone(family, monkeypatch):
     _assert_as_hf(spec, models, reqs, events, "ab")
 
 
+def test_a_failing_search_step_fails_every_running_request_without_its_text(family, monkeypatch):
+    """A failure of the decoding search itself still fails every running request (a known
+    limit), but what each is told names the exception's type only: its text may hold another
+    request's data (before, its repr went to every tenant). The engine serves on after."""
+    from itif.errors import ItifError
+
+    spec, models, eng = family
+    events: dict[str, list] = {"a": [], "b": []}
+    eng.submit(GenerateRequest("a", [20, 21], max_new_tokens=6), events["a"].append)
+    eng.submit(GenerateRequest("b", [11, 12], max_new_tokens=6, num_beams=2), events["b"].append)
+    eng._iterate()
+    sb = eng._sb
+
+    def step(logits):
+        raise RuntimeError("tenant b's prompt [11, 12] broke the search")
+
+    monkeypatch.setattr(sb, "step", step)
+    eng._iterate()
+    for ev in events.values():
+        assert [e.kind for e in ev if e.kind != "tokens"] == ["error"]
+        err = ev[-1].error
+        assert isinstance(err, ItifError) and str(err) == "generation step failed: RuntimeError"
+    stats = eng.cache_stats()
+    assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
+    r = GenerateRequest("a", [20, 21], max_new_tokens=4)
+    assert eng.generate([r])[0].sequences == hf_generate(spec, models["a"], r)[0]
+
+
 def test_a_tenant_removed_while_its_request_is_submitted_fails_that_request_alone(
         family, tmp_path, monkeypatch):
     """submit checks the tenant, then queues: a remove_tenant in between used to leave the

@@ -459,6 +459,41 @@ def test_cancel_and_disconnect_free_sequences_and_cache_blocks(served):
         assert len(c.generate("acme", [5, 6, 7], max_new_tokens=3, timeout=60).sequences) == 1
 
 
+def test_a_tenant_whose_generation_runs_out_of_memory_fails_alone(served):
+    """ITIF_FAULT_INJECT=oom:beta reaches a decoder daemon's GenEngine (``faults.install``):
+    every prompt or decode forward holding beta's rows raises CUDA's out-of-memory error. Armed
+    while acme's and beta's generations both stream, beta's call ends RESOURCE_EXHAUSTED, acme's
+    finishes as Hugging Face generates (before, the failing decode step failed both); a new
+    beta call fails at its prompt the same way; disarmed, beta is served again."""
+    from itif import faults  # noqa: PLC0415
+
+    wait_until(lambda: idle(served), what="an idle engine")
+    long = dict(eos_token_id=VOCAB - 1, timeout=120)
+    with served.client("acme") as ca, served.client("beta") as cb:
+        a = ca.generate_stream("acme", [5, 6, 7], max_new_tokens=300, **long)
+        b = cb.generate_stream("beta", [7, 8], max_new_tokens=2000, **long)
+        first = [next(a), next(b)]
+        assert [m.WhichOneof("event") for m in first] == ["tokens", "tokens"]
+        assert served.gen.cache_stats()["running"] == 2
+        faults.install(served.daemon.engine, {faults.ENV: "oom:beta"})
+        try:
+            code, msg = error_of(lambda: list(b))
+            assert code == C.RESOURCE_EXHAUSTED and "out of memory" in msg, (code, msg)
+            msgs = [first[0], *a]
+            assert msgs[-1].WhichOneof("event") == "result"
+            want = hf_generate(served.models["acme"], [5, 6, 7], max_new_tokens=300,
+                               eos_token_id=VOCAB - 1)[0]
+            assert [list(s.ids) for s in msgs[-1].result.sequences] == want
+            assert [t for m in msgs[:-1] for t in m.tokens.ids] == want[0]
+            code, msg = error_of(lambda: cb.generate("beta", [7, 8], max_new_tokens=3, timeout=60))
+            assert code == C.RESOURCE_EXHAUSTED and "out of memory" in msg, (code, msg)
+        finally:
+            served.gen.before_forward = None
+            vars(served.daemon.engine).pop("infer", None)
+        assert len(cb.generate("beta", [7, 8], max_new_tokens=3, timeout=60).sequences) == 1
+    wait_until(lambda: idle(served), what="every sequence to leave the batch")
+
+
 _STREAMING_CLIENT = """
 import sys
 from itif.client import Client

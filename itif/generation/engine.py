@@ -102,6 +102,7 @@ class GenEngine:
             elem = torch.empty((), dtype=self.dtype).element_size()
             kv_cache_bytes = 64 * self.spec.max_position * self.spec.dec_layers * 2 * self.spec.hidden * elem
         self.kv_cache_bytes = kv_cache_bytes
+        self._before_forward: Callable[[set[str]], None] | None = None
         self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes)
         self._sb = None
         self._defaults: dict[str, GenerationDefaults] = {}
@@ -120,6 +121,16 @@ class GenEngine:
         self._step_lock = threading.Lock()  # one iteration at a time
         self._thread: threading.Thread | None = None
         self._stop = False
+
+    @property
+    def before_forward(self) -> Callable[[set[str]], None] | None:
+        """Test hook (``itif.faults``): called with the tenants of every forward (prompt or
+        decode) before it runs; what it raises, the forward raises."""
+        return self._before_forward
+
+    @before_forward.setter
+    def before_forward(self, fn: Callable[[set[str]], None] | None) -> None:
+        self._before_forward = self._batch.before_forward = fn
 
     # ---- tenants ---------------------------------------------------------------------------
     def load_weights(self, source) -> CanonicalWeights:
@@ -365,8 +376,8 @@ class GenEngine:
                 self._step()
             except Exception as e:  # noqa: BLE001 - every running request learns of it
                 log.exception("generation step failed")
-                err = e if isinstance(e, ItifError) else ItifError(f"generation step failed: {e!r}")
-                self._fail_all(err)
+                self._fail_all(_error(e, "the device ran out of memory running a generation "
+                                         "step: retry", "generation step failed"))
 
     def _step(self) -> None:
         batch = self._batch
@@ -530,7 +541,8 @@ class GenEngine:
         running = list(self._running.values())
         self._running.clear()
         self._streaming.clear()
-        self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes)
+        self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes,
+                                   before_forward=self._before_forward)
         self._sb = None
         self._fail(running, err)
 

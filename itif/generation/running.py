@@ -17,7 +17,7 @@ locations) sits in a ``[requests, S]`` table compacted like the row table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -47,8 +47,10 @@ class Admission:
 
 class RunningBatch:
     def __init__(self, spec: DecoderSpec, store: WeightStore, kv_cache_bytes: int,
-                 block: int = 16) -> None:
+                 block: int = 16, before_forward: Callable[[set[str]], None] | None = None) -> None:
         self.spec, self.store = spec, store
+        # test hook (itif.faults): called with the tenants of each forward before it runs
+        self.before_forward = before_forward
         self.device, self.dtype = store.device, store.dtype
         self.pool = KVPool(spec.dec_layers, spec.hidden, kv_cache_bytes, self.device, self.dtype, block)
         self.table = RowTable(spec.max_position, self.device)
@@ -128,6 +130,8 @@ class RunningBatch:
                            .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
                 src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)) if src else None)
             order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
+            if self.before_forward is not None:
+                self.before_forward({a.tenant for a in items})
             P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
             if spec.encoder_decoder:
                 slen = np.array([len(a.source) for a in items], np.int64)
@@ -235,6 +239,9 @@ class RunningBatch:
         """The decode forward of ``fwd``'s rows (writing their K/V at their next position);
         their logits in forward order."""
         perm, P, cross = fwd
+        if self.before_forward is not None:
+            ids = set(P.tenant_ids.tolist())
+            self.before_forward({t for t, i in P.sm.tenant_index.items() if i in ids})
         pos = self.table.length.index_select(0, perm)
         loc = self.table.loc[:, :L].index_select(0, perm)
         return decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross,
