@@ -454,6 +454,37 @@ def test_a_failing_search_step_fails_every_running_request_without_its_text(fami
     assert eng.generate([r])[0].sequences == hf_generate(spec, models["a"], r)[0]
 
 
+def test_an_event_callback_that_raises_ends_its_own_request_only(family):
+    """a's caller fails on its first token event (a closed event loop, say): a is cancelled
+    (blocks freed, no more events), b and c, running beside it, finish as Hugging Face
+    generates. Before, the exception left the step and failed every running request, and
+    the error events to a's callback raised again out of the loop (the loop thread died)."""
+    spec, models, eng = family
+    reqs = {"a": GenerateRequest("a", [20, 21], max_new_tokens=6),
+            "b": GenerateRequest("b", [11, 12], max_new_tokens=6, num_beams=2),
+            "c": GenerateRequest("c", [13, 4, 6], max_new_tokens=6)}
+    events: dict[str, list] = {k: [] for k in reqs}
+
+    def broken(ev):
+        events["a"].append(ev)
+        raise RuntimeError("Event loop is closed")
+
+    eng.submit(reqs["a"], broken)
+    eng.submit(reqs["b"], events["b"].append)
+    eng.submit(reqs["c"], events["c"].append)
+    for _ in range(20):
+        eng._iterate()
+        if all(events[k] and events[k][-1].kind == "done" for k in "bc"):
+            break
+    assert [e.kind for e in events["a"]] == ["tokens"]
+    for k in "bc":
+        assert events[k][-1].kind == "done", events[k]
+        assert events[k][-1].generation.sequences == hf_generate(spec, models[k], reqs[k])[0]
+    eng._iterate()  # a's cancellation, if b and c ended first
+    stats = eng.cache_stats()
+    assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
+
+
 def test_a_tenant_removed_while_its_request_is_submitted_fails_that_request_alone(
         family, tmp_path, monkeypatch):
     """submit checks the tenant, then queues: a remove_tenant in between used to leave the

@@ -190,12 +190,22 @@ class GenEngine:
             self._streaming.pop(k, None)
         return [self._running.pop(k) for k in keys]
 
-    @staticmethod
-    def _fail(tickets: list[Ticket], err: ItifError) -> None:
+    def _fail(self, tickets: list[Ticket], err: ItifError) -> None:
         for t in tickets:
             t.done = True
             if not t.cancelled:
-                t.on_event(GenEvent("error", error=err))
+                self._emit(t, GenEvent("error", error=err))
+
+    def _emit(self, t: Ticket, ev: GenEvent) -> None:
+        """``ev`` to ``t``'s caller. A callback that raises (its caller's event loop closed,
+        say) ends its own request only: cancelled, its rows leave at the next step; the step
+        and every other request go on."""
+        try:
+            t.on_event(ev)
+        except Exception:  # noqa: BLE001 - one caller's failure must not end the others'
+            log.exception("generation request %s (tenant %s): its event callback raised; the "
+                          "request is cancelled", t.id, t.request.tenant)
+            self.cancel(t)
 
     def tenants(self) -> list[str]:
         return self.store.tenants()
@@ -439,7 +449,7 @@ class GenEngine:
                 self._streaming.pop(k, None)
                 t.done = True
                 if not t.cancelled:
-                    t.on_event(GenEvent("done", generation=self._generation(t, results[k])))
+                    self._emit(t, GenEvent("done", generation=self._generation(t, results[k])))
 
     def _decode(self, batch: RunningBatch, sb: Any) -> torch.Tensor:
         """The running rows' decode forward; their logits. If it fails for all of them together
@@ -528,7 +538,7 @@ class GenEngine:
         for key, new in self._sb.new_tokens({k: t.sent for k, t in live.items()}).items():
             t = live[key]
             t.sent += len(new)
-            t.on_event(GenEvent("tokens", tokens=new))
+            self._emit(t, GenEvent("tokens", tokens=new))
 
     @staticmethod
     def _generation(t: Ticket, g: Any) -> Generation:
