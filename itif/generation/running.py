@@ -275,8 +275,8 @@ class RunningBatch:
             sel = todo.pop()
             if not sel.size:
                 continue
-            fwd = self._structure(sel)
             try:
+                fwd = self._structure(sel)
                 logits_f = self._forward(fwd, int(self.length[sel].max()) + 1)
             except Exception as e:  # noqa: BLE001 - isolated below, one request at the end
                 if sel.size == 1:
