@@ -209,6 +209,61 @@ def test_auth_and_isolation(daemon, weights, triton):
     assert sorted(m.name for m in admin_index.models) == sorted(TOKENS)
 
 
+def test_a_call_of_more_rows_than_its_tenant_can_queue_stops_no_one(daemon):
+    """acme (max_queue 64) sends 300,000 inputs in one InferBatch, and a [300000, 1] ModelInfer:
+    both are refused INVALID_ARGUMENT naming max_queue before a Request is made of any input
+    (one Request an input is about 8 µs of the event loop's time: before, such a call held
+    every other tenant's calls for seconds, a 2M-input one for 16 s). beta's calls, with a 1.5 s
+    deadline, are answered meanwhile. A large call for a tenant the caller may not see is
+    NOT_FOUND, as a small one."""
+    import threading
+    import time
+
+    from itif.server._proto.itif.v1 import itif_pb2
+
+    n = 300_000
+    one = itif_pb2.InferInput(input_ids=itif_pb2.TokenIds(ids=[5]))
+    batch = itif_pb2.InferBatchRequest(tenant="acme", inputs=[one] * n)
+    ids = np.full((n, 1), 5, np.int64)
+    kreq = service_pb2.ModelInferRequest(model_name="acme", raw_input_contents=[ids.tobytes()])
+    kreq.inputs.add(name="input_ids", datatype="INT64", shape=[n, 1])
+    acme = (("authorization", f"Bearer {TOKENS['acme']}"),)
+    probes, failed, done = [], [], threading.Event()
+
+    def probe():
+        with daemon.client(TOKENS["beta"]) as c:
+            while not done.is_set():
+                t0 = time.monotonic()
+                try:
+                    c.infer("beta", [5, 6, 7], timeout=1.5)
+                except grpc.RpcError as e:
+                    failed.append(e.code())
+                probes.append(time.monotonic() - t0)
+
+    th = threading.Thread(target=probe)
+    th.start()
+    try:
+        with grpc.insecure_channel(daemon.addr, options=[("grpc.max_send_message_length", -1)]) as ch:
+            from itif.server._proto.itif.v1 import itif_pb2_grpc
+
+            stub, kstub = itif_pb2_grpc.ItifStub(ch), service_pb2_grpc.GRPCInferenceServiceStub(ch)
+            for call in (lambda: stub.InferBatch(batch, metadata=acme, timeout=60),
+                         lambda: kstub.ModelInfer(kreq, metadata=acme, timeout=60)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+                assert e.value.details().startswith(f"{n} requests of tenant 'acme' in one call "
+                                                    "are over its max_queue (64)"), e.value.details()
+            batch.tenant = "beta"  # visible only to beta's token
+            with pytest.raises(grpc.RpcError) as e:
+                stub.InferBatch(batch, metadata=acme, timeout=60)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+    finally:
+        done.set()
+        th.join(30)
+    assert probes and not failed, failed  # every probe answered within its deadline
+
+
 def test_load_model_upload_then_infer_and_unload(daemon, weights, triton):
     models, files = weights
     gamma = H(TOKENS["gamma"])
@@ -375,3 +430,43 @@ def test_typed_contents_decode_in_one_copy_as_element_by_element(datatype, field
         with pytest.raises(InvalidRequest) as e_want:
             decode_values("x", datatype, shape, contents, where)
         assert str(e.value) == str(e_want.value)
+
+
+def test_a_large_call_is_sized_up_then_converted_off_the_event_loop():
+    """convert_inputs: up to LARGE_CALL inputs on the event loop's thread; a larger call is
+    checked (the caller's right to the tenant, then its max_queue) and converted in a thread."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from itif.config.schema import Tenant
+    from itif.errors import InvalidRequest, TenantNotFound
+    from itif.server.service import LARGE_CALL, convert_inputs
+
+    seen = []
+
+    class FakeDaemon:
+        config = SimpleNamespace(tenant=lambda t: SimpleNamespace(
+            max_queue=LARGE_CALL + 1, weight=Tenant.weight,
+            latency_target_ms=Tenant.latency_target_ms, max_seq_len=None))
+
+        def _visible(self, who, tenant):
+            seen.append(tenant)
+            if tenant != "acme":
+                raise TenantNotFound(f"tenant {tenant!r} not found")
+
+    def convert():
+        return threading.current_thread()
+
+    async def main():
+        d, here = FakeDaemon(), threading.current_thread()
+        assert await convert_inputs(d, None, "acme", LARGE_CALL, convert) is here
+        assert seen == []  # a small call: checked where it is queued, as before
+        assert await convert_inputs(d, None, "acme", LARGE_CALL + 1, convert) is not here
+        for tenant, n, error in (("acme", LARGE_CALL + 2, InvalidRequest),
+                                 ("beta", LARGE_CALL + 1, TenantNotFound)):
+            with pytest.raises(error):
+                await convert_inputs(d, None, tenant, n, lambda: pytest.fail("converted"))
+        assert seen == ["acme", "acme", "beta"]
+
+    asyncio.run(main())

@@ -255,10 +255,7 @@ class Scheduler:
                 want[r.tenant] = want.get(r.tenant, 0) + 1
             for name, n in want.items():
                 tq = q.tenants[name]
-                if n > tq.quota.max_queue:  # not "retry later": it can never be queued
-                    raise InvalidRequest(
-                        f"{n} requests of tenant {name!r} in one call are over its max_queue "
-                        f"({tq.quota.max_queue}): send at most {tq.quota.max_queue} per call")
+                tq.quota.refuse_call(name, n)
                 if tq.depth + n > tq.quota.max_queue:
                     for nm, k in want.items():
                         q.stats[nm].rejected += k

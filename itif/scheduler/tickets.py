@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from itif.config.fields import check
 from itif.config.schema import Tenant
-from itif.errors import Cancelled, ItifError, Overloaded
+from itif.errors import Cancelled, InvalidRequest, ItifError, Overloaded
 from itif.requests import Request, Result
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,6 +59,14 @@ class TenantQuota:
     def __post_init__(self) -> None:
         for name in ("max_queue", "weight", "latency_target_ms", "max_seq_len"):
             check(Tenant, name, getattr(self, name))
+
+    def refuse_call(self, tenant: str, n: int) -> None:
+        """InvalidRequest for a call of ``n`` requests of ``tenant``, more than it can ever
+        queue (not "retry later")."""
+        if n > self.max_queue:
+            raise InvalidRequest(
+                f"{n} requests of tenant {tenant!r} in one call are over its max_queue "
+                f"({self.max_queue}): send at most {self.max_queue} per call")
 
     @classmethod
     def from_tenant(cls, tenant: Any) -> TenantQuota:

@@ -44,7 +44,7 @@ from itif.server.admission import finish_reply
 from itif.server.errors import rpc
 from itif.server.kserve_core import VERSION, KServeCore
 from itif.server.tensors import decode_raw, decode_typed
-from itif.server.service import AuthInterceptor, reject_malformed
+from itif.server.service import AuthInterceptor, convert_inputs, reject_malformed
 
 log = logging.getLogger("itif.server.kserve")
 
@@ -178,10 +178,16 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             raise InvalidRequest(
                 f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs "
                 "(raw contents must be used for every input or for none)")
-        tensors = {}
-        for i, t in enumerate(request.inputs):
-            self.core.check_input(name, t.name, tensors)
-            tensors[t.name] = _decode(t, raw[i] if raw else None)
+
+        def decode() -> dict:
+            tensors: dict = {}
+            for i, t in enumerate(request.inputs):
+                self.core.check_input(name, t.name, tensors)
+                tensors[t.name] = _decode(t, raw[i] if raw else None)
+            return tensors
+
+        rows = max((t.shape[0] for t in request.inputs if len(t.shape)), default=0)
+        tensors = await convert_inputs(self.daemon, who, name, rows, decode)
         outputs = [o.name for o in request.outputs]
         classification = {o.name for o in request.outputs if "classification" in o.parameters}
         params = {k: _param(p) for k, p in request.parameters.items()}

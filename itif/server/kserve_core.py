@@ -27,7 +27,7 @@ from itif.daemon import Daemon, Identity, State, TenantView
 from itif.errors import InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable
 from itif.metrics import TenantCallStats
 from itif.runtime.engine import OUTPUTS, Request, Result
-from itif.server.service import await_tickets
+from itif.server.service import await_tickets, convert_inputs
 
 VERSION = "1"
 PLATFORM = "itif"
@@ -367,7 +367,10 @@ class KServeCore:
         for key in _SEQUENCE_PARAMS:
             if params.get(key):
                 raise InvalidRequest(f"parameter {key!r}: itif models are not sequence models")
-        reqs, outs = self.requests(name, tensors, outputs, classification)
+        rows = max((t.shape[0] for t in tensors.values() if t.ndim), default=0)
+        reqs, outs = await convert_inputs(
+            self.daemon, who, name, rows,
+            lambda: self.requests(name, tensors, outputs, classification))
         results = await await_tickets(self.daemon, who, name, reqs,
                                       self.deadline(params, remaining))
         return gather(results, outs)

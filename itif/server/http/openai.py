@@ -41,7 +41,7 @@ from itif.server.http.common import (
 )
 from itif.server.json_procs import (ANSWER_NUMBERS, IN_THREAD, JsonProcs, TokenLists, json_bytes,
                                    load_embeddings)
-from itif.server.service import await_tickets
+from itif.server.service import await_tickets, convert_inputs
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
@@ -130,15 +130,21 @@ class OpenAIApi:
         if dims is not None and dims != spec.hidden:
             raise InvalidRequest(f"dimensions {dims} is not supported: model {model!r} embeds "
                                  f"into {spec.hidden} dimensions")
-        ids = self._inputs(body["input"])
-        reqs = [ItifRequest("", input_ids=a, outputs=("pooled",)) for a in ids]
+        value = body["input"]
+        n = (len(value.ends) if isinstance(value, TokenLists) else len(value)
+             if isinstance(value, list) and value and isinstance(value[0], (str, list)) else 1)
+
+        def convert() -> list[ItifRequest]:
+            return [ItifRequest("", input_ids=a, outputs=("pooled",)) for a in self._inputs(value)]
+
+        reqs = await convert_inputs(d, who, model, n, convert)
         results = await await_tickets(d, who, model, reqs, None)
         data = []
         for i, r in enumerate(results):
             vec = np.ascontiguousarray(r.pooled, dtype="<f4")
             emb = base64.b64encode(vec.tobytes()).decode("ascii") if fmt == "base64" else vec
             data.append({"object": "embedding", "index": i, "embedding": emb})
-        tokens = int(sum(a.size for a in ids))
+        tokens = sum(len(r.input_ids) for r in reqs)
         answer = {"object": "list", "data": data, "model": model,
                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         numbers = 0 if fmt == "base64" else len(data) * spec.hidden
