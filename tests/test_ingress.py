@@ -360,3 +360,53 @@ def test_unread_replies_behind_an_ingress_process_keep_their_budget(tmp_path, mo
                     time.sleep(0.2)
     finally:
         d.stop()
+
+
+def test_relayed_calls_keep_their_own_connections_reply_budget(tmp_path):
+    """Behind an ingress process, calls relayed to the daemon's gRPC server (Generate among
+    them) used to share one connection's reply budget (every one came from the same unix
+    socket peer): tenant a's open generation, holding 64,512 reply bytes, made tenant b's
+    Generate on its own connection RESOURCE_EXHAUSTED "this connection already has ..." with a
+    64 KiB budget. The ingress now passes its caller's peer on: b's call is served, and a call
+    on a's own connection still meets that connection's budget."""
+    from itif.client import Client  # noqa: PLC0415
+    from itif.server._proto.itif.v1 import itif_pb2_grpc  # noqa: PLC0415
+    from tests.test_generate_daemon import VOCAB, hf_model, weights_bytes, write_backbone  # noqa: PLC0415
+
+    toks = {"a": "tok-a-gen", "b": "tok-b-gen"}
+    backbone = write_backbone(tmp_path / "backbone")
+    d = Daemon(tmp_path / "d", toks, backbone=str(backbone),
+               server_extra={"ingress_processes": 1, "max_new_tokens": 2000,
+                             "max_pending_reply_bytes": "64KiB"},
+               backbone_extra={"kv_cache_bytes": "32MiB"}).start()
+
+    def own_connection(token: str) -> Client:  # not the channel pool's shared connection
+        c = d.client(token)
+        c.channel = grpc.insecure_channel(d.addr, options=[("grpc.use_local_subchannel_pool", 1)])
+        c.stub = itif_pb2_grpc.ItifStub(c.channel)
+        return c
+
+    try:
+        for i, t in enumerate(toks):
+            p = tmp_path / f"{t}.safetensors"
+            p.write_bytes(weights_bytes(hf_model(i + 1), tmp_path))
+            with d.client(toks[t]) as c:
+                c.upload(t, p, timeout=120)
+        ca, cb = own_connection(toks["a"]), own_connection(toks["b"])
+        held = ca.generate_stream("a", [5, 17, 42], max_new_tokens=1000, eos_token_id=VOCAB - 1,
+                                  timeout=120)
+        assert next(held).WhichOneof("event") == "tokens"
+        try:
+            assert len(cb.generate("b", [5, 17], max_new_tokens=16, timeout=60).sequences) == 1
+            b_on_a = ca.stub.Generate(Client.generate_request("b", [5, 17], max_new_tokens=16),
+                                      metadata=cb.metadata, timeout=60)
+            with pytest.raises(grpc.RpcError) as e:
+                list(b_on_a)
+            assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+            assert "this connection already has" in e.value.details()
+        finally:
+            held.cancel()
+            ca.close()
+            cb.close()
+    finally:
+        d.stop()

@@ -51,6 +51,7 @@ from itif.errors import Overloaded
 from itif.platform import libc
 from itif.server.fairgate import FairGate
 from itif.server.handlers import wrap_handler
+from itif.server.ingress import PEER_KEY
 
 log = logging.getLogger("itif.server")
 
@@ -63,6 +64,18 @@ _SLOT: ContextVar["Slot | None"] = ContextVar("itif_admission_slot", default=Non
 _THREAD_SERIALIZE_BYTES = 256 << 10
 #: Per-tensor and per-message protobuf framing allowance of :func:`estimate_reply_bytes`.
 _TENSOR_OVERHEAD, _MESSAGE_OVERHEAD = 48, 96
+
+
+def caller_peer(context: Any) -> str:
+    """The client connection a call came on: gRPC's peer, or for a call an ingress process
+    relayed over the daemon's private unix socket, its caller's (``PEER_KEY``): without it
+    every relayed call of every tenant would share one connection's reply budget."""
+    peer = context.peer() or ""
+    if peer.startswith("unix:"):
+        for key, value in context.invocation_metadata() or ():
+            if key == PEER_KEY:
+                return f"ingress {value}"
+    return peer
 
 
 class Slot:
@@ -181,7 +194,7 @@ class Admission:
 
         async def prepare(raw, context, streamed: bool):
             try:
-                slot = self.enter(tenant, context.peer() or "")
+                slot = self.enter(tenant, caller_peer(context))
             except Overloaded as e:
                 metrics = getattr(self.daemon, "metrics", None)
                 if metrics is not None and tenant:

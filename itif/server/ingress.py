@@ -17,8 +17,7 @@ connections over them):
   metadata calls) is relayed to the daemon's gRPC server on its unix socket, as raw bytes, the
   caller's metadata and deadline passed on.
 
-What differs from a daemon serving its port itself: admission's per-connection reply-byte limit
-sees an ingress process's socket as one connection for relayed calls. A framed call cancelled
+What differs from a daemon serving its port itself: a framed call cancelled
 by its client is cancelled in the daemon too; an answered one holds its reply bytes and its
 slot in admission until the ingress process says (a DONE frame) that its caller's call ended. A daemon that loses an ingress process starts
 another (the port stays served by the others); an ingress process that loses the daemon exits.
@@ -59,9 +58,13 @@ HOT = frozenset({"/itif.v1.Itif/Infer", "/itif.v1.Itif/InferBatch",
 #: Second item of an ingress-to-daemon ``(id, DONE)`` frame: that call's caller is done with it
 #: (its answer sent, or the call cancelled). ``(id,)`` cancels; six items are a call.
 DONE = "done"
-#: Metadata gRPC sets itself: never passed on.
+#: Metadata an ingress process adds to each call it relays to the daemon's gRPC server on the
+#: private unix socket: its caller's own peer, so admission keeps one reply budget per client
+#: connection (``itif.server.admission.caller_peer``). A caller's own value is never passed on.
+PEER_KEY = "x-itif-ingress-peer"
+#: Metadata gRPC sets itself, and PEER_KEY: never passed on as the caller sent it.
 _TRANSPORT_KEYS = frozenset({"user-agent", "grpc-accept-encoding", "grpc-encoding", "te",
-                             "content-type", "grpc-timeout", "grpc-message-type"})
+                             "content-type", "grpc-timeout", "grpc-message-type", PEER_KEY})
 _LEN = struct.Struct(">I")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -349,7 +352,8 @@ async def _abort_as(context, e: grpc.RpcError) -> None:
 
 
 def _call_options(context) -> dict:
-    return dict(metadata=passed_metadata(context), timeout=context.time_remaining())
+    return dict(metadata=(*passed_metadata(context), (PEER_KEY, context.peer() or "")),
+                timeout=context.time_remaining())
 
 
 def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method: str,
