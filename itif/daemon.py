@@ -352,7 +352,7 @@ class Daemon:
                 if self.tiers is not None:
                     self._lock_tenant_and_base(held, tenant, base)
                 rides = None if isinstance(weights, delta.DeltaWeights) else base  # LoRA: kept
-                with daemon_tiers.room_for(self, tenant, weights, rides) as digests:  # evicts
+                with daemon_tiers.room_for(self, tenant, weights, rides, owner) as digests:
                     if digests is None:
                         digests = self.engine.store.check_budget(weights, owner=owner)
                     self.engine.probe(weights, base, digests)  # keys reused, left for the add

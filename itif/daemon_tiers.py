@@ -163,26 +163,31 @@ def queue(d: Daemon, tenant: str, n: int, submit: Callable[[], list]) -> list:
     return tickets
 
 
-def room_for(d: Daemon, tenant: str, weights, base: str | None = None):
+def room_for(d: Daemon, tenant: str, weights, base: str | None = None,
+             owner: str | None = None):
     """Upload path: admission by bytes, then (a context manager) the store held for this
     upload with room made for ``weights`` by evicting idle tenants (never ``base``, a LoRA
     tenant's, whose slots it is added on). Without tiers: the plain budget check. Yields the
-    store's digests of the weights."""
+    store's digests of the weights. ``owner``: as ``WeightStore.check_budget``'s (a tenant's
+    own upload; None for the operator's)."""
     if d.tiers is None:
         return nullcontext(None)
     d.tiers.admit(tenant, weights, base)
-    return _Room(d.tiers, tenant, weights, base)
+    return _Room(d.tiers, tenant, weights, base, owner)
 
 
 class _Room:
-    def __init__(self, tiers: TierManager, tenant: str, weights, base: str | None) -> None:
+    def __init__(self, tiers: TierManager, tenant: str, weights, base: str | None,
+                 owner: str | None) -> None:
         self.tiers, self.tenant, self.weights, self.base = tiers, tenant, weights, base
+        self.owner = owner
         self._io = tiers.io()
 
     def __enter__(self):
         self._io.__enter__()
         try:
-            return self.tiers.make_room(self.weights, keep=(self.tenant, self.base))
+            return self.tiers.make_room(self.weights, keep=(self.tenant, self.base),
+                                        owner=self.owner)
         except BaseException:
             self._io.__exit__(None, None, None)
             raise

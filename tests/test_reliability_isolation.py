@@ -394,3 +394,48 @@ def test_tls_refuses_plaintext_and_untrusted_client_certificates(tmp_path, pki, 
         assert d.tmp_files() == []
     finally:
         d.stop()
+
+
+def test_a_refused_upload_tells_nothing_of_other_tenants_weights(tmp_path):
+    """Tenant b's upload over the weight budget is refused with the same words whichever other
+    tenant's weights fill the store: before, the message said how many bytes the store held
+    (tenant a's weights, to the byte)."""
+    import hashlib
+
+    from itif.config import parse_config
+    from itif.daemon import Daemon as InProcess
+    from itif.errors import Overloaded
+    from itif.weights.safetensors_io import save_safetensors
+    from tests.oracle import make_hf_model
+
+    def weights(seed: int, labels: int) -> bytes:
+        m = make_hf_model("bert-tiny", labels, seed)
+        p = tmp_path / f"m{seed}-{labels}.safetensors"
+        save_safetensors({k: v.detach().clone().contiguous() for k, v in m.state_dict().items()}, p)
+        return p.read_bytes()
+
+    wb = weights(2, 3)
+    cfg = (f"server:\n  listen: 127.0.0.1:0\n  data_dir: ./data\n"
+           f"  admin_token_sha256: {hash_token('admin-x')}\n"
+           f"backbone:\n  config: bert-tiny\n  device: cpu\n  dtype: float32\n"
+           f"  max_weight_bytes: {int(len(wb) * 1.6)}\ntenants:\n"
+           + "".join(f"  - id: {t}\n    token_sha256: {hash_token('tok-' + t)}\n" for t in "ab"))
+    d = InProcess(parse_config(cfg, tmp_path))
+    d.start()
+    try:
+        admin, a, b = (d.identify(f"Bearer {t}") for t in ("admin-x", "tok-a", "tok-b"))
+
+        def up(who, tenant, data):
+            return d.upload(who, tenant, hashlib.sha256(data).hexdigest(), len(data), [data])
+
+        said = []
+        for wa in (weights(1, 3), weights(1, 40)):  # a's weights, two sizes
+            up(a, "a", wa)
+            with pytest.raises(Overloaded) as e:
+                up(b, "b", wb)
+            said.append(str(e.value))
+            d.delete_weights(admin, "a")
+        assert said[0] == said[1], said
+        assert up(b, "b", wb).weight_bytes > 0  # alone, it fits
+    finally:
+        d.stop(0)

@@ -505,16 +505,15 @@ class WeightStore:
             kind.sha_of[slot] = sha
 
     def _check_budget(self, new: list[str], host: Mapping[str, torch.Tensor]) -> None:
+        # a tenant reads the message: not what the store holds (every tenant's weights together)
         if self.max_bytes is None:
             return
         need = sum(host[n].numel() * self._elem for n in new)
         with self._state:
             held = self._held()
         if held + need > self.max_bytes:
-            raise Overloaded(
-                f"adding these weights needs {need} new bytes; the store holds {held} of its "
-                f"{self.max_bytes}-byte budget"
-            )
+            raise Overloaded(f"adding these weights needs {need} new bytes, more than the "
+                             f"store's {self.max_bytes}-byte budget has free")
 
     def _allocate(self, capacity: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, object]:
         numel = capacity

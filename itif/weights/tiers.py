@@ -257,19 +257,20 @@ class TierManager:
         if need + held > budget:
             with_base = f" with its base {base!r}" if base is not None else ""
             raise Overloaded(
-                f"tenant {tenant!r}'s weights{with_base} need {need} bytes; the device tier "
-                f"holds {budget} bytes ({held} of them pinned by other tenants): they could "
-                "never be resident (raise backbone.device_weight_bytes or unpin tenants)")
+                f"tenant {tenant!r}'s weights{with_base} need {need} bytes; with the tenants "
+                f"pinned to the device tier's {budget} bytes, they could never be resident "
+                "(raise backbone.device_weight_bytes or unpin tenants)")
 
     def make_room(self, weights: CanonicalWeights, keep: tuple = (),
-                  digests: Digests | None = None):
+                  digests: Digests | None = None, owner: str | None = None):
         """(``io()`` held) Evict until ``weights`` fit the device budget; returns the store's
         digests of them (``digests``: known ones, not computed again). Overloaded if they
-        cannot fit within ``wait_s``."""
+        cannot fit within ``wait_s``. ``owner``: a tenant's own upload
+        (``WeightStore.check_budget``: only its own tensors are credited as stored)."""
         end = time.monotonic() + self.wait_s
         while True:
             try:
-                return self.store.check_budget(weights, digests)
+                return self.store.check_budget(weights, digests, owner=owner)
             except Overloaded:
                 if not self._evict_one(keep, end):
                     raise
