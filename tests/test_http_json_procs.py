@@ -230,6 +230,34 @@ def test_a_dead_worker_fails_its_call_and_is_replaced_and_a_closed_pool_refuses(
     asyncio.run(main())
 
 
+def test_a_worker_that_dies_fails_only_the_call_that_killed_it():
+    """A worker dies (os._exit, standing in for the kernel's out-of-memory killer) while the
+    other worker parses another call: the broken pool failed both. Now each runs again in a
+    process of its own: the innocent call returns its result, the killing one UNAVAILABLE."""
+    body = json.dumps({"x": list(range(50_000))}).encode()
+
+    async def main():
+        procs = JsonProcs(2)
+        try:
+            procs.start()
+            innocent = asyncio.ensure_future(procs.run(_slow_load, body))
+            await asyncio.sleep(1.0)  # a worker holds it
+            killer = asyncio.ensure_future(procs.run(os._exit, 3))
+            got, died = await asyncio.gather(innocent, killer, return_exceptions=True)
+            assert got == json.loads(body), type(got)
+            assert isinstance(died, Unavailable) and "died" in str(died), died
+            assert await procs.run(json_load, b'{"a": 1}') == {"a": 1}  # a new pool serves
+        finally:
+            procs.close()
+
+    asyncio.run(main())
+
+
+def _slow_load(data: bytes):
+    time.sleep(2.0)
+    return json_load(data)
+
+
 def test_the_workers_stop_with_the_daemon(tmp_path):
     from tests.daemon_harness import Daemon, free_port
 

@@ -20,8 +20,9 @@ serve``, ``python -m itif`` and Ray Serve's replicas do).
 Nothing a client sees changes: the same checks run in the same order, with the same messages (a
 worker keeps a decoding error in the :class:`Decoded` it returns; the route raises it where it
 would have decoded the input; token lists that any check would refuse stay as they are, for
-the route to refuse). A worker that dies (killed, out of memory) fails only the calls
-it held, with UNAVAILABLE (503), and the pool is replaced; a result that cannot come back (a
+the route to refuse). A worker that dies (killed, out of memory) breaks its pool, which is
+replaced; each call the pool held runs again in a process of its own, so only a call that
+kills that one too fails, with UNAVAILABLE (503); a result that cannot come back (a
 pickling error) is computed in a thread of the daemon instead. 0 processes: a thread, as before.
 
 This module imports only the standard library, numpy and ``itif.server.tensors``: a worker
@@ -38,6 +39,7 @@ import multiprocessing
 import pickle
 import signal
 import threading
+import weakref
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
@@ -182,6 +184,7 @@ class JsonProcs:
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._solo_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> slots
 
     def _executor(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -205,17 +208,42 @@ class JsonProcs:
             return await asyncio.to_thread(fn, *args)
         pool = self._executor()
         try:
-            return await asyncio.wrap_future(pool.submit(fn, *args))
-        except ItifError:
-            raise
-        except BrokenProcessPool:
+            return await self._in(pool, fn, args)
+        except BrokenProcessPool:  # every call it held fails so: each runs again alone
             self._discard(pool)
-            log.warning("an HTTP JSON worker process died; its pool is replaced")
-            raise Unavailable("the process parsing this call's JSON died; try again") from None
+            log.warning("an HTTP JSON worker process died; its pool is replaced and the calls "
+                        "it held run again, each in a process of its own")
+        return await self._alone(fn, args)
+
+    @staticmethod
+    async def _in(pool: ProcessPoolExecutor, fn: Callable[..., Any], args: tuple) -> Any:
+        try:
+            return await asyncio.wrap_future(pool.submit(fn, *args))
         except (RecursionError, pickle.PicklingError) as e:  # the result could not come back
             log.warning("an HTTP JSON worker could not return %s (%s: %s); run in a thread",
                         getattr(fn, "__name__", fn), type(e).__name__, str(e)[:200])
             return await asyncio.to_thread(fn, *args)
+
+    async def _alone(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """``fn(*args)`` once more, in a process of its own (as many at once per event loop as
+        the pool has workers), after a worker died holding it: a call whose own work kills its
+        process fails (UNAVAILABLE) without the others it shared a pool with."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            slots = self._solo_slots.get(loop)
+            if slots is None:
+                slots = self._solo_slots[loop] = asyncio.Semaphore(self.processes)
+        async with slots:
+            if self._closed:
+                raise Unavailable("the daemon is shutting down")
+            solo = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_worker_start)
+            try:
+                return await self._in(solo, fn, args)
+            except BrokenProcessPool:
+                raise Unavailable("the process parsing this call's JSON died; try again") from None
+            finally:
+                solo.shutdown(wait=False, cancel_futures=True)
 
     def start(self) -> None:
         """Start a worker now (in the background), so the first large body does not wait for
