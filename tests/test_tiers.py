@@ -576,3 +576,44 @@ def test_kserve_metadata_and_default_outputs_do_not_depend_on_the_tier(tmp_path,
         check_answer(backbone, "b", 1, IDS[0], Result("b", logits=outs[0][1][0]))
     finally:
         d.stop(0)
+
+
+def test_a_promotion_waiting_for_an_idle_tenant_is_not_throttled_for_its_wait():
+    """The loader leaves the forward its share of the CPU by sleeping after each promotion as
+    long as its work took (loader_share 0.5), not counting the time it only waited. A wait for
+    a busy tenant to become evictable was counted as work: b's promotion, which waits wait_s
+    (1 s) for busy x and fails, then slept 1 s more, and c, queued behind it though it needs
+    no eviction, became resident after 2 s. Now after about 1 s."""
+    import itif
+    from itif.weights.tiers import TierManager
+
+    probe = itif.Engine("bert-tiny", device="cpu", dtype="float32")
+    ma = make_hf_model("bert-tiny", 3, 1)
+    models = {"a": ma, "x": make_hf_model("bert-tiny", 3, 2), "b": make_hf_model("bert-tiny", 3, 3),
+              "c": make_hf_model("bert-tiny", 3, 4, base_of=ma)}  # c: a's backbone, its own head
+    W = {t: probe.load_weights({k: v.detach().clone() for k, v in m.state_dict().items()})
+         for t, m in models.items()}
+    size = sum(t.numel() * 4 for t in W["a"].tensors.values())
+    engine = itif.Engine("bert-tiny", device="cpu", dtype="float32", max_weight_bytes=2 * size + 8192)
+    sched = Scheduler(engine.infer)
+    for t in W:
+        sched.set_tenant(t, TenantQuota())
+    tiers = TierManager(engine, sched, host_bytes=0, load=lambda t: W[t], wait_s=1.0)
+    try:
+        for t in W:
+            tiers.register(t, stored=True, pinned=(t == "a"))
+        tiers.promote("a")
+        tiers.promote("x")
+        tiers.acquire("x")  # x is busy throughout: b's promotion waits for it, then fails
+        t0 = time.monotonic()
+        tiers.ensure("b")
+        time.sleep(0.05)
+        tiers.ensure("c")  # fits as it is, but queues behind b
+        while tiers.view("c").tier is not Tier.DEVICE and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        assert tiers.view("c").tier is Tier.DEVICE
+        assert tiers.view("b").tier is not Tier.DEVICE and tiers.view("b").error
+        assert 0.95 < took < 1.6, took
+    finally:
+        tiers.close()

@@ -399,10 +399,13 @@ class TierManager:
                     # until some later request of the tenant promotes it
                     st.tier = Tier.DISK
                     break
-                left = end - time.monotonic()
+                now = time.monotonic()
+                left = end - now
                 if not waiting or left <= 0 or self._stop:
                     return False
                 self._cv.wait(min(left, 0.5))
+                if threading.current_thread() is self._thread:  # waited, not worked: the
+                    self._waited += time.monotonic() - now  # loader's throttle leaves it out
         self._gap()
         to = self._demote(victim, st)
         self._gap()
