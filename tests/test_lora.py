@@ -161,6 +161,43 @@ def test_bad_adapters_are_refused_naming_the_problem(tmp_path):
     assert "x" not in eng.store
 
 
+def test_a_saved_head_of_another_shape_is_refused_not_read_from_another_tenant(tmp_path):
+    """An adapter's saved pooler or classifier (PEFT's modules_to_save) of a shape the backbone
+    does not have: the store files a tensor by name and shape, so such a tensor got a slot in
+    a buffer of its own while the forward read that slot number from the buffer of the right
+    shape: another tenant's pooler or bias, served to this one (an audit read a victim's pooler
+    matrix back through ``pooled``), or an internal error. Each is now refused naming the
+    shapes; the engine refuses any tensor off the backbone's table whatever its path."""
+    from itif.backbones.hf import CanonicalWeights  # noqa: PLC0415
+
+    eng, base = _engine_with_base("bert-tiny")
+    victim = make_hf_model("bert-tiny", 3, seed=12)
+    eng.add_tenant("victim", {k: v for k, v in victim.state_dict().items()})
+    _, path = _adapter(base, tmp_path, "ok", 3, r=4, lora_alpha=8, target_modules=["query"])
+    config = json.loads((path / "adapter_config.json").read_text())
+    tensors = load_safetensors(path / "adapter_model.safetensors")
+    H = eng.spec.hidden
+    saved = "base_model.model.bert.pooler.dense."
+    for extra in ({saved + "weight": torch.randn(H + 1, H), saved + "bias": torch.randn(H + 1)},
+                  {saved + "weight": torch.randn(H, H), saved + "bias": torch.randn(H + 1)},
+                  {"base_model.model.classifier.bias": torch.randn(2)},  # the base has 3 labels
+                  {"base_model.model.classifier.weight": torch.randn(3, H + 6),
+                   "base_model.model.classifier.bias": torch.randn(3)}):
+        with pytest.raises(InvalidWeights, match="expects"):
+            eng.add_tenant("x", (config, {**tensors, **extra}), base="base")
+        assert "x" not in eng.store
+    good = eng.load_weights({k: v for k, v in victim.state_dict().items()})
+    for name, shape in (("pooler.weight", (H + 1, H)), ("head.bias", (2,))):
+        bad = CanonicalWeights({**good.tensors, name: torch.randn(shape)}, good.num_labels,
+                               good.has_pooler)
+        for run in (lambda w: eng.add_tenant("x", w), eng.probe):
+            with pytest.raises(InvalidWeights, match=f"tensor '{name}' has shape"):
+                run(bad)
+    assert "x" not in eng.store
+    eng.add_tenant("x", (config, tensors), base="base")  # the adapter as saved is served
+    assert "x" in eng.store
+
+
 def test_alpha_patterns_that_backtrack_for_ever_end_within_their_budget(tmp_path):
     """Regexes whose match never ends froze the daemon: ``re`` holds the GIL while it
     backtracks, and it backtracks on ``(\\w+\\.?)+X`` for longer than anyone

@@ -220,6 +220,7 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
         if pair is not None or f"{canon}.weight" in owned or f"{canon}.bias" in owned:
             if w is None or bias is None:
                 raise InvalidWeights(f"adapter saves part of the {canon} but the base has none")
+            _check_head(spec, canon, w, bias)
             out[f"{canon}.weight"], out[f"{canon}.bias"] = w.contiguous(), bias.contiguous()
     labels = out.get("head.weight", base_heads.get("head.weight"))
     return CanonicalWeights(
@@ -227,6 +228,18 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
         num_labels=None if labels is None else int(labels.shape[0]),
         has_pooler="pooler.weight" in out or "pooler.weight" in base_heads,
     )
+
+
+def _check_head(spec: BackboneSpec, canon: str, w: torch.Tensor, bias: torch.Tensor) -> None:
+    """A saved (or LoRA-merged) pooler or classifier must have the backbone's shapes, its
+    bias as many rows as its weight (the store files a tensor by name and shape: any other
+    shape would be read from another tenant's slot)."""
+    H = spec.hidden
+    rows = H if canon == "pooler" else (int(w.shape[0]) if w.dim() == 2 else 0)
+    if tuple(w.shape) != (rows, H) or rows < 1 or tuple(bias.shape) != (rows,):
+        want = f"[{H}, {H}] and [{H}]" if canon == "pooler" else f"[num_labels, {H}] and [num_labels]"
+        raise InvalidWeights(f"adapter's {canon}: weight {list(w.shape)} and bias {list(bias.shape)}"
+                             f"; the {spec.family} backbone {spec.name!r} expects {want}")
 
 
 def _pack(spec: BackboneSpec, canon: str, by_part: dict[int, tuple[torch.Tensor, torch.Tensor]]

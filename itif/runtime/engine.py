@@ -157,6 +157,7 @@ class Engine:
         1e30 in a dense layer). The weights are added under a name no tenant id can take and
         removed again; budget as for ``add_tenant``. ``base``: as for ``add_tenant``."""
         name = f"~probe-{next(_PROBES)}"  # tenant ids start with [a-z0-9]
+        self._check_shapes(weights)
         base = None if isinstance(weights, DeltaWeights) else base  # W_hat is whole
         self.store.add(name, weights, digests, base=base)  # ``digests``: check_budget's
         try:
@@ -194,8 +195,21 @@ class Engine:
             weights = source if isinstance(source, CanonicalWeights) else self.load_lora(source, base)
         else:
             weights = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
+        self._check_shapes(weights)
         self.store.add(tenant, weights, base=base)
         return self.tenant_info(tenant)
+
+    def _check_shapes(self, weights: CanonicalWeights) -> None:
+        """InvalidWeights unless every tensor named in the backbone's table has its shape. The
+        store files a tensor by name and shape, and the forward reads a name's slot from the
+        buffer of the table's shape: a tensor of another shape would have this tenant read
+        another tenant's slot. The loaders check what they read; this holds whatever the path."""
+        table = {p.name: tuple(p.shape) for p in self.spec.params(weights.num_labels)}
+        for name, t in weights.tensors.items():
+            want = table.get(name)
+            if want is not None and tuple(t.shape) != want:
+                raise InvalidWeights(f"tensor {name!r} has shape {list(t.shape)}; the "
+                                     f"{self.spec.family} backbone expects {list(want)}")
 
     def load_lora(self, source, base: str) -> CanonicalWeights:
         """Read and validate a LoRA adapter for stored tenant ``base`` without adding it."""
