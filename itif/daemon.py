@@ -431,7 +431,7 @@ class Daemon:
         tok = self.engine.tokenizer
         if tok is None:
             raise InvalidRequest("this backbone ships no tokenizer: send input_ids")
-        return tok.encode(utf8_text(text, "text")).ids
+        return tok.encode(utf8_text(text, "text", self.engine.spec.max_position)).ids
 
     def submit(self, who: Identity, tenant: str, requests: list[Request],
                deadline: float | None = None, priority: int = 0) -> list[Ticket]:
@@ -483,7 +483,8 @@ class Daemon:
             tok = self.engine.tokenizer_of(tenant)
             if tok is None:
                 raise InvalidRequest(f"text: tenant {tenant!r} ships no tokenizer; send input_ids")
-            request = replace(request, input_ids=list(tok.encode(utf8_text(text, "text")).ids))
+            request = replace(request, input_ids=list(
+                tok.encode(utf8_text(text, "text", gen.spec.max_position)).ids))
         check_request(request, self.config.server.max_new_tokens, gen.spec.vocab_size)
         if conf.max_seq_len is not None and len(request.input_ids) > conf.max_seq_len:
             raise InvalidRequest(f"input_ids: length {len(request.input_ids)} exceeds tenant "

@@ -42,8 +42,22 @@ def utf8_bytes(text: str, what: str) -> bytes:
                              f"{e.start})") from None
 
 
-def utf8_text(text: str, what: str) -> str:
-    """``text``, checked as :func:`utf8_bytes` checks it (for a tokenizer, which takes str)."""
+#: The most characters of text a request may send per position of its backbone. Tokenizing
+#: holds the GIL (and so the daemon's event loop, every tenant's calls) for about 0.8 s a MiB,
+#: and a text is refused only once tokenized, if over the positions: a 12 MiB text stalled
+#: another tenant's call for 10 s. English runs 4-5 characters a token.
+TEXT_CHARS_PER_POSITION = 64
+
+
+def utf8_text(text: str, what: str, positions: int | None = None) -> str:
+    """``text``, checked as :func:`utf8_bytes` checks it (for a tokenizer, which takes str);
+    with ``positions`` (the backbone's), refused first when longer than
+    :data:`TEXT_CHARS_PER_POSITION` characters a position."""
+    if positions is not None and len(text) > TEXT_CHARS_PER_POSITION * positions:
+        raise InvalidRequest(
+            f"{what}: {len(text)} characters, over the {TEXT_CHARS_PER_POSITION * positions} "
+            f"a text may have on this backbone ({TEXT_CHARS_PER_POSITION} for each of its "
+            f"{positions} positions): send a shorter text")
     utf8_bytes(text, what)
     return text
 

@@ -261,6 +261,13 @@ def test_text_in_and_out(served):
         by_ids = c.generate("acme", [5, 17, 42], max_new_tokens=6, timeout=60)
     assert list(by_text.sequences[0].ids) == list(by_ids.sequences[0].ids)
     assert by_text.sequences[0].text == " ".join(f"t{t}" for t in by_ids.sequences[0].ids)
+    # a text no tokenizer could fit in the 2048 positions: refused before it is tokenized
+    from itif.requests import TEXT_CHARS_PER_POSITION
+
+    with served.client() as c:
+        code, msg = error_of(lambda: c.generate(
+            "acme", text="t5 " * (TEXT_CHARS_PER_POSITION * 2048 // 3 + 1), timeout=60))
+    assert code == C.INVALID_ARGUMENT and msg.startswith("text: ") and "characters" in msg, msg
 
 
 def test_cli_generate_text_json_and_errors(served, capsys):

@@ -371,6 +371,14 @@ def test_hostile_bodies_get_400_and_never_hold_a_slot(served):
         assert r.status_code == 400 and "seed: must be a 64-bit integer" in r.text, r.text
     r = served.post({"model": "acme", "prompt": [5] * (MAX_LIST + 1), "max_tokens": 2})
     assert r.status_code == 400 and f"over the {MAX_LIST}" in r.text, r.text[:200]
+    # a text no tokenizer could fit in the positions is refused before it is tokenized
+    from itif.requests import TEXT_CHARS_PER_POSITION  # noqa: PLC0415
+
+    limit = TEXT_CHARS_PER_POSITION * served.daemon.generator.spec.max_position
+    r = served.post({"model": "acme", "prompt": "t5 " * (limit // 3 + 1), "max_tokens": 2})
+    assert r.status_code == 400, r.text[:200]
+    assert r.json()["error"]["message"].startswith(f"prompt: {3 * (limit // 3 + 1)} characters, "
+                                                   f"over the {limit}"), r.text[:200]
 
 
 def test_a_disconnecting_client_frees_its_sequences_and_cache_blocks(served):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -382,6 +383,34 @@ def test_text_input_with_a_tokenizer(tmp_path):
             assert not hidden[len(ids):].any()
         longest = max(len(tok.encode(t).ids) for t in texts)
         assert res.as_numpy("last_hidden_state").shape[1] == longest
+        # a text too long for any tokenizer to fit the positions is refused before it is
+        # tokenized (tokenizing holds the GIL: a 12 MiB text held every tenant's calls 10 s)
+        from itif.requests import TEXT_CHARS_PER_POSITION
+
+        limit = TEXT_CHARS_PER_POSITION * 512  # MiniLM's positions
+        huge = "word " * (3 << 20)  # 15 MiB
+        long_inp = tg.InferInput("TEXT", [1, 1], "BYTES")
+        long_inp.set_data_from_numpy(np.array([[huge.encode()]], dtype=object))
+        with d.client("mini-tok") as c:
+            def refused(call) -> str:
+                try:
+                    call()
+                except InferenceServerException as e:
+                    return f"{e.status()} {e.message()}"
+                except grpc.RpcError as e:
+                    return f"{e.code()} {e.details()}"
+                raise AssertionError("answered")
+
+            for call in (lambda: client.infer("mini", [long_inp], headers=mini),
+                         lambda: c.infer("mini", text=huge, timeout=60)):
+                t0 = time.monotonic()
+                said = refused(call)
+                assert "INVALID_ARGUMENT" in said, said
+                assert f"text: {len(huge)} characters, over the {limit}" in said, said
+                assert time.monotonic() - t0 < 5  # tokenizing it took 10 s
+            edge = ("a " * (limit // 2))[:limit]  # at the limit: tokenized, then over 512
+            said = refused(lambda: c.infer("mini", text=edge, timeout=60))
+            assert "INVALID_ARGUMENT" in said and "characters" not in said, said
         client.close()
     finally:
         d.stop()

@@ -174,7 +174,8 @@ class CompletionsApi:
             if tok is None:
                 raise InvalidRequest(f"prompt: model {model!r} ships no tokenizer: send the "
                                      "prompt as a list of token ids")
-            return list(tok.encode(utf8_text(prompt, "prompt")).ids)
+            limit = self.daemon.generator.spec.max_position
+            return list(tok.encode(utf8_text(prompt, "prompt", limit)).ids)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequest("prompt: is empty" if isinstance(prompt, list) else
                                  f"prompt: {_SHAPES}, got {json_type(prompt)}")
