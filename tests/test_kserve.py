@@ -499,3 +499,23 @@ def test_a_large_call_is_sized_up_then_converted_off_the_event_loop():
         assert seen == ["acme", "acme", "beta"]
 
     asyncio.run(main())
+
+
+def test_rows_answered_by_two_versions_of_a_model_are_unavailable_not_internal():
+    """The rows of one ModelInfer call can run in several batches; when the tenant's weights
+    are replaced between them with another head (or none), the rows' logits differ in shape:
+    gather's np.stack raised ValueError, an INTERNAL error. Now UNAVAILABLE, asking to resend."""
+    from itif.errors import Unavailable
+    from itif.requests import Result
+    from itif.server.kserve_core import gather
+
+    ok = [Result("m", logits=np.ones(3, np.float32), pooled=np.ones(4, np.float32)),
+          Result("m", logits=np.zeros(3, np.float32), pooled=np.ones(4, np.float32))]
+    assert [name for name, _ in gather(ok, None)] == ["logits", "pooled"]
+    assert gather(ok, ["logits"])[0][1].shape == (2, 3)
+    for second in (Result("m", logits=np.zeros(2, np.float32), pooled=np.ones(4, np.float32)),
+                   Result("m", pooled=np.ones(4, np.float32))):  # another head, or none
+        with pytest.raises(Unavailable, match="replaced while this call's rows ran"):
+            gather([ok[0], second], None)
+    rows = [Result("m", last_hidden_state=np.ones((n, 4), np.float32)) for n in (2, 5)]
+    assert gather(rows, ["last_hidden_state"])[0][1].shape == (2, 5, 4)

@@ -74,6 +74,13 @@ def gather(results: Sequence[Result], outs: Sequence[str] | None) -> list[tuple[
         outs = tuple(results[0].as_dict())
     tensors = []
     for o in outs:
+        got = [getattr(r, o) for r in results]
+        if any(v is None for v in got) or len({v.shape[1:] if o == "last_hidden_state"
+                                               else v.shape for v in got}) > 1:
+            # rows of one call can run in several batches, and the tenant's weights (its
+            # head) were replaced between them: no one tensor holds both answers
+            raise Unavailable(f"output {o!r}: the model's weights were replaced while this "
+                              "call's rows ran, and they were answered by both: send it again")
         if o == "last_hidden_state":
             rows = [r.last_hidden_state for r in results]
             longest = max(len(r) for r in rows)
