@@ -376,23 +376,24 @@ class Scheduler:
                             error=self._deadline_error)
 
     # ---- the loop --------------------------------------------------------------------------
-    def _next(self) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]], bool]:
-        """Block until there is something to do: (batch to run, tickets to fail, exit?)."""
+    def _next(self) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]], bool,
+                             list[Ticket]]:
+        """Block until there is something to do: (batch to run, tickets to fail, exit?, tickets
+        the shutdown fails). The first are counted where they were dropped (expired); the
+        last are counted as failed when failed, as ``stop`` counts those it takes."""
         with self._cv:
             while True:
                 now = self._clock()
                 dropped = self._q.expire_due(now, self._deadline_error)
                 if self._stopping and (self._q.queued == 0 or now >= self._grace_end):
-                    err = Unavailable("the scheduler shut down before the request could run")
-                    dropped += [(t, clone(err)) for t in self._q.take_all()]
-                    return [], dropped, True
+                    return [], dropped, True, self._q.take_all()
                 if dropped:
-                    return [], dropped, False
+                    return [], dropped, False, []
                 run, wake = self._decide_locked(now)
                 if run:
                     batch, dropped = self._form_locked(now)
                     self._inflight = batch
-                    return batch, dropped, False
+                    return batch, dropped, False, []
                 timeout = None if wake is None else min(1.0, max(0.0, wake - now))
                 if self._stopping:  # parked requests may be all that is left: the grace ends it
                     timeout = min(1.0 if timeout is None else timeout,
@@ -403,9 +404,12 @@ class Scheduler:
         while True:
             batch: list[Ticket] = []
             try:
-                batch, dropped, exit_ = self._next()
+                batch, dropped, exit_, shut = self._next()
                 for t, err in dropped:
                     self._complete(t, None, err, count=False)
+                err = Unavailable("the scheduler shut down before the request could run")
+                for t in shut:
+                    self._complete(t, None, clone(err))
                 if batch:
                     self._execute(batch)
                 if exit_:
