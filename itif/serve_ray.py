@@ -236,7 +236,7 @@ def tenant_of(method: str, path: str, body: bytes) -> str | None:
     m = _TENANT_PATH.match(path)
     if m is not None:
         name = m.group(1)
-        return None if path.startswith("/v2/models/stats") and name == "stats" else name
+        return None if path.rstrip("/") == "/v2/models/stats" else name  # the server's stats
     if method == "POST" and path in _MODEL_IN_BODY:
         return model_of(body)
     return None

@@ -460,6 +460,10 @@ def test_tenant_of_reads_the_routes():
              ("GET", "/v2/models/acme/versions/1/ready", b"", "acme"),
              ("GET", "/v2/models/stats", b"", None),
              ("GET", "/v2/models/acme/stats", b"", "acme"),
+             # a tenant named "stats": every route but the server-wide statistics is its own
+             ("POST", "/v2/models/stats/infer", b"", "stats"),
+             ("GET", "/v2/models/stats/ready", b"", "stats"),
+             ("GET", "/v2/models/stats/stats", b"", "stats"),
              ("POST", "/v2/repository/models/acme/load", b"{}", "acme"),
              ("POST", "/v2/repository/index", b"{}", None),
              ("GET", "/v1/models/acme", b"", "acme"),
