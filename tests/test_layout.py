@@ -94,6 +94,14 @@ def test_plan_cli_reports_every_strategy(tmp_path):
                             "plan_us_per_request", "gemm_calls"}
         assert row["measured_ms"] > 0 and row["gemm_calls"] > 0
     assert report["strategies"]["packed"]["padded_tokens"] == 0
+    # tenants that draw no request (more tenants than requests): planned with the batch's own
+    # tenant indices, as the engine's forward numbers them (before: IndexError, "UNKNOWN")
+    few = subprocess.run(
+        [sys.executable, "-m", "itif", "plan", "--backbone", "bert-tiny", "--tenants", "50",
+         "--requests", "3", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert few.returncode == 0, few.stderr
+    assert json.loads(few.stdout)["strategies"]["packed"]["measured_ms"] > 0
     bad = subprocess.run([sys.executable, "-m", "itif", "plan", "--workload", "zipf:3"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and bad.stderr.startswith("error: INVALID_ARGUMENT: ")

@@ -103,6 +103,11 @@ def plan_report(backbone: str, workload: str, n_tenants: int, n_requests: int,
     from itif.runtime.engine import Request  # noqa: PLC0415
 
     reqs = [Request(names[t], rng.integers(0, spec.vocab_size, n)) for t, n in zip(tenant_of, lengths)]
+    # plan with the tenant indices the engine's own forward gives them: the batch's tenants
+    # only (a tenant that drew no request has none), in the engine's order
+    batch = engine._batch_tenants(engine.store.view, [r.tenant for r in reqs])
+    index = {t: i for i, t in enumerate(batch)}
+    tenant_of = np.array([index[r.tenant] for r in reqs], np.int64)
     ids = np.concatenate([r.input_ids for r in reqs])
     engine.get_cost_model()
     from itif.batching.batchcost import (  # noqa: PLC0415
@@ -122,7 +127,7 @@ def plan_report(backbone: str, workload: str, n_tenants: int, n_requests: int,
             padded_tokens=layout.padded_tokens, useful_tokens=layout.useful_tokens,
             predicted_ms=round(predicted[name], 3), measured_ms=0.0,
             plan_us_per_request=round(plan_s * 1e6 / n_requests, 3),
-            gemm_calls=gemm_calls(engine, layout, names, ids),
+            gemm_calls=gemm_calls(engine, layout, batch, ids),
         )
     # Strategies take turns, one forward each per round, so a burst of load from other work
     # on the machine lands on all of them rather than on one strategy's samples.
