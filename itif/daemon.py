@@ -218,7 +218,7 @@ class Daemon:
         try:
             sha = self.blobs.verify(tenant)
             weights, base = self._load_weights(tenant, self.blobs.path_for(tenant))
-            self.engine.add_tenant(tenant, weights, base=base)
+            self.engine.add_tenant(tenant, weights, base=base, tag=sha)
             st.state, st.sha256, st.error = State.READY, sha, ""
             log.info("tenant %s restored (sha256 %s)", tenant, sha[:12])
         except ItifError as e:
@@ -374,7 +374,7 @@ class Daemon:
                     upload.publish()
                     self.blobs.set_note(tenant)  # what it is for, before it is acknowledged
                     self.stored_as[tenant] = daemon_state.identity(conf)
-                    self.engine.add_tenant(tenant, weights, base=base)
+                    self.engine.add_tenant(tenant, weights, base=base, tag=sha)
                     if self.tiers is not None:
                         self.tiers.installed(tenant, weights, rides)
                     st = self.status[tenant]

@@ -52,7 +52,8 @@ def build(d: Daemon) -> TierManager | None:
             st.state, st.error = State.FAILED, str(exc)
 
     tiers = TierManager(d.engine, d.scheduler, host_bytes=d.config.backbone.host_weight_bytes,
-                        load=load, on_failed=failed, busy=lambda: d.scheduler.in_batch)
+                        load=load, on_failed=failed, busy=lambda: d.scheduler.in_batch,
+                        tag_of=lambda t: d.status[t].sha256 if t in d.status else "")
     tiers.observer = d.metrics
     return tiers
 

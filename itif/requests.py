@@ -90,6 +90,7 @@ class Result:
     logits: np.ndarray | None = None  # [num_labels]
     pooled: np.ndarray | None = None  # [hidden]: the pooler's output; without one, token 0's state
     last_hidden_state: np.ndarray | None = None  # [length, hidden]
+    weights: str = ""  # the tag of the tenant's weights that produced it (the daemon: their sha256)
 
     def as_dict(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in OUTPUTS if getattr(self, k) is not None}

@@ -242,3 +242,27 @@ def test_bad_pixels_are_clear_errors(hf_factory):
     np.testing.assert_array_equal(
         eng.infer([itif.Request("v", pixel_values=ints)])[0].logits,
         eng.infer([itif.Request("v", pixel_values=ints.astype(np.float32))])[0].logits)
+
+
+def test_a_result_names_the_weights_that_produced_it_across_a_replacement():
+    """``Result.weights`` is the tag of the tenant's weights in the store snapshot the forward
+    ran on. The daemon answered ``weights_sha256`` with the tenant's sha read after the forward,
+    so a re-upload that finished while the forward ran labelled the old weights' outputs with
+    the new sha (an audit: 64 of 64 rows). Here the replacement lands inside the forward."""
+    eng = itif.Engine("bert-tiny")
+    old, new = make_hf_model("bert-tiny", 3, seed=1), make_hf_model("bert-tiny", 3, seed=2)
+    eng.add_tenant("a", {k: v for k, v in old.state_dict().items()}, tag="sha-old")
+    req = random_request(eng.spec, "a", np.random.default_rng(0), outputs=("logits",))
+    run, replaced = eng._run, []
+
+    def replacing_run(view, *args):  # the snapshot is taken; the upload completes meanwhile
+        if not replaced:
+            replaced.append(eng.add_tenant("a", {k: v for k, v in new.state_dict().items()},
+                                           tag="sha-new"))
+        return run(view, *args)
+
+    eng._run = replacing_run
+    (during,) = eng.infer([req])
+    assert during.weights == "sha-old" and max_diff(during, reference(old, req)) < 1e-4
+    (after,) = eng.infer([req])
+    assert after.weights == "sha-new" and max_diff(after, reference(new, req)) < 1e-4

@@ -179,14 +179,15 @@ class Engine:
                     f"of {value.size} values NaN/Inf) on a probe input in {_dtype_name(self.dtype)}")
 
     def add_tenant(self, tenant: str, source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights,
-                   base: str | None = None, compress: str | None = None) -> TenantInfo:
+                   base: str | None = None, compress: str | None = None, tag: str = "") -> TenantInfo:
         """Add (or atomically replace) a tenant's weights: a safetensors file, a checkpoint
         directory, a dict of Hugging Face-named tensors, or already-validated weights. With
         ``base``: a PEFT LoRA adapter directory (or ``(adapter_config dict, tensors)``, or
         what ``load_lora`` returned) on that stored tenant (``itif.backbones.lora``). With
         ``base`` and ``compress`` ("int8" or "sign"): a full checkpoint stored as that base
         plus a compressed delta and served as W_hat (``itif.weights.delta``; or what
-        ``load_delta`` returned)."""
+        ``load_delta`` returned). ``tag``: names these weights in every Result they produce
+        (``Result.weights``; the daemon gives their file's sha256)."""
         if isinstance(source, DeltaWeights) or (compress not in (None, "none")):
             weights = source if isinstance(source, DeltaWeights) else self.load_delta(
                 source, base, compress)[0]
@@ -196,7 +197,7 @@ class Engine:
         else:
             weights = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
         self._check_shapes(weights)
-        self.store.add(tenant, weights, base=base)
+        self.store.add(tenant, weights, base=base, tag=tag)
         return self.tenant_info(tenant)
 
     def _check_shapes(self, weights: CanonicalWeights) -> None:
@@ -317,7 +318,9 @@ class Engine:
             inputs = self._validate(requests, tenants, view, pin=self.device.type == "cuda")
             layout = self.plan(inputs.tenant_idx, inputs.lengths, strategy)
             out = self._run(view, tenants, layout, inputs)
-            return self._results(requests, tenants, layout, inputs, out)
+            # which weights each result is of: this view's, whatever was uploaded since
+            tags = {t: view.tenants[t].tag for t in tenants}
+            return self._results(requests, tags, layout, inputs, out)
 
     def check(self, requests: Sequence[Request]) -> None:
         """Validate requests exactly as ``infer`` would, without running them. Reads metadata
@@ -489,7 +492,7 @@ class Engine:
         out = forward.run(self.spec, batch, ints, floats)
         return batch, out.cpu().numpy()
 
-    def _results(self, requests, tenants, layout: Layout, inputs: _Inputs,
+    def _results(self, requests, tags: Mapping[str, str], layout: Layout, inputs: _Inputs,
                  out: tuple[PreparedBatch, np.ndarray]) -> list[Result]:
         batch, flat = out
         n, H = len(requests), self.spec.hidden
@@ -504,7 +507,7 @@ class Engine:
         labels = batch.labels
         results = []
         for i, r in enumerate(requests):
-            res = Result(tenant=r.tenant)
+            res = Result(tenant=r.tenant, weights=tags[r.tenant])
             wants = inputs.wants[i]
             if "logits" in wants:
                 res.logits = logits[head_pos[i], : labels[layout.tenant[i]]].copy()

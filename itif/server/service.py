@@ -157,8 +157,10 @@ def _request(daemon: Daemon, inp: itif_pb2.InferInput, outputs, index: int = 0,
 
 
 def _response(res: Result, sha: str) -> itif_pb2.InferResponse:
-    return itif_pb2.InferResponse(
-        outputs=[_tensor(k, v) for k, v in res.as_dict().items()], weights_sha256=sha)
+    """``res`` as sent. ``weights_sha256``: the weights that produced it (``Result.weights``,
+    read with the forward's own snapshot of the store), else ``sha``."""
+    return itif_pb2.InferResponse(outputs=[_tensor(k, v) for k, v in res.as_dict().items()],
+                                  weights_sha256=res.weights or sha)
 
 
 def _tenant_info(v: TenantView) -> itif_pb2.TenantInfo:

@@ -69,6 +69,7 @@ class TenantEntry:
     num_labels: int | None
     has_pooler: bool
     generation: int  # bumps on every (re)upload; lets callers tell weights apart
+    tag: str = ""  # the caller's name for these weights (the daemon's: their file's sha256)
 
 
 @dataclass(frozen=True)
@@ -297,9 +298,10 @@ class WeightStore:
         """Key ``weights`` for this store (cheap); pass the result to ``check_budget``/``add``."""
         return Digests(weights, self.dtype, self._host(weights))
 
-    def add(self, tenant: str, weights: CanonicalWeights,
-            digests: Digests | None = None, base: str | None = None) -> StoreView:
-        """Add or replace a tenant. A replacement is atomic: readers see old or new weights.
+    def add(self, tenant: str, weights: CanonicalWeights, digests: Digests | None = None,
+            base: str | None = None, tag: str = "") -> StoreView:
+        """Add or replace a tenant. A replacement is atomic: readers see old or new weights
+        (and ``tag``, kept in the tenant's entry, names which).
 
         ``digests``: what ``check_budget`` (or ``digests``) returned for these same weights;
         without it, keys ``check_budget`` computed for this weights object are reused.
@@ -347,10 +349,8 @@ class WeightStore:
                 old = self._view.tenants.get(tenant)
                 # shared pair tuples and interned names: a tenant's entry costs its dict only
                 ordered = {sys.intern(n): slots[n] for n in (*inherited, *weights.tensors)}
-                entry = TenantEntry(
-                    MappingProxyType(ordered), weights.num_labels, weights.has_pooler,
-                    self._generation,
-                )
+                entry = TenantEntry(MappingProxyType(ordered), weights.num_labels,
+                                    weights.has_pooler, self._generation, tag)
                 tenants = self._view.tenants.copy()  # the dict behind the proxy: O(n) but fast
                 tenants[tenant] = entry
                 self._publish(tenants)

@@ -76,8 +76,10 @@ class TierManager:
                  load: Callable[[str], CanonicalWeights],
                  on_failed: Callable[[str, BaseException], None] | None = None,
                  wait_s: float = 30.0, loader_share: float = 0.5,
-                 busy: Callable[[], bool] | None = None, gap_wait_s: float = 0.003) -> None:
+                 busy: Callable[[], bool] | None = None, gap_wait_s: float = 0.003,
+                 tag_of: Callable[[str], str] = lambda tenant: "") -> None:
         self.engine = engine
+        self.tag_of = tag_of  # a promoted tenant's weights tag (Engine.add_tenant's ``tag``)
         self.store = engine.store
         self.scheduler = scheduler
         self.host_budget = host_bytes or 0
@@ -317,7 +319,7 @@ class TierManager:
                 digests = self.make_room(weights, keep=(tenant, base), digests=digests)
                 del digests  # check_budget remembered them: add_tenant reuses the keys
                 self._gap()
-                self.engine.add_tenant(tenant, weights, base=base)
+                self.engine.add_tenant(tenant, weights, base=base, tag=self.tag_of(tenant))
                 with self._lock:
                     self._drop_host(tenant, st)
                     self._resident(tenant, st, weights)
