@@ -139,7 +139,10 @@ class DecoderBackend:
         """The GenEngine validates what it loads (names, shapes, finite values); a forward
         probe of every upload is the encoder engine's (its outputs are checked once more)."""
 
-    def add_tenant(self, tenant: str, weights: Any, base: str | None = None) -> None:
+    def add_tenant(self, tenant: str, weights: Any, base: str | None = None, tag: str = "") -> None:
+        """``tag`` is not kept: a generation running when its tenant's weights are replaced
+        fails (``GenEngine.add_tenant``), so a Generate result's sha, read as it is sent, is
+        another's only if the replacement lands between its last token and its reply."""
         if base is not None:
             self.load_lora(weights, base)
         self.gen.add_tenant(tenant, weights)
