@@ -109,10 +109,12 @@ class Cancelled(ItifError):
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says the host or the device ran out of memory: ``MemoryError``, torch's
     ``OutOfMemoryError`` ("CUDA out of memory"), CuPy's ``OutOfMemoryError`` and
-    ``cudaErrorMemoryAllocation`` ("out of memory"). The one test every layer uses (the
+    ``cudaErrorMemoryAllocation`` ("out of memory"), torch's CPU allocator ("can't allocate
+    memory"). The one test every layer uses (the
     scheduler's ``OutOfMemory``, the server's RESOURCE_EXHAUSTED)."""
     if isinstance(exc, MemoryError):
         return True
     if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
         return True
-    return "out of memory" in str(exc).lower()
+    text = str(exc).lower()
+    return "out of memory" in text or "can't allocate memory" in text  # torch's CPU allocator

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -443,6 +444,7 @@ def test_a_failing_search_step_fails_every_running_request_without_its_text(fami
         raise RuntimeError("tenant b's prompt [11, 12] broke the search")
 
     monkeypatch.setattr(sb, "step", step)
+    pool = eng._batch.pool
     eng._iterate()
     for ev in events.values():
         assert [e.kind for e in ev if e.kind != "tokens"] == ["error"]
@@ -450,8 +452,48 @@ def test_a_failing_search_step_fails_every_running_request_without_its_text(fami
         assert isinstance(err, ItifError) and str(err) == "generation step failed: RuntimeError"
     stats = eng.cache_stats()
     assert (stats["blocks_used"], stats["rows"], stats["running"]) == (0, 0, 0)
+    # the batch was emptied, its KV pool kept: a second pool was allocated beside the first
+    # before, which where the step ran out of memory failed too and ended the loop thread
+    assert eng._batch.pool is pool
     r = GenerateRequest("a", [20, 21], max_new_tokens=4)
     assert eng.generate([r])[0].sequences == hf_generate(spec, models["a"], r)[0]
+
+
+def test_the_loop_survives_a_batch_that_cannot_be_emptied_or_made_again(family, monkeypatch):
+    """The worst case of a failed step: the batch cannot be emptied and a new one cannot be
+    allocated. The running request still gets its error, the loop thread lives on, and once
+    memory is back the next request is served (the batch made again at its step)."""
+    from itif.generation import engine as engine_mod
+
+    spec, models, eng = family
+    events: list = []
+    eng.submit(GenerateRequest("a", [20, 21], max_new_tokens=30, eos_token_id=95), events.append)
+    eng._iterate()  # running
+
+    def broken(*a, **k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried ...")
+
+    real = engine_mod.RunningBatch
+    monkeypatch.setattr(eng._sb, "step", broken)
+    monkeypatch.setattr(eng._batch, "remove", broken)
+    monkeypatch.setattr(engine_mod, "RunningBatch", broken)
+    deadline = time.monotonic() + 30
+    eng.start()
+    try:
+        while not any(e.kind == "error" for e in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events[-1].kind == "error" and events[-1].error.code == "RESOURCE_EXHAUSTED"
+        assert eng._thread.is_alive()
+        monkeypatch.setattr(engine_mod, "RunningBatch", real)
+        r = GenerateRequest("a", [20, 21], max_new_tokens=4)
+        done: list = []
+        eng.submit(r, done.append)
+        while not (done and done[-1].kind in ("done", "error")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done[-1].kind == "done", done
+        assert done[-1].generation.sequences == hf_generate(spec, models["a"], r)[0]
+    finally:
+        eng.stop()
 
 
 def test_an_event_callback_that_raises_ends_its_own_request_only(family):

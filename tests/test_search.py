@@ -454,3 +454,24 @@ def test_search_params_resolution(tenants):
     assert p.bad_words_ids == ((9,), (3, 4))        # a ban equal to the EOS is dropped, as generate() does
     p = search_params(GenerateRequest(tenant="x", input_ids=[1], do_sample=True, num_return_sequences=4), g, False)
     assert p.rows == 4 and p.pad_token_id == 5
+
+
+def test_repeated_ngram_bans_in_row_chunks_equal_the_whole_batch(monkeypatch):
+    """The window comparison of ``ban_repeated_ngrams`` is rows x widest history x (n - 1):
+    one request of many long rows with a large n ran it out of memory in the search step (which
+    fails every running request). It now runs in row chunks of at most NGRAM_CHUNK elements,
+    banning exactly what one pass bans."""
+    import torch
+
+    from itif.generation import processors
+
+    g = torch.Generator().manual_seed(0)
+    rows, width, vocab = 37, 50, 12
+    hist = torch.randint(0, 4, (rows, width), generator=g)  # few ids: many repeats
+    hlen = torch.randint(0, width + 1, (rows,), generator=g)
+    ngram = torch.randint(0, 5, (rows,), generator=g)
+    whole = processors.ban_repeated_ngrams(torch.zeros(rows, vocab), hist, hlen, ngram, 4)
+    assert torch.isinf(whole).any()
+    monkeypatch.setattr(processors, "NGRAM_CHUNK", 3 * width * 3)  # 3 rows a chunk
+    chunked = processors.ban_repeated_ngrams(torch.zeros(rows, vocab), hist, hlen, ngram, 4)
+    assert torch.equal(whole, chunked)

@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -103,6 +104,7 @@ class GenEngine:
             kv_cache_bytes = 64 * self.spec.max_position * self.spec.dec_layers * 2 * self.spec.hidden * elem
         self.kv_cache_bytes = kv_cache_bytes
         self._before_forward: Callable[[set[str]], None] | None = None
+        self._rebuild = False  # the batch must be made again before the next step
         self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes)
         self._sb = None
         self._defaults: dict[str, GenerationDefaults] = {}
@@ -353,7 +355,7 @@ class GenEngine:
                 for t in waiting:
                     self._waiting.remove(t)
             self._fail(waiting, Unavailable("the generation engine stopped"))
-            if self._running:  # a fresh batch and pool: the next start begins clean
+            if self._running:  # an emptied batch: the next start begins clean
                 self._fail_all(Unavailable("the generation engine stopped"))
 
     def cache_stats(self) -> dict:
@@ -378,18 +380,27 @@ class GenEngine:
                     self._cv.wait()
                 if self._stop:
                     return
-            self._iterate()
+            try:
+                self._iterate()
+            except Exception:  # noqa: BLE001 - the loop serves every tenant: it must not end
+                log.exception("generation loop error; continuing")
+                time.sleep(0.05)
 
     def _iterate(self) -> None:
         with self._step_lock:
             try:
                 self._step()
+                return
             except Exception as e:  # noqa: BLE001 - every running request learns of it
                 log.exception("generation step failed")
-                self._fail_all(_error(e, "the device ran out of memory running a generation "
-                                         "step: retry", "generation step failed"))
+                err = _error(e, "the device ran out of memory running a generation step: "
+                                "retry", "generation step failed")
+                err.__cause__ = None  # logged: its frames (the step's tensors) can go now
+            self._fail_all(err)
 
     def _step(self) -> None:
+        if self._rebuild:  # a failed step could not make its new batch: again now
+            self._new_batch()
         batch = self._batch
         if self._sb is None:
             self._sb = _search().SearchBatch(self.spec.vocab_size, self.device)
@@ -548,14 +559,27 @@ class GenEngine:
                           None if g.scores is None else list(g.scores), list(g.finish_reasons))
 
     def _fail_all(self, err: ItifError) -> None:
+        """Fail every running request, then empty the batch: its rows are dropped and their
+        blocks freed, the KV pool kept (a second pool beside the first could not be had where
+        the step ran out of memory; before, that failure ended the loop thread). A batch that
+        cannot be emptied is made again (here, else at the next step)."""
         running = list(self._running.values())
         self._running.clear()
         self._streaming.clear()
-        self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes,
-                                   before_forward=self._before_forward)
         self._sb = None
         self._fail(running, err)
+        try:
+            self._batch.remove(list(self._batch.ids))
+            return
+        except Exception:  # noqa: BLE001
+            log.exception("the running batch could not be emptied; a new one is made")
+        self._rebuild = True
+        self._new_batch()
 
+    def _new_batch(self) -> None:
+        self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes,
+                                   before_forward=self._before_forward)
+        self._rebuild = False
 
 def _error(e: Exception, out_of_memory: str, failed: str) -> ItifError:
     """What a request that failed with ``e`` is told: ``e`` itself if it is an ItifError,

@@ -52,6 +52,13 @@ def _ban(scores: torch.Tensor, cols: torch.Tensor, on: torch.Tensor | None = Non
     return scores
 
 
+#: Elements of :func:`ban_repeated_ngrams`' window comparison made at once (32 MiB of int64):
+#: its size is rows x the widest history x the largest n - 1 of the batch, so one request of
+#: many long rows with a large ``no_repeat_ngram_size`` ran the device out of memory in the
+#: search step, which fails every running request.
+NGRAM_CHUNK = 1 << 22
+
+
 def ban_repeated_ngrams(scores: torch.Tensor, hist: torch.Tensor, hlen: torch.Tensor,
                         ngram: torch.Tensor, max_ngram: int) -> torch.Tensor:
     """``NoRepeatNGramLogitsProcessor`` with a size per row (``ngram`` [rows], 0 = off).
@@ -65,6 +72,12 @@ def ban_repeated_ngrams(scores: torch.Tensor, hist: torch.Tensor, hlen: torch.Te
     if max_ngram <= 0 or hist.shape[1] == 0:
         return scores
     rows, width = hist.shape
+    step = max(1, NGRAM_CHUNK // (width * max(max_ngram - 1, 1)))
+    if rows > step:  # in row chunks: the comparison's memory stays bounded whatever the batch
+        for r in range(0, rows, step):  # (scores[r:r + step] is a view: banned in place)
+            ban_repeated_ngrams(scores[r:r + step], hist[r:r + step], hlen[r:r + step],
+                                ngram[r:r + step], max_ngram)
+        return scores
     dev = hist.device
     n = ngram.view(rows, 1)
     k = torch.arange(max(max_ngram - 1, 1), device=dev).view(1, 1, -1)        # offsets in the prefix
