@@ -590,7 +590,7 @@ def test_a_preset_backbone_generates_with_its_familys_ids_for_uploaded_weights(n
 
 def test_checkpoint_generation_settings_are_applied_or_refused_by_name(tmp_path):
     """generate() applies every setting of a checkpoint's generation_config.json to every
-    request. suppress_tokens is applied (banned at every step, as a single-token bad word);
+    request. suppress_tokens is applied (banned at every step);
     settings itif does not apply are refused naming the key (before: ignored, so the answers
     differed from generate()'s: repetition_penalty 1.5 gave [11, 11, 11, 0] for [11, 0])."""
     import json  # noqa: PLC0415
@@ -610,6 +610,8 @@ def test_checkpoint_generation_settings_are_applied_or_refused_by_name(tmp_path)
     got = eng.generate([r])[0].sequences
     want, _ = hf_generate(spec, m, r)
     assert got == want and want != free and not set(banned) & set(want[0]), (got, want, free)
+    # an end token among them is suppressed too (generate() drops an end token from
+    # bad_words_ids only; before, itif dropped it from both and stopped where HF does not)
     path = tmp_path / "s" / "generation_config.json"
     saved = json.loads(path.read_text())
     for key, value in (("repetition_penalty", 1.5), ("begin_suppress_tokens", [94]),
@@ -619,6 +621,26 @@ def test_checkpoint_generation_settings_are_applied_or_refused_by_name(tmp_path)
             eng.add_tenant(f"x-{key}", tmp_path / "s")
     path.write_text(json.dumps({**saved, "repetition_penalty": 1.0}))  # off: served
     eng.add_tenant("neutral", tmp_path / "s")
+
+
+def test_a_suppressed_end_token_is_suppressed(tmp_path):
+    """generate() drops an end token from bad_words_ids but never from suppress_tokens; itif
+    folded suppress_tokens into its bad words and dropped it from both, so a checkpoint that
+    suppresses its end token stopped where generate() goes on (an audit: 10 of 10 differed)."""
+    spec = PRESETS["gpt2-tiny"]
+    m = hf_model(spec, 1)
+    eng = GenEngine("gpt2-tiny")
+    ends = [q for q in ([13, 4, 6], [11, 12], [20, 21], [5, 9], [7, 8])
+            if EOS["gpt2"] in hf_generate(spec, m, GenerateRequest("x", q, max_new_tokens=8))[0][0]]
+    assert ends  # prompts whose answer ends on the end token, unsuppressed
+    m.generation_config.suppress_tokens = [EOS["gpt2"]]
+    m.save_pretrained(tmp_path / "x")
+    eng.add_tenant("x", tmp_path / "x")
+    for q in ends:
+        for beams in (1, 3):
+            r = GenerateRequest("x", q, max_new_tokens=8, num_beams=beams)
+            want, _ = hf_generate(spec, m, r)
+            assert eng.generate([r])[0].sequences == want and EOS["gpt2"] not in want[0], (q, want)
 
 
 def test_generation_reaches_the_last_position_as_generate_does(family):

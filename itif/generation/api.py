@@ -91,7 +91,8 @@ class GenerationDefaults:
 
     ``eos_token_ids``: every id that ends a sequence (a request's ``eos_token_id`` replaces them);
     ``bad_words_ids``: single-token bans (Marian bans its pad token); ``forced_*``: the token
-    forced at the first / last allowed step (BART).
+    forced at the first / last allowed step (BART); ``suppress_tokens``: banned at every step
+    (an end token among them too, unlike a bad word: ``SuppressTokensLogitsProcessor``).
     """
 
     eos_token_ids: tuple[int, ...] = ()
@@ -103,6 +104,7 @@ class GenerationDefaults:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     min_length: int = 0
     min_new_tokens: int = 0
+    suppress_tokens: tuple[int, ...] = ()  # banned at every step, an end token too
 
 
 def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:

@@ -85,7 +85,7 @@ def search_params(request: GenerateRequest, defaults: GenerationDefaults, encode
     """Resolve ``request`` as ``generate()`` resolves its arguments against the checkpoint's
     generation config: a request's ``eos_token_id`` replaces the checkpoint's EOS ids; the pad
     token falls back to the first EOS id; bad words equal to an EOS id are dropped (as
-    ``NoBadWordsLogitsProcessor`` drops them); ``min_new_tokens`` (if set) wins over
+    ``NoBadWordsLogitsProcessor`` drops them), suppressed tokens never; ``min_new_tokens`` (if set) wins over
     ``min_length``, which counts the whole decoder sequence (the prompt of a decoder-only model,
     the start token of an encoder-decoder one)."""
     eos = (int(request.eos_token_id),) if request.eos_token_id is not None else tuple(defaults.eos_token_ids)
@@ -97,6 +97,7 @@ def search_params(request: GenerateRequest, defaults: GenerationDefaults, encode
         min_new = max(0, int(defaults.min_length) - prompt_len)
     bad = tuple(tuple(int(t) for t in w) for w in defaults.bad_words_ids
                 if len(w) > 0 and not (len(w) == 1 and int(w[0]) in eos))
+    bad += tuple((int(t),) for t in defaults.suppress_tokens)  # an end token too, as generate()
     mode = request.mode
     return SearchParams(
         mode=mode, num_beams=int(request.num_beams) if mode == "beam" else 1,

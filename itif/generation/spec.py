@@ -317,14 +317,14 @@ def defaults_from_config(cfg: dict, gen: dict | None = None) -> GenerationDefaul
     if int(src.get("num_beam_groups") or 1) > 1:
         raise InvalidConfig("generation setting num_beam_groups > 1 (diverse beam search) is "
                             "not applied by itif; remove it from the checkpoint")
-    # suppress_tokens: banned at every step, as single-token bad words are
-    bad = [*(src.get("bad_words_ids") or ()), *([t] for t in src.get("suppress_tokens") or ())]
+    bad = src.get("bad_words_ids") or ()
     return GenerationDefaults(
         eos_token_ids=_ids(src.get("eos_token_id")), pad_token_id=opt("pad_token_id"),
         bos_token_id=opt("bos_token_id"), decoder_start_token_id=opt("decoder_start_token_id"),
         forced_bos_token_id=opt("forced_bos_token_id"), forced_eos_token_id=opt("forced_eos_token_id"),
         bad_words_ids=tuple(tuple(int(t) for t in w) for w in bad),
-        min_length=int(src.get("min_length") or 0), min_new_tokens=int(src.get("min_new_tokens") or 0))
+        min_length=int(src.get("min_length") or 0), min_new_tokens=int(src.get("min_new_tokens") or 0),
+        suppress_tokens=tuple(int(t) for t in src.get("suppress_tokens") or ()))
 
 
 def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:
