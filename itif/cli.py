@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-return-sequences", type=int64, help="sequences returned (default 1)")
     s.add_argument("--do-sample", action="store_true", help="sample instead of searching")
     s.add_argument("--temperature", type=float, help="sampling temperature (default 1)")
-    s.add_argument("--top-k", type=int64, help="sample among the k likeliest (default 0: off)")
+    s.add_argument("--top-k", type=int64, help="sample among the k likeliest (default 50, as generate(); 0: off)")
     s.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1: off)")
     s.add_argument("--seed", type=int64, help="sampling seed")
     s.add_argument("--eos-token-id", type=int64, help="end token (default: the checkpoint's)")

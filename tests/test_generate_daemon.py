@@ -201,6 +201,10 @@ CASES = [  # (tenant, ids, parameters)
 
 
 def _request(tenant: str, ids: list[int], params: dict) -> GenerateRequest:
+    """The engine's request for a Generate call of ``params`` (unset top_k when sampling:
+    generate()'s 50, as the API gives it)."""
+    if params.get("do_sample") and "top_k" not in params:
+        params = {**params, "top_k": 50}
     return GenerateRequest(tenant, ids, **params)
 
 
@@ -300,6 +304,33 @@ def test_sampling_is_reproducible_for_a_seed(served):
                              timeout=60) for s in (12, 13, 14)]
     assert list(a.sequences[0].ids) == list(b.sequences[0].ids)
     assert any(list(o.sequences[0].ids) != list(a.sequences[0].ids) for o in others)
+
+
+def test_an_unset_top_k_samples_as_generate_does(served):
+    """The proto promises generate()'s default for every unset field; generate() samples among
+    the 50 likeliest tokens (top_k 50) when nothing sets top_k, itif sampled from the whole
+    vocabulary (an audit: 116 of 300 first tokens ranked 50th or lower, HF 0). At temperature
+    100 (a nearly flat distribution) an unset top_k keeps every first token in the top 50;
+    top_k 0 turns it off."""
+    from itif.server.generate import to_request
+
+    msg = itif_pb2.GenerateRequest(tenant="beta", do_sample=True)
+    msg.input_ids.ids.extend([3, 9])
+    assert to_request(msg)[0].top_k == 50
+    msg.top_k = 0
+    assert to_request(msg)[0].top_k == 0
+    with torch.no_grad():
+        logits = served.models["beta"](torch.tensor([[3, 9]])).logits[0, -1]
+    top50 = set(torch.topk(logits, 50).indices.tolist())
+    firsts: dict[str, set] = {"unset": set(), "off": set()}
+    with served.client("beta") as c:
+        for seed in range(40):
+            for kind, extra in (("unset", {}), ("off", {"top_k": 0})):
+                r = c.generate("beta", [3, 9], max_new_tokens=1, do_sample=True, seed=seed,
+                               temperature=100.0, timeout=60, **extra)
+                firsts[kind].add(r.sequences[0].ids[0])
+    assert firsts["unset"] <= top50, firsts["unset"] - top50
+    assert firsts["off"] - top50  # off: tokens past the 50th are drawn too
 
 
 def test_encoder_decoder_tenant_through_generate(tmp_path):

@@ -14,7 +14,7 @@ from typing import Literal, Sequence
 
 from itif.errors import InvalidRequest
 
-__all__ = ["EarlyStopping", "GenerateRequest", "Generation", "GenerationDefaults", "check_request",
+__all__ = ["HF_TOP_K", "EarlyStopping", "GenerateRequest", "Generation", "GenerationDefaults", "check_request",
            "MAX_BEAMS", "MAX_LOG_LENGTH_PENALTY", "MAX_NO_REPEAT_NGRAM", "TEMPERATURE_RANGE"]
 
 EarlyStopping = bool | Literal["never"]
@@ -56,7 +56,7 @@ class GenerateRequest:
     num_return_sequences: int = 1
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0: off (an unset top_k of the itif API's Generate is HF_TOP_K)
     top_p: float = 1.0
     seed: int | None = None
     eos_token_id: int | None = None
@@ -105,6 +105,11 @@ class GenerationDefaults:
     min_length: int = 0
     min_new_tokens: int = 0
     suppress_tokens: tuple[int, ...] = ()  # banned at every step, an end token too
+
+
+#: generate()'s top_k when neither the call nor the checkpoint sets one (transformers'
+#: GenerationConfig default): what an unset ``top_k`` of the itif API's Generate means.
+HF_TOP_K = 50
 
 
 def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:

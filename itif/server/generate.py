@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator
 
 
 from itif.errors import DeadlineExceeded, InvalidRequest, Unavailable
-from itif.generation.api import GenerateRequest, check_request
+from itif.generation.api import HF_TOP_K, GenerateRequest, check_request
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.admission import finish_reply, reserve_reply
 
@@ -53,6 +53,8 @@ def to_request(msg: itif_pb2.GenerateRequest) -> tuple[GenerateRequest, str | No
     if kind is None:
         raise InvalidRequest("input: set input_ids or text")
     kw: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    if msg.do_sample:  # unset: generate()'s default, as the proto says (sampling only)
+        kw.setdefault("top_k", HF_TOP_K)
     if msg.early_stopping not in _EARLY:
         raise InvalidRequest(f"early_stopping: unknown value {msg.early_stopping}")
     req = GenerateRequest(msg.tenant, list(msg.input_ids.ids) if kind == "input_ids" else [],

@@ -22,7 +22,8 @@ request's sequences and KV cache blocks when the client goes away before the end
   most ``num_beams`` with beam search; greedy search returns one).
 - itif extensions (the ``openai`` client sends them with ``extra_body=``): ``num_beams``,
   ``length_penalty``, ``early_stopping`` (true, false or "never"), ``no_repeat_ngram_size``,
-  ``top_k``, ``do_sample``, ``eos_token_id``. Beam search is ``num_beams`` > 1: OpenAI's
+  ``top_k`` (absent: off, as OpenAI samples; the itif API's Generate takes generate()'s 50),
+  ``do_sample``, ``eos_token_id``. Beam search is ``num_beams`` > 1: OpenAI's
   ``best_of`` means something else (sample several, keep the likeliest) and is refused unless it
   is absent or equals ``n``.
 - Accepted when they ask for nothing: ``echo`` false, ``logprobs`` null, ``suffix`` null or "",
