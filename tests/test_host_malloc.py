@@ -29,10 +29,10 @@ _PROBE = textwrap.dedent("""
     def work():
         for _ in range(3):  # warm: the heap grows to its high-water mark once
             torch.ones(12 << 20).sum()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt  # this thread's only
         for _ in range(20):
             torch.ones(12 << 20).sum()
-        faults["n"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults["n"] = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     t = threading.Thread(target=work)
     t.start(); t.join()
     print(json.dumps({"faults": faults["n"], "state": host_malloc()}))
@@ -52,8 +52,9 @@ def test_a_cpu_engine_keeps_large_activations_in_the_heap():
     tuned = _probe("engine")
     assert plain["state"] == "default" and tuned["state"] == "tuned"
     # 20 x 48 MiB freshly mapped: 245,781 faults of 4 KiB pages measured untuned (fewer with
-    # huge pages, still thousands); reused heap memory: 0 in most runs, 24,576 in one of ten
-    # (the heap grew once more inside the counted loop; the count is the whole process's)
+    # huge pages, still thousands); reused heap memory: 0 in most runs. Counted on the worker
+    # thread alone: counted for the whole process, another thread's allocations (61,440
+    # faults in one of five runs) failed the comparison now and then
     assert plain["faults"] > 2000, plain
     assert tuned["faults"] * 5 < plain["faults"], (plain, tuned)
 
