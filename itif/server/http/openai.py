@@ -73,6 +73,16 @@ def _token_list(ids: list, where: str) -> np.ndarray:
     return np.asarray(ids, np.int64)
 
 
+def _input_count(value: Any) -> int:
+    """How many inputs an embeddings ``input`` holds, before any is checked: a list of texts or
+    of token lists, one each; a text or a single token list, one."""
+    if isinstance(value, TokenLists):
+        return len(value.ends)
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return len(value)
+    return 1
+
+
 class OpenAIApi:
     def __init__(self, daemon, *, max_body: int, admission=None,
                  procs: JsonProcs = IN_THREAD) -> None:
@@ -131,8 +141,7 @@ class OpenAIApi:
             raise InvalidRequest(f"dimensions {dims} is not supported: model {model!r} embeds "
                                  f"into {spec.hidden} dimensions")
         value = body["input"]
-        n = (len(value.ends) if isinstance(value, TokenLists) else len(value)
-             if isinstance(value, list) and value and isinstance(value[0], (str, list)) else 1)
+        n = _input_count(value)
 
         def convert() -> list[ItifRequest]:
             return [ItifRequest("", input_ids=a, outputs=("pooled",)) for a in self._inputs(value)]
