@@ -15,6 +15,7 @@ import torch
 import itif
 from itif import platform
 from itif.backbones.random import random_weights
+from itif.ops.launch import launch_policy
 from tests.oracle import random_request
 
 CUDA = torch.device("cuda")  # a device object only: the flag is host state, no GPU needed
@@ -102,6 +103,9 @@ def test_a_gpu_forward_runs_its_attention_without_cudnn(monkeypatch):
     monkeypatch.setattr(reference.F, "scaled_dot_product_attention", spy)
     torch.backends.cuda.enable_cudnn_sdp(True)
     rng = np.random.default_rng(0)
-    eng.infer([random_request(eng.spec, "t0", rng, length=n) for n in (5, 9, 30)])
+    # per length group, through SDPA: by default ("auto") a batch of several lengths is one
+    # variable-length flash call a layer, which is not SDPA and never cuDNN's
+    with launch_policy(attention="sdpa"):
+        eng.infer([random_request(eng.spec, "t0", rng, length=n) for n in (5, 9, 30)])
     assert flags and not any(flags)
     assert torch.backends.cuda.cudnn_sdp_enabled() is True

@@ -180,21 +180,21 @@ def test_serving_sweep_batch_limits_reach_every_daemon(tmp_path):
     """--serve-max-batch-size / --serve-max-batch-tokens go into each daemon's scheduler: with
     at most 2 requests a batch, no point's mean batch exceeds 2 (without the limit this burst
     forms batches of 100+), and the rows say so. --serve-ingress too: every daemon behind one
-    ingress process, whose CPU the rows report beside the daemon's. --serve-grouped-gemm adds
-    a fused daemon with ITIF_GROUPED_GEMM=cublas in its environment (the CPU runs the loop)."""
+    ingress process, whose CPU the rows report beside the daemon's. --serve-gemm-loop adds a
+    fused daemon with ITIF_GROUPED_GEMM=loop in its environment (the CPU runs the loop anyway)."""
     proc = subprocess.run(
         [sys.executable, "-m", "itif", "bench", "--suites", "serve", "--device", "cpu",
          "--serve-model", "bert-tiny", "--serve-tenants", "2", "--mixes", "uniform:2-20",
          "--serve-rates", "2000", "--serve-duration", "0.5", "--serve-strategies", "packed",
          "--serve-p99-at", "0", "--serve-max-batch-size", "2", "--serve-max-batch-tokens", "4096",
-         "--serve-ingress", "1", "--serve-grouped-gemm", "--json", "--no-plots",
+         "--serve-ingress", "1", "--serve-gemm-loop", "--json", "--no-plots",
          "--out", str(tmp_path / "serve.json")],  # not bench/results/ of the checkout
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in json.loads(proc.stdout) if r["suite"] == "serve"]
-    assert {r["system"] for r in rows} == {"itif", "per_tenant", "itif_cublas"}
+    assert {r["system"] for r in rows} == {"itif", "per_tenant", "itif_loop"}
     for r in rows:
-        want = {"ITIF_GROUPED_GEMM": "cublas"} if r["system"] == "itif_cublas" else None
+        want = {"ITIF_GROUPED_GEMM": "loop"} if r["system"] == "itif_loop" else None
         assert r.get("daemon_env") == want, r
     for r in rows:
         assert r["status"] == "ok" and r["completed"] > 0, r
@@ -236,11 +236,11 @@ def test_serve_daemon_environment_reaches_the_daemon(tmp_path, monkeypatch):
 
     monkeypatch.setattr(serving.subprocess, "Popen", Proc)
     d = serving.ServeDaemon(tmp_path, 1, "bert-tiny", "cpu", "float32", {"t0": "tok"},
-                            "packed", False, 1.0, env=(("ITIF_GROUPED_GEMM", "cublas"),))
+                            "packed", False, 1.0, env=(("ITIF_GROUPED_GEMM", "loop"),))
     d.start()
     d._log.close()
     assert seen["args"][1:4] == ["-m", "itif", "serve"]
-    assert seen["env"]["ITIF_GROUPED_GEMM"] == "cublas"
+    assert seen["env"]["ITIF_GROUPED_GEMM"] == "loop"
     assert seen["env"]["PATH"] == os.environ["PATH"]  # on top of this process's
 
 

@@ -104,7 +104,7 @@ def test_a_refusal_is_an_error_naming_the_status():
 
 def test_the_loop_plan_takes_it_when_enabled(monkeypatch):
     """run_gemm sends a loop plan to the grouped call when it is enabled, and keeps the loop of
-    torch.mm otherwise (the default: the variable is unset)."""
+    torch.mm otherwise (here: the CPU)."""
     fake = StandIn()
     monkeypatch.setattr(cublas_grouped, "_function", lambda: fake)
     N, K = 8, 12
@@ -121,11 +121,49 @@ def test_the_loop_plan_takes_it_when_enabled(monkeypatch):
     torch.testing.assert_close(got, want)
 
 
-def test_off_by_default_and_on_the_cpu(monkeypatch):
+def test_a_refused_call_leaves_the_loop_to_answer_from_then_on(monkeypatch, caplog):
+    """A cuBLAS that refuses the grouped call (a status, raised before it launches anything)
+    does not fail the product: the loop answers it, and the next products on that device and
+    dtype go straight to the loop, with one warning."""
+    monkeypatch.setattr(cublas_grouped, "_refused", set())
+    monkeypatch.setattr(cublas_grouped, "_function", lambda: object())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    real_enabled = cublas_grouped.enabled
+    # a CPU tensor stands in for a CUDA one: enabled() is asked about a CUDA device, index None
+    monkeypatch.setattr(cublas_grouped, "enabled",
+                        lambda device, dtype: real_enabled(torch.device("cuda"), dtype))
+    monkeypatch.setattr(gemm.cpu_gemm, "applies", lambda *a: False)
+    tries = []
+
+    def refuse(*a, **k):
+        tries.append(1)
+        raise RuntimeError("cublasGemmGroupedBatchedEx returned status 7")
+
+    monkeypatch.setattr(cublas_grouped, "run", refuse)
+    w = torch.randn(4, 8, 12)
+    x = torch.randn(7, 12)
+    plan = plan_gemm(_segments({3: 2, 0: 5}), 7, backend="loop")
+    want = torch.cat([x[:2] @ w[3].T, x[2:] @ w[0].T])
+    with caplog.at_level("WARNING", logger="itif.runtime"):
+        torch.testing.assert_close(gemm.run_gemm(x, w, plan), want)
+        torch.testing.assert_close(gemm.run_gemm(x, w, plan), want)
+    assert len(tries) == 1
+    assert len([r for r in caplog.records if "refused" in r.message]) == 1
+
+
+def test_on_by_default_on_cuda_off_when_asked_and_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(cublas_grouped, "_function", lambda: object())  # a cuBLAS that has it
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv(cublas_grouped.ENV, raising=False)
+    assert cublas_grouped.enabled(torch.device("cuda"), torch.float16)
+    monkeypatch.setenv(cublas_grouped.ENV, "loop")
     assert not cublas_grouped.enabled(torch.device("cuda"), torch.float16)
     monkeypatch.setenv(cublas_grouped.ENV, "cublas")
+    assert cublas_grouped.enabled(torch.device("cuda"), torch.bfloat16)
+    assert not cublas_grouped.enabled(torch.device("cuda"), torch.int8)
     assert not cublas_grouped.enabled(torch.device("cpu"), torch.float16)
+    monkeypatch.setattr(cublas_grouped, "_function", lambda: None)  # older than 12.5
+    assert not cublas_grouped.enabled(torch.device("cuda"), torch.float16)
     x, w = torch.zeros(4, 8), torch.zeros(2, 6, 8)
     assert cublas_grouped.usable(x, w, torch.zeros(4, 6))
     assert not cublas_grouped.usable(x.t().contiguous().t(), w, torch.zeros(4, 6))
@@ -159,8 +197,9 @@ def test_cuda_one_call_equals_the_loop_and_never_synchronises(dtype):
 @pytest.mark.gpu
 @requires_cuda
 def test_cuda_forward_with_the_grouped_call_answers_as_with_the_loop(monkeypatch):
-    """A ragged float16 batch of 4 full fine-tunes: the engine's answers with
-    ITIF_GROUPED_GEMM=cublas match those of the loop, and the grouped call did run."""
+    """A ragged float16 batch of 4 full fine-tunes: the engine's answers with the grouped call
+    (the default) match those of the loop (ITIF_GROUPED_GEMM=loop), and the grouped call did
+    run."""
     import itif  # noqa: PLC0415
     from itif.backbones.random import random_weights  # noqa: PLC0415
 
@@ -170,12 +209,13 @@ def test_cuda_forward_with_the_grouped_call_answers_as_with_the_loop(monkeypatch
     rng = np.random.default_rng(4)
     reqs = [itif.Request(f"t{i % 4}", input_ids=rng.integers(0, eng.spec.vocab_size, n))
             for i, n in enumerate((5, 40, 17, 3, 64, 9, 22, 1))]
-    monkeypatch.delenv(cublas_grouped.ENV, raising=False)
-    want = eng.infer(reqs)
     calls = []
     real = cublas_grouped.run
     monkeypatch.setattr(cublas_grouped, "run", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setenv(cublas_grouped.ENV, "cublas")
+    monkeypatch.setenv(cublas_grouped.ENV, "loop")
+    want = eng.infer(reqs)
+    assert not calls
+    monkeypatch.delenv(cublas_grouped.ENV)
     got = eng.infer(reqs)
     assert calls, "no product went through the grouped call"
     for a, b in zip(got, want):

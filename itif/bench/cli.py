@@ -75,9 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every daemon's scheduler.max_batch_size (default: the daemon's)")
     g.add_argument("--serve-latency-sizing", action="store_true",
                    help="one more fused daemon with scheduler.latency_sizing on (itif_sized)")
-    g.add_argument("--serve-grouped-gemm", action="store_true",
-                   help="one more fused daemon with ITIF_GROUPED_GEMM=cublas (itif_cublas): "
-                        "each ragged product one grouped cuBLAS call (CUDA)")
+    g.add_argument("--serve-gemm-loop", action="store_true",
+                   help="one more fused daemon with ITIF_GROUPED_GEMM=loop (itif_loop): each "
+                        "ragged product one torch.mm a tenant, not one grouped cuBLAS call "
+                        "(the CUDA default)")
     g.add_argument("--serve-ingress", type=int, default=0,
                    help="every daemon's server.ingress_processes (gRPC served by that many "
                         "processes besides the daemon's; default 0)")
@@ -309,7 +310,7 @@ def _serve(args, quick, models, strategies, device, dtype_name, blog, save) -> l
         extra_rates=1 if quick else 4,
         p99_at=args.serve_p99_at or None,
         latency_sizing_mode=args.serve_latency_sizing,
-        grouped_gemm_mode=args.serve_grouped_gemm,
+        gemm_loop_mode=args.serve_gemm_loop,
         max_batch_tokens=args.serve_max_batch_tokens, max_batch_size=args.serve_max_batch_size,
         ingress_processes=args.serve_ingress, fine_tune=args.fine_tune, seed=args.seed)
     name = device_name(device)

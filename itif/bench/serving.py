@@ -6,9 +6,10 @@ tenants uploaded over gRPC as Hugging Face-named safetensors):
 - ``itif``: the scheduler mixes every tenant's queued requests into one fused batch;
 - ``itif_sized`` (``--serve-latency-sizing``): the fused daemon with ``scheduler.latency_sizing:
   true`` (batches stop growing before a member would miss its latency target);
-- ``itif_cublas`` (``--serve-grouped-gemm``): the fused daemon with ``ITIF_GROUPED_GEMM=cublas``
-  in its environment (a ragged batch's products as one grouped cuBLAS call each, not one
-  ``torch.mm`` a tenant: ``itif.runtime.cublas_grouped``; CUDA only, the CPU runs the loop);
+- ``itif_loop`` (``--serve-gemm-loop``): the fused daemon with ``ITIF_GROUPED_GEMM=loop`` in
+  its environment (a ragged batch's products as one ``torch.mm`` a tenant, not one grouped
+  cuBLAS call each as by default on CUDA: ``itif.runtime.cublas_grouped``; the CPU runs the
+  loop either way);
 - ``per_tenant``: the same daemon with ``scheduler.isolate_tenants: true``: a batch never mixes
   tenants, so each tenant is batched alone, as a separate model in Triton would be. Batches of
   different tenants then run one after another on the one engine (time-shared, as model
@@ -350,7 +351,7 @@ class ServeSettings:
     fine_tune: str = "full"
     seed: int = 0
     latency_sizing_mode: bool = False  # one more fused daemon with scheduler.latency_sizing on
-    grouped_gemm_mode: bool = False  # one more fused daemon with ITIF_GROUPED_GEMM=cublas
+    gemm_loop_mode: bool = False  # one more fused daemon with ITIF_GROUPED_GEMM=loop
     max_batch_tokens: int | None = None  # every daemon's scheduler limits (None: its defaults)
     max_batch_size: int | None = None
     ingress_processes: int = 0  # every daemon's server.ingress_processes
@@ -404,9 +405,8 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
              + [Mode("per_tenant", cfg.strategies[0], isolate=True)])
     if cfg.latency_sizing_mode:
         modes.append(Mode("itif_sized", cfg.strategies[0], sizing=True))
-    if cfg.grouped_gemm_mode:
-        modes.append(Mode("itif_cublas", cfg.strategies[0],
-                          env=(("ITIF_GROUPED_GEMM", "cublas"),)))
+    if cfg.gemm_loop_mode:
+        modes.append(Mode("itif_loop", cfg.strategies[0], env=(("ITIF_GROUPED_GEMM", "loop"),)))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="itif-bench-serve-") as tmp:
         tmp = Path(tmp)

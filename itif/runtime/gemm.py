@@ -17,8 +17,8 @@ buffer in place (views, never a gathered copy):
 | ``grouped_mm`` | strictly increasing slots, any lengths: ``torch._grouped_mm`` over the slot range, unused slots as empty groups (offsets are precomputed, so nothing is read on the host) | 1 |
 | ``loop`` | anything else: one ``torch.mm`` per segment | segments |
 
-On CUDA with ``ITIF_GROUPED_GEMM=cublas`` (opt-in until measured on a GPU), a ``loop`` plan runs
-as one ``cublasGemmGroupedBatchedEx`` call for all its segments (``itif.runtime.cublas_grouped``).
+On CUDA a ``loop`` plan runs as one ``cublasGemmGroupedBatchedEx`` call for all its segments
+(``itif.runtime.cublas_grouped``; ``ITIF_GROUPED_GEMM=loop`` keeps the loop).
 
 On the CPU in float32, a product whose longest segment has ``cpu_gemm.MIN_ROWS`` to
 ``cpu_gemm.MAX_ROWS`` rows goes to itif's own kernel instead (``itif.runtime.cpu_gemm``: every
@@ -205,13 +205,13 @@ def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tenso
             ys.copy_(torch.bmm(ws, xs.transpose(1, 2)).transpose(1, 2))
         else:
             torch.bmm(xs, ws.transpose(1, 2), out=ys)
-    elif cublas_grouped.enabled(x.device, x.dtype) and cublas_grouped.usable(x, w, out):
-        segs = plan.segs  # every segment in one cuBLAS call (opt-in: ITIF_GROUPED_GEMM=cublas)
-        cublas_grouped.run(x, w, segs.start, segs.end, segs.slot, out)
-    else:
-        # One split of each side, then a product per segment: two Python calls a segment
-        # (select, mm) rather than five. Under a serving load this loop runs 16 tenants x 4
-        # products x 12 layers times a bert-base forward, and each call gives the GIL away.
+    elif not (cublas_grouped.enabled(x.device, x.dtype) and cublas_grouped.usable(x, w, out)
+              and cublas_grouped.run_or_refuse(x, w, plan.segs, out)):
+        # Every segment in one cuBLAS call where that runs (CUDA; ITIF_GROUPED_GEMM=loop turns
+        # it off); otherwise one split of each side, then a product per segment: two Python
+        # calls a segment (select, mm) rather than five. Under a serving load this loop runs 16
+        # tenants x 4 products x 12 layers times a bert-base forward, and each call gives the
+        # GIL away.
         segs = plan.segs
         wt = w.transpose(1, 2)
         sizes = [e - s for s, e in zip(segs.start, segs.end)]
