@@ -126,6 +126,7 @@ def test_a_refused_call_leaves_the_loop_to_answer_from_then_on(monkeypatch, capl
     does not fail the product: the loop answers it, and the next products on that device and
     dtype go straight to the loop, with one warning."""
     monkeypatch.setattr(cublas_grouped, "_refused", set())
+    monkeypatch.setenv(cublas_grouped.ENV, "cublas")  # float32 goes to it only when asked
     monkeypatch.setattr(cublas_grouped, "_function", lambda: object())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     real_enabled = cublas_grouped.enabled
@@ -151,15 +152,18 @@ def test_a_refused_call_leaves_the_loop_to_answer_from_then_on(monkeypatch, capl
     assert len([r for r in caplog.records if "refused" in r.message]) == 1
 
 
-def test_on_by_default_on_cuda_off_when_asked_and_on_the_cpu(monkeypatch):
+def test_on_by_default_on_cuda_in_half_precision_off_when_asked_and_on_the_cpu(monkeypatch):
     monkeypatch.setattr(cublas_grouped, "_function", lambda: object())  # a cuBLAS that has it
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv(cublas_grouped.ENV, raising=False)
     assert cublas_grouped.enabled(torch.device("cuda"), torch.float16)
+    assert cublas_grouped.enabled(torch.device("cuda"), torch.bfloat16)
+    assert not cublas_grouped.enabled(torch.device("cuda"), torch.float32)  # graphs = eager
     monkeypatch.setenv(cublas_grouped.ENV, "loop")
     assert not cublas_grouped.enabled(torch.device("cuda"), torch.float16)
     monkeypatch.setenv(cublas_grouped.ENV, "cublas")
     assert cublas_grouped.enabled(torch.device("cuda"), torch.bfloat16)
+    assert cublas_grouped.enabled(torch.device("cuda"), torch.float32)
     assert not cublas_grouped.enabled(torch.device("cuda"), torch.int8)
     assert not cublas_grouped.enabled(torch.device("cpu"), torch.float16)
     monkeypatch.setattr(cublas_grouped, "_function", lambda: None)  # older than 12.5

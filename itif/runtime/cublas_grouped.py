@@ -15,13 +15,16 @@ pointers (weights, inputs, outputs) are written on the host from the tensors' ad
 precomputed byte offsets, and copied to the device in one non-blocking copy from pinned memory.
 Nothing is read back, so nothing synchronises.
 
-**On by default on CUDA** (float16, bfloat16 and float32, compute in float32) since a paired
-H100 serving sweep (bert-base x16, 4 ingress processes, same arrivals) saturated at 2103.9 req/s
-with it and 1706.2 with the loop (docs/gpu.md, "A sixth session"); ``ITIF_GROUPED_GEMM=loop``
-turns it off (the loop of ``torch.mm`` runs), as does a cuBLAS without the function (older than
-12.5). It is never used while a CUDA
-graph is being captured (a copy from pinned host memory inside a graph would read that memory at
-every replay), so captured structures keep the loop. The CPU tests run the argument packing
+**On by default on CUDA in float16 and bfloat16** (compute in float32) since a paired H100
+serving sweep (bert-base x16, 4 ingress processes, same arrivals) saturated at 2103.9 req/s with
+it and 1706.2 with the loop (docs/gpu.md, "A sixth session"). ``ITIF_GROUPED_GEMM=loop`` turns it
+off (the loop of ``torch.mm`` runs), as does a cuBLAS without the function (older than 12.5).
+It is never used while a CUDA graph is being captured (a copy from pinned host memory inside a
+graph would read that memory at every replay), so captured structures keep the loop; its kernels
+differ from ``torch.mm``'s, so in float32 a ragged batch would answer in other last bits eagerly
+than from its graph (measured on the H100: up to 1.5e-7 on bert-tiny), and float32 keeps the
+loop unless ``ITIF_GROUPED_GEMM=cublas`` asks for it. In float16 / bfloat16 the GPU tests found
+graph and eager answers identical with it. The CPU tests run the argument packing
 against a stand-in that computes the same column-major products on host memory.
 """
 
@@ -137,11 +140,13 @@ def _function():
 
 
 def enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether products on ``device`` in ``dtype`` go through the grouped call: not turned off
-    (``ITIF_GROUPED_GEMM=loop``; the default and ``cublas`` leave it on), on CUDA outside a graph
-    capture, with the function there."""
-    if (os.environ.get(ENV, "cublas") != "cublas" or device.type != "cuda"
-            or dtype not in _DATA_TYPE or (device.index, dtype) in _refused):
+    """Whether products on ``device`` in ``dtype`` go through the grouped call: on CUDA outside a
+    graph capture, with the function there, in float16 / bfloat16 unless
+    ``ITIF_GROUPED_GEMM=loop``, in float32 only with ``ITIF_GROUPED_GEMM=cublas``."""
+    asked = os.environ.get(ENV, "")
+    if asked == "loop" or device.type != "cuda" or dtype not in _DATA_TYPE:
+        return False
+    if (dtype == torch.float32 and asked != "cublas") or (device.index, dtype) in _refused:
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
