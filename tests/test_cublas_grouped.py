@@ -97,7 +97,7 @@ def test_problems_are_cached_and_describe_the_column_major_mapping():
 def test_a_refusal_is_an_error_naming_the_status():
     w = torch.zeros(2, 4, 4)
     x = torch.zeros(3, 4)
-    with pytest.raises(RuntimeError, match="status 7"):
+    with pytest.raises(cublas_grouped.Refused, match="status 7"):
         cublas_grouped.run(x, w, (0, 1), (1, 3), (0, 1), torch.zeros(3, 4),
                            function=lambda *a: 7)
 
@@ -138,7 +138,7 @@ def test_a_refused_call_leaves_the_loop_to_answer_from_then_on(monkeypatch, capl
 
     def refuse(*a, **k):
         tries.append(1)
-        raise RuntimeError("cublasGemmGroupedBatchedEx returned status 7")
+        raise cublas_grouped.Refused("cublasGemmGroupedBatchedEx returned status 7")
 
     monkeypatch.setattr(cublas_grouped, "run", refuse)
     w = torch.randn(4, 8, 12)
@@ -150,6 +150,22 @@ def test_a_refused_call_leaves_the_loop_to_answer_from_then_on(monkeypatch, capl
         torch.testing.assert_close(gemm.run_gemm(x, w, plan), want)
     assert len(tries) == 1
     assert len([r for r in caplog.records if "refused" in r.message]) == 1
+
+
+def test_any_other_error_of_the_call_propagates_and_keeps_it_on(monkeypatch):
+    """Out of memory (say) while packing the call is the forward's error, as the loop's would
+    be; it does not turn the grouped call off for the rest of the process."""
+    monkeypatch.setattr(cublas_grouped, "_refused", set())
+
+    def oom(*a, **k):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(cublas_grouped, "run", oom)
+    segs = _segments({1: 2, 0: 3})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cublas_grouped.run_or_refuse(torch.randn(5, 4), torch.randn(2, 6, 4), segs,
+                                     torch.empty(5, 6))
+    assert cublas_grouped._refused == set()
 
 
 def test_on_by_default_on_cuda_in_half_precision_off_when_asked_and_on_the_cpu(monkeypatch):

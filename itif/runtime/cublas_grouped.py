@@ -49,6 +49,10 @@ _refused: set = set()  # (device index, dtype) where cuBLAS refused a grouped ca
 log = logging.getLogger("itif.runtime")
 
 
+class Refused(RuntimeError):
+    """cuBLAS answered the grouped call with a status other than success."""
+
+
 def _int_array(values) -> ctypes.Array:
     return (ctypes.c_int * len(values))(*values)
 
@@ -164,7 +168,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
 def run(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tensor,
         function=None) -> torch.Tensor:
     """``out[s:e] = x[s:e] @ w[slot].T`` for every segment, in one call. ``function`` stands in
-    for cuBLAS's (tests). Raises RuntimeError with cuBLAS's status when it refuses."""
+    for cuBLAS's (tests). Raises Refused (a RuntimeError) with cuBLAS's status when it refuses."""
     fn = function if function is not None else _function()
     N, K = w.shape[1], w.shape[2]
     p = problems(start, end, slot, N, K, w.stride(0), x.element_size())
@@ -185,19 +189,19 @@ def run(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tensor,
                 base + 16 * g, dt, ctypes.addressof(p.ldc), g, ctypes.addressof(p.group_size),
                 _COMPUTE_32F)
     if status != 0:
-        raise RuntimeError(f"cublasGemmGroupedBatchedEx returned status {status} for {g} "
+        raise Refused(f"cublasGemmGroupedBatchedEx returned status {status} for {g} "
                            f"products of [*, {K}] x [{N}, {K}].T in {x.dtype}")
     return out
 
 
 def run_or_refuse(x: torch.Tensor, w: torch.Tensor, segs, out: torch.Tensor) -> bool:
-    """:func:`run` over ``segs`` (``Segments``); False, with nothing written, where cuBLAS
-    refuses the call. It checks its arguments before it launches anything, so the caller can
-    still run the loop; the device and dtype are then left to the loop for the rest of the
-    process (one warning, not one a product)."""
+    """:func:`run` over ``segs`` (``Segments``); False where cuBLAS refuses the call (a status,
+    :class:`Refused`), so the caller runs the loop, which writes every row of ``out`` again.
+    The device and dtype are then left to the loop for the rest of the process (one warning,
+    not one a product). Any other error (out of memory, say) propagates as the loop's would."""
     try:
         run(x, w, segs.start, segs.end, segs.slot, out)
-    except RuntimeError as e:
+    except Refused as e:
         _refused.add((x.device.index, x.dtype))
         log.warning("grouped cuBLAS GEMM refused on %s %s (%s); products there run as a loop of "
                     "torch.mm", x.device, x.dtype, e)
@@ -205,4 +209,4 @@ def run_or_refuse(x: torch.Tensor, w: torch.Tensor, segs, out: torch.Tensor) -> 
     return True
 
 
-__all__ = ["ENV", "Problems", "enabled", "problems", "run", "run_or_refuse", "usable"]
+__all__ = ["ENV", "Problems", "Refused", "enabled", "problems", "run", "run_or_refuse", "usable"]
