@@ -96,7 +96,7 @@ class Daemon:
                                  dtype=cfg.backbone.dtype, max_seq_len=cfg.backbone.max_seq_len,
                                  max_weight_bytes=daemon_tiers.device_budget(cfg.backbone),
                                  strategy=DEFAULT_STRATEGY if strategy == "auto" else strategy)
-        faults.install(self.engine)  # test-only hooks (ITIF_FAULT_INJECT); nothing when it is unset
+        faults.install(self.engine, daemon=self)  # test-only (ITIF_FAULT_INJECT); none if unset
         if self.engine.device.type == "cuda":
             self.kernel_checks = _kernel_self_test(self.engine.device, self.engine.dtype)
         sch = cfg.scheduler

@@ -27,6 +27,10 @@ naming every active hook. Unset (production), :func:`install` does nothing at al
 ``start_delay:<ms>``
     the daemon sleeps ``<ms>`` milliseconds while starting (after the port opened, before it
     reports ready), so the window in which health answers NOT_SERVING can be observed.
+``stop_delay:<ms>``
+    the daemon's shutdown (``Daemon.stop``, which the server runs off its event loop after
+    SIGTERM) sleeps ``<ms>`` milliseconds first: the window before the scheduler refuses work,
+    in which a new call must already be refused (UNAVAILABLE) as health says.
 
 An unknown or malformed hook stops the daemon from starting (a typo must not silently test
 nothing).
@@ -57,17 +61,18 @@ class Faults:
     start_delay_ms: float = 0.0
     commit_pause_ms: float = 0.0
     kill_at: str = ""
+    stop_delay_ms: float = 0.0
 
     @property
     def active(self) -> bool:
         return bool(self.oom_tenants or self.slow_ms or self.start_delay_ms
-                    or self.commit_pause_ms or self.kill_at)
+                    or self.commit_pause_ms or self.kill_at or self.stop_delay_ms)
 
 
 def parse(spec: str) -> Faults:
     """``"oom:acme,slow:50"`` -> :class:`Faults`; ValueError naming the bad hook."""
     oom: set[str] = set()
-    ms_of = {"slow": 0.0, "start_delay": 0.0, "commit_pause": 0.0}
+    ms_of = {"slow": 0.0, "start_delay": 0.0, "commit_pause": 0.0, "stop_delay": 0.0}
     kill_at = ""
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, sep, arg = item.partition(":")
@@ -91,12 +96,13 @@ def parse(spec: str) -> Faults:
             raise ValueError(f"{ENV}: unknown hook {kind!r} (known: oom, kill_at, "
                              f"{', '.join(ms_of)})")
     return Faults(frozenset(oom), ms_of["slow"], ms_of["start_delay"], ms_of["commit_pause"],
-                  kill_at)
+                  kill_at, ms_of["stop_delay"])
 
 
-def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
+def install(engine: Any, environ: Mapping[str, str] = os.environ, daemon: Any = None) -> Faults:
     """Apply the hooks named in ``environ[ENV]`` to a starting daemon's engine (before its
-    scheduler is built). Returns what was installed; with the variable unset, nothing."""
+    scheduler is built) and, for ``stop_delay``, to the daemon. Returns what was installed;
+    with the variable unset, nothing."""
     faults = parse(environ.get(ENV, ""))
     if not faults.active:
         return faults
@@ -111,6 +117,8 @@ def install(engine: Any, environ: Mapping[str, str] = os.environ) -> Faults:
         engine.infer = _faulty(engine.infer, faults)  # instance attribute: this engine only
     if faults.commit_pause_ms:
         engine.add_tenant = _paused(engine.add_tenant, faults.commit_pause_ms / 1000.0)
+    if faults.stop_delay_ms and daemon is not None:
+        daemon.stop = _paused(daemon.stop, faults.stop_delay_ms / 1000.0)  # this daemon only
     if faults.kill_at:
         from itif.weights import blobstore  # noqa: PLC0415 - test-only, when armed
 

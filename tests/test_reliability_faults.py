@@ -115,8 +115,10 @@ def test_health_truthful_and_graceful_shutdown(tmp_path, rel):
     SIGTERM health turns NOT_SERVING, new calls get UNAVAILABLE, the in-flight calls finish
     OK, and the process exits 0 within server.grace_s."""
     tokens = make_tokens(["a"])
-    d = Daemon(tmp_path, tokens, faults="start_delay:2000,slow:2500",
-                server_extra={"grace_s": 20})
+    # stop_delay: the daemon's own shutdown starts 1.5 s after SIGTERM, so a call that the
+    # server let in after health turned NOT_SERVING would be queued and answered OK
+    d = Daemon(tmp_path, tokens, faults="start_delay:2000,slow:2500,stop_delay:1500",
+               server_extra={"grace_s": 20})
     d.start(wait=False)
     try:
         d.wait_port(60)  # the port opens before the backbone loads

@@ -126,6 +126,10 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     await stop.wait()
     grace = daemon.config.server.grace_s  # the live value: tenants.yaml may have changed it
     log.info("shutting down: draining for up to %.1fs", grace)
+    # New calls are refused (UNAVAILABLE) from here, on the loop, before health says
+    # NOT_SERVING: daemon.stop, which makes the scheduler refuse them too, runs on a thread, and a
+    # client that saw NOT_SERVING must not get a call in ahead of it.
+    daemon.ready = False
     health.shutting_down = True
     watcher.stop()
     t0 = time.monotonic()
