@@ -122,8 +122,8 @@ def test_the_loop_plan_takes_it_when_enabled(monkeypatch):
 
 
 def test_a_refused_call_leaves_the_loop_to_answer_from_then_on(monkeypatch, caplog):
-    """A cuBLAS that refuses the grouped call (a status, raised before it launches anything)
-    does not fail the product: the loop answers it, and the next products on that device and
+    """A cuBLAS that refuses the grouped call (a status other than success) does not fail the
+    product: the loop answers it, and the next products on that device and
     dtype go straight to the loop, with one warning."""
     monkeypatch.setattr(cublas_grouped, "_refused", set())
     monkeypatch.setenv(cublas_grouped.ENV, "cublas")  # float32 goes to it only when asked
