@@ -29,6 +29,8 @@
 #   SYSTEMS          [seq multi_stream hf hf_compiled mps itif itif_nographs]
 #   STRATEGIES       itif planner strategies [packed]
 #   REPEATS          timed runs per system [5 / 2]
+#   BACK_TO_BACK     1: the table also times each system's repeats in a row after the
+#                    interleaved ones (latency_ms_alone, speedup_vs_<baseline>_alone) [1]; 0: not
 #   DTYPE            [float16 / float32]
 #   COMPILE_MODE     torch.compile mode of hf_compiled [max-autotune]
 #   COMPILE_BOUND    1: bound max-autotune's compile time (GEMM autotuning only) [1]; 0: full
@@ -128,6 +130,7 @@ else
 fi
 SYSTEMS=${SYSTEMS:-"seq multi_stream hf hf_compiled mps itif itif_nographs"}
 STRATEGIES=${STRATEGIES:-packed}
+BACK_TO_BACK=${BACK_TO_BACK:-1}
 COMPILE_MODE=${COMPILE_MODE:-max-autotune}
 COMPILE_BOUND=${COMPILE_BOUND:-1}
 COMPILED_MODELS=${COMPILED_MODELS:-}
@@ -242,6 +245,7 @@ if has_step table; then
   TO=$(step_timeout 100000 "$RES_SERVE")
   BOUND=""; [ "$COMPILE_BOUND" = 1 ] && BOUND="--compile-bound"
   STRAT=""; [ -n "$STRATEGIES" ] && STRAT="--strategies $STRATEGIES"
+  B2B=""; [ "$BACK_TO_BACK" = 1 ] && B2B="--back-to-back"
   CSEL=""
   [ -n "$COMPILED_MODELS" ] && CSEL="--compiled-models $COMPILED_MODELS"
   [ -n "$COMPILED_TENANTS" ] && CSEL="$CSEL --compiled-tenants $COMPILED_TENANTS"
@@ -249,7 +253,7 @@ if has_step table; then
   run_step table "$TO" - "$PY" -m itif.bench.suite table --out-dir "$OUT" --log "$LOG" \
     --budget $((TO - 10)) --models $MODELS --tenants $TENANTS --systems $SYSTEMS $STRAT \
     --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" --compile-mode "$COMPILE_MODE" \
-    $BOUND $CSEL --mps-max-tenants "$MPS_MAX_TENANTS" $QUICK $TABLE_ARGS
+    $BOUND $CSEL --mps-max-tenants "$MPS_MAX_TENANTS" $QUICK $B2B $TABLE_ARGS
 else
   say "step table: not selected (--steps $STEPS)"
 fi

@@ -41,7 +41,8 @@ REQUIRED = ("model", "tenants", "requests_per_tenant", "seq_len", "system", "lat
 
 @pytest.fixture(scope="module")
 def quick_rows():
-    proc = subprocess.run([sys.executable, "-m", "itif", "bench", "--quick", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "itif", "bench", "--quick", "--json",
+                           "--back-to-back"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)  # stdout is the JSON list and nothing else
@@ -103,6 +104,10 @@ def test_quick_ratios_agree_with_latencies(quick_rows):
             assert r["speedup_vs_seq"] == pytest.approx(seq["latency_ms"] / r["latency_ms"],
                                                         rel=1e-3)
             assert r["latency_ms_min"] <= r["latency_ms"] <= r["latency_ms_max"]
+            # --back-to-back: each system timed alone too, with its own ratios
+            assert r["latency_ms_alone"] > 0 and r["host_probe_ms"] > 0
+            assert r["speedup_vs_seq_alone"] == pytest.approx(
+                seq["latency_ms_alone"] / r["latency_ms_alone"], rel=1e-3)
             if r["system"] == "itif":
                 assert r["flops"] > 0 and r["weight_bytes"] > 0 and r["bound_ms"] > 0
                 assert r["bound_by"] in ("compute", "memory")
@@ -473,6 +478,50 @@ def test_speedups_recompute_with_hf_compiled():
     assert "speedup_vs_seq" not in rows[4]
 
 
+def test_speedups_of_back_to_back_timings():
+    from itif.bench.offline import speedups
+
+    base = dict(suite="table", model="m", tenants=2, requests_per_tenant=1, seq_len=8,
+                status="ok")
+    rows = [dict(base, system="seq", latency_ms=8.0, latency_ms_alone=6.0),
+            dict(base, system="hf", latency_ms=6.0),  # timed interleaved only
+            dict(base, system="itif", latency_ms=4.0, latency_ms_alone=2.0)]
+    for _ in range(2):
+        speedups(rows)
+    it = rows[2]
+    assert (it["speedup_vs_seq"], it["speedup_vs_seq_alone"]) == (2.0, 3.0)
+    assert it["speedup_vs_hf"] == 1.5 and "speedup_vs_hf_alone" not in it
+    assert "speedup_vs_seq_alone" not in rows[1]  # no alone timing of its own
+    rows[0].pop("latency_ms_alone")
+    speedups(rows)  # recomputed: a baseline without one leaves no stale ratio behind
+    assert "speedup_vs_seq_alone" not in rows[2]
+
+
+def test_back_to_back_runs_each_system_in_a_row():
+    from itif.bench.systems import System, measure_alone
+
+    calls = []
+
+    class Stub(System):
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def run(self):
+            calls.append(self.name)
+            if self.fail and len([c for c in calls if c == self.name]) > 1:
+                raise RuntimeError("out of memory")
+            return 1.0 if self.name == "a" else 3.0  # ms, as an mps-style run reports them
+
+    a, b, c = Stub("a"), Stub("b"), Stub("c", fail=True)
+    heard = []
+    got = measure_alone([a, b, c], repeats=3, warmup=1,
+                        on_error=lambda s, msg: heard.append((s.name, msg)))
+    assert calls == ["a"] * 4 + ["b"] * 4 + ["c"] * 2  # warm-up + repeats, one system at a time
+    assert got[id(a)] == dict(latency_ms_alone=1.0) and got[id(b)] == dict(latency_ms_alone=3.0)
+    assert got[id(c)] == dict(alone_error="RuntimeError: out of memory")
+    assert heard == [("c", "RuntimeError: out of memory")]
+
+
 def test_load_hf_weights_swaps_a_tenant_in():
     pytest.importorskip("transformers")
     from itif.bench.systems import hf_forward, hf_inputs
@@ -507,6 +556,10 @@ def test_gpu_report_section_and_splice():
     assert "No GPU results yet" not in new and new.count(gpu_report.BEGIN) == 1
     assert "CUDA graphs on and off" in new and "| bert-base | 2 | 2 | 3 | 1.50× | 1 | 200 |" in new
     assert "200 / 1" in new and "400 / 400" in new
+    assert "back to back" not in new  # no back-to-back timings, no column for them
+    for r in doc["rows"]:
+        r["speedup_vs_seq_alone"] = 2.5
+    assert "| itif vs seq, back to back |" in gpu_report.render(doc, "OUT/table.json")
 
 
 def test_gpu_report_profile_generate_and_extra_tables():

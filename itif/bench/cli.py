@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--hf-reference", choices=("auto", "on", "off"), default="auto",
                    help="max_abs_diff_vs_hf_fp32 on every row: Hugging Face in float32 "
                    "(auto: on CUDA; on the CPU for small presets only)")
+    c.add_argument("--back-to-back", action="store_true",
+                   help="also time each system's repeats in a row after the interleaved runs: "
+                   "latency_ms_alone and speedup_vs_<baseline>_alone on every row")
     c.add_argument("--no-counts", action="store_true",
                    help="skip kernels_per_run / launch_calls_per_run (CUDA) and "
                    "aten_ops_per_run / matmul_ops_per_run (CPU)")
@@ -204,11 +207,12 @@ def run(args: argparse.Namespace) -> int:
                                   compile_bound=args.compile_bound,
                                   mps_max_tenants=args.mps_max_tenants,
                                   hf_reference=args.hf_reference, counts=not args.no_counts,
-                                  bandwidth=bandwidth)
+                                  bandwidth=bandwidth, alone=args.back_to_back)
     settings = dict(quick=quick, suites=suites, models=models, systems=systems,
                     strategies=strategies, repeats=repeats, fine_tune=args.fine_tune,
                     compile_mode=args.compile_mode, compile_bound=args.compile_bound,
-                    mps_max_tenants=args.mps_max_tenants, hf_reference=args.hf_reference)
+                    mps_max_tenants=args.mps_max_tenants, hf_reference=args.hf_reference,
+                    back_to_back=args.back_to_back)
     out = Path(args.out) if args.out else None
     if out is None and not quick:
         name = args.name or (f"{device.type}-tenants-{_today()[:10]}" if suites == ("tenants",)

@@ -47,7 +47,9 @@ from itif.bench.systems import (
     engine_graphs,
     hf_forward,
     hf_inputs,
+    host_probe_ms,
     measure,
+    measure_alone,
     op_counts,
 )
 from itif.bench.tenants import hf_model, load_hf_weights, tenant_bytes, tenant_weights
@@ -81,6 +83,9 @@ class OfflineSettings:
     hf_reference: str = "auto"  # float32 Hugging Face reference: auto (CUDA; CPU small), on, off
     counts: bool = True  # kernels / launches / aten ops of one run, on every row
     bandwidth: float | None = None  # measured copy bandwidth (bytes/s) for weight_bound_ms
+    # also time every system back to back (its repeats in a row, after the interleaved ones):
+    # latency_ms_alone and speedup_vs_<baseline>_alone on each row (``--back-to-back``)
+    alone: bool = False
 
 
 def available_bytes(device: torch.device) -> int:
@@ -445,7 +450,13 @@ def _measure_workload(w, systems, reqs, rows, base, reference, ctx: _Context):
             live.append(s)
         except Exception as e:  # noqa: BLE001 - reported on its rows
             on_error(s, e)
+    base = dict(base, host_probe_ms=host_probe_ms())
     times = measure(live, opt.repeats, opt.warmup, on_error)
+    alone = {}
+    if opt.alone:
+        alone = measure_alone([s for s in live if id(s) not in failed], opt.repeats, opt.warmup,
+                              lambda s, e: log.warning("%s %s failed back to back: %s", w,
+                                                       s.name, e))
     n = len(reqs)
     lengths = [len(r.input_ids) if spec.is_text else spec.num_patches + 1 for r in reqs]
     ref_strategy = DEFAULT_STRATEGY if DEFAULT_STRATEGY in opt.strategies else opt.strategies[0]
@@ -462,6 +473,8 @@ def _measure_workload(w, systems, reqs, rows, base, reference, ctx: _Context):
                    latency_ms_min=round(float(ms.min()), 4),
                    latency_ms_max=round(float(ms.max()), 4), repeats=int(ms.size),
                    throughput_rps=round(n / float(np.median(ms)) * 1e3, 3))
+        if id(s) in alone:
+            row.update(alone[id(s)])
         logits = s.logits()
         if isinstance(s, Fused):
             row["graphs"] = s.graphs_used
@@ -533,7 +546,8 @@ def _run_mps(model, spec, device, dtype_name, names, workloads, requests, opt, r
 
 def speedups(rows: list[dict]) -> None:
     """speedup_vs_<baseline> (seq, hf, hf_compiled) on every measured row: the baseline's
-    latency / its own. Safe to run again on merged rows (it recomputes)."""
+    latency / its own; speedup_vs_<baseline>_alone the same of ``latency_ms_alone`` where
+    both rows have it. Safe to run again on merged rows (it recomputes)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("suite") in ("serve", "serve_saturation", "serve_at_fraction"):
@@ -543,13 +557,19 @@ def speedups(rows: list[dict]) -> None:
     for g in groups.values():
         base = {r["system"]: r["latency_ms"] for r in g if r.get("status") == "ok"
                 and r["system"] in BASELINES}
+        alone = {r["system"]: r["latency_ms_alone"] for r in g if r.get("status") == "ok"
+                 and r["system"] in BASELINES and r.get("latency_ms_alone")}
         for r in g:
             for b in BASELINES:
                 r.pop(f"speedup_vs_{b}", None)
+                r.pop(f"speedup_vs_{b}_alone", None)
             if r.get("status") != "ok":
                 continue
             for b, ms in base.items():
                 r[f"speedup_vs_{b}"] = round(ms / r["latency_ms"], 4)
+            if r.get("latency_ms_alone"):
+                for b, ms in alone.items():
+                    r[f"speedup_vs_{b}_alone"] = round(ms / r["latency_ms_alone"], 4)
 
 
 _speedups = speedups  # the old name

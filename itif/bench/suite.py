@@ -73,6 +73,8 @@ def _bench_cmd(a, models: list[str], systems: list[str], tenants: list[int],
         cmd += ["--mps-max-tenants", str(a.mps_max_tenants)]
     if a.quick:
         cmd.append("--quick")
+    if a.back_to_back:
+        cmd.append("--back-to-back")
     return cmd
 
 
@@ -415,6 +417,8 @@ def main(argv=None) -> int:
                    help="tenant counts of the hf_compiled parts (default: every --tenants)")
     t.add_argument("--mps-max-tenants", type=int)
     t.add_argument("--quick", action="store_true")
+    t.add_argument("--back-to-back", action="store_true",
+                   help="also time each system back to back (itif bench --back-to-back)")
     t.add_argument("--one-part", action="store_true",
                    help="one bench process for every model (and one for hf_compiled) instead of "
                    "one per model: fewer process starts (the dry run), less isolation")

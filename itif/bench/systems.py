@@ -37,7 +37,7 @@ import torch
 from itif.runtime.engine import Engine, Request
 
 __all__ = ["System", "Fused", "Seq", "MultiStream", "HF", "HFCompiled", "measure", "by_tenant",
-           "op_counts", "compile_mode_for", "compile_options"]
+           "op_counts", "compile_mode_for", "compile_options", "host_probe_ms", "measure_alone"]
 
 
 def by_tenant(requests: list[Request]) -> dict[str, list[int]]:
@@ -467,3 +467,48 @@ def measure(systems: list[System], repeats: int, warmup: int = 1,
                 if ms is not None:
                     times[id(s)].append(ms)
     return times
+
+
+#: Iterations of :func:`host_probe_ms`'s loop: about a millisecond on a 2020s server core.
+HOST_PROBE_N = 20_000
+
+
+def host_probe_ms(repeats: int = 5) -> float:
+    """Milliseconds of a fixed pure-Python loop (median of ``repeats``), on every row as
+    ``host_probe_ms``: how fast the host ran while the workload was measured. Launch-bound rows
+    would move with it: on the H100 of 2026-11-26 every system's bert-base T = 4 row was
+    1.13-1.78x slower than on 11-23 (itif 1.80 ms against 1.44) and every T = 8 row faster,
+    for no cause the results could show."""
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(HOST_PROBE_N):
+            acc += i * i
+        ts.append(time.perf_counter() - t0)
+    return round(float(np.median(ts)) * 1e3, 4)
+
+
+def measure_alone(systems: list[System], repeats: int, warmup: int = 1,
+                  on_error=None) -> dict[int, dict]:
+    """Each system's repeats in a row (a warm-up first), one system after another, by
+    ``id(system)``: ``latency_ms_alone`` (median), or ``alone_error`` where it raised
+    (``on_error(system, message)`` hears of it). ``itif bench --back-to-back`` runs it after
+    :func:`measure`. The interleaved median is the table's figure (drift hits every system
+    alike); this one says what a system costs when nothing else ran on the device between its
+    runs, as for a server that runs one of them. On an H100 the fused engine's bert-base T = 4
+    forward took 1.80 ms in the interleaved table and 1.19 ms back to back in
+    bench/profile_forward.py (docs/gpu.md, "Where the time goes"); this measures both in one
+    run."""
+    out: dict[int, dict] = {}
+    for s in systems:
+        err: list[str] = []
+        ms = measure([s], repeats, warmup,
+                     lambda _s, e, err=err: err.append(f"{type(e).__name__}: {e}"))[id(s)]
+        if err:
+            if on_error is not None:
+                on_error(s, err[0])
+            out[id(s)] = dict(alone_error=err[0])
+        else:
+            out[id(s)] = dict(latency_ms_alone=round(float(np.median(ms)), 4))
+    return out
