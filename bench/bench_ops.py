@@ -13,7 +13,9 @@ with CUDA events after a warm-up, the median over repeats of:
 
 Attention (SDPA vs bmm + masked softmax) and the per-slot GEMM backends of
 ``itif.runtime.gemm`` (``BACKENDS``: mm, bmm, grouped_mm, loop; a backend that cannot run a plan
-is recorded as skipped with its ValueError) are timed too. Every section runs on its own: one
+is recorded as skipped with its ValueError) are timed too. ``loop`` is one ``torch.mm`` a segment
+(``ITIF_GROUPED_GEMM=loop`` around it: the SEQ of the GEMM rows); where the grouped cuBLAS call
+serves the loop's plans (CUDA, float16 / bfloat16) it is timed as ``grouped_cublas``. Every section runs on its own: one
 that fails is recorded under ``errors`` and the others still run.
 
 Without CUDA (or with ``--cpu``) it runs a reduced CPU pass: small shapes, the GEMM backends only
@@ -27,7 +29,9 @@ Writes ``--out`` (default bench/results/ops_<device>.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import statistics
 import sys
@@ -69,6 +73,20 @@ def timeit(fn: Callable[[], object], warmup: int, repeats: int, inner: int,
     samples.sort()
     q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))]
     return {"median_us": statistics.median(samples), "p10_us": q(0.1), "p90_us": q(0.9)}
+
+
+@contextlib.contextmanager
+def environ(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, as it was after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def gemm_api():
@@ -336,6 +354,7 @@ def main() -> int:
             print(f"{'gemm':28s} skipped: {why}")
             return
         backends, Segments, grouped_linear, plan_gemm, run_gemm = api
+        from itif.runtime import cublas_grouped  # noqa: PLC0415
         cap = 2 * nt  # room for strided slots
         w = torch.randn(cap, 3 * H, H, device=dev, dtype=dtype) / H**0.5
         starts = tuple(a for a, _ in spans)
@@ -349,7 +368,8 @@ def main() -> int:
         out = torch.empty(T, 3 * H, device=dev, dtype=dtype)
         for pname, segs in plans.items():
             op = f"gemm_qkv_{pname}"
-            ref = grouped_linear(x_h, w, segs, backend="loop").float()
+            with environ(cublas_grouped.ENV, "loop"):
+                ref = grouped_linear(x_h, w, segs, backend="loop").float()
             chosen = None
             if plan_gemm is not None:
                 try:
@@ -373,8 +393,16 @@ def main() -> int:
                 else:
                     fn = (lambda b=b, segs=segs: grouped_linear(x_h, w, segs, backend=b, out=out))
                     how = "grouped_linear"
-                record(op, b, fn, max_abs_err_vs_loop=err, chosen_by_planner=chosen == b,
-                       method=how, segments=len(segs))
+                if b != "loop":
+                    record(op, b, fn, max_abs_err_vs_loop=err, chosen_by_planner=chosen == b,
+                           method=how, segments=len(segs))
+                    continue
+                with environ(cublas_grouped.ENV, "loop"):  # one torch.mm a segment
+                    record(op, b, fn, max_abs_err_vs_loop=0.0, chosen_by_planner=chosen == b,
+                           method=how, segments=len(segs))
+                if cublas_grouped.enabled(x_h.device, x_h.dtype):  # the loop's plans, one call
+                    record(op, "grouped_cublas", fn, max_abs_err_vs_loop=err,
+                           chosen_by_planner=chosen == b, method=how, segments=len(segs))
 
     section("rotation_ops", rotation_setup, kernels_why)
     if rot_state:  # each op on its own: one failing op keeps the others' numbers

@@ -49,10 +49,12 @@ def _ms(f, n: int = 20) -> float:
 
 def kind_of(name: str) -> str:
     n = name.lower()
-    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "ampere_", "cublas", "nvjet", "s16816")):
-        return "gemm"
+    # attention first: flash-attention's kernels name their cutlass types
+    # ("pytorch_flash::flash_fwd_kernel<...cutlass::half_t...>")
     if any(k in n for k in ("flash", "fmha", "attention", "efficient")):
         return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "ampere_", "cublas", "nvjet", "s16816")):
+        return "gemm"
     if any(k in n for k in ("bias_act", "layernorm", "embed_text", "masked_softmax")):
         return "itif_rawkernel"
     return "other"

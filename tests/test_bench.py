@@ -522,6 +522,40 @@ def test_back_to_back_runs_each_system_in_a_row():
     assert heard == [("c", "RuntimeError: out of memory")]
 
 
+def _bench_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_ops_environ_restores_the_variable(monkeypatch):
+    environ = _bench_script("bench_ops").environ
+    monkeypatch.delenv("ITIF_GROUPED_GEMM", raising=False)
+    with environ("ITIF_GROUPED_GEMM", "loop"):
+        assert os.environ["ITIF_GROUPED_GEMM"] == "loop"
+    assert "ITIF_GROUPED_GEMM" not in os.environ
+    monkeypatch.setenv("ITIF_GROUPED_GEMM", "cublas")
+    with pytest.raises(KeyError), environ("ITIF_GROUPED_GEMM", "loop"):
+        raise KeyError("a failing timing")
+    assert os.environ["ITIF_GROUPED_GEMM"] == "cublas"
+
+
+def test_profile_kernel_kinds():
+    mod = _bench_script("profile_forward")
+    # names as torch.profiler reported them on the H100 (2026-11-27)
+    flash = ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, "
+             "false, false, cutlass::half_t, Flash_kerne")
+    assert mod.kind_of(flash) == "attention"  # not a GEMM, though it names cutlass
+    assert mod.kind_of("nvjet_sm90_hsh_72x64_64x12_4x2_h_bz_TNN") == "gemm"
+    assert mod.kind_of("bias_residual_layernorm") == "itif_rawkernel"
+    assert mod.kind_of("void at::native::vectorized_gather_kernel<16, long>") == "other"
+
+
 def test_load_hf_weights_swaps_a_tenant_in():
     pytest.importorskip("transformers")
     from itif.bench.systems import hf_forward, hf_inputs
