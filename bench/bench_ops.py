@@ -15,8 +15,11 @@ Attention (SDPA vs bmm + masked softmax) and the per-slot GEMM backends of
 ``itif.runtime.gemm`` (``BACKENDS``: mm, bmm, grouped_mm, loop; a backend that cannot run a plan
 is recorded as skipped with its ValueError) are timed too. ``loop`` is one ``torch.mm`` a segment
 (``ITIF_GROUPED_GEMM=loop`` around it: the SEQ of the GEMM rows); where the grouped cuBLAS call
-serves the loop's plans (CUDA, float16 / bfloat16) it is timed as ``grouped_cublas``. Every section runs on its own: one
-that fails is recorded under ``errors`` and the others still run.
+serves the loop's plans (CUDA, float16 / bfloat16) it is timed as ``grouped_cublas``. On CUDA the
+four products of a bert layer (T = --tenants and 32) are timed as the forward runs them with
+cuBLAS (plus ``bias_act`` after qkv and ffn_in) and with itif's Triton GEMM, the bias and
+activation in its epilogue (``triton_gemm_<kind>_T<n>``; ``itif.runtime.triton_gemm``). Every
+section runs on its own: one that fails is recorded under ``errors`` and the others still run.
 
 Without CUDA (or with ``--cpu``) it runs a reduced CPU pass: small shapes, the GEMM backends only
 (timed with perf_counter), the CUDA/CuPy sections recorded under ``skipped`` with the reason.
@@ -390,6 +393,52 @@ def main() -> int:
                     record(op, name, fn, max_abs_err_vs_loop=err, chosen_by_planner=chosen == b,
                            method=how, segments=len(segs))
 
+    def triton_ops():
+        """Each product of a bert layer at T = --tenants and 32 (128 rows a tenant, consecutive
+        slots): cuBLAS as the forward plans it, then ``bias_act`` where the layer has a bias
+        pass, against itif's Triton GEMM with the bias / activation in its epilogue."""
+        from itif.ops import dispatch  # noqa: PLC0415
+        from itif.ops.reference import RotParam  # noqa: PLC0415
+        from itif.runtime import triton_gemm as tg  # noqa: PLC0415
+        from itif.runtime.gemm import Segments, plan_gemm, run_gemm  # noqa: PLC0415
+
+        kinds = {"qkv": (3 * H, H, "none"), "attn_out": (H, H, None),
+                 "ffn_in": (FF, H, "gelu"), "ffn_out": (H, FF, None)}  # N, K, epilogue
+        for n in sorted({nt, 32 if on_gpu else nt}):  # interpreted (CPU), T = 32 takes minutes
+            rows = n * tok
+            segs = Segments(tuple(range(0, rows, tok)), tuple(range(tok, rows + 1, tok)),
+                            tuple(range(n)))
+            plan = plan_gemm(segs, rows, dev, dtype)
+            bm = tg.block_rows(plan.max_rows)
+            tiles = torch.from_numpy(tg.tile_table(segs, bm)).to(dev)
+            slot = torch.arange(n, device=dev).repeat_interleave(tok)
+            for kind, (N, K, act) in kinds.items():
+                x = torch.randn(rows, K, device=dev, dtype=dtype)
+                w = torch.randn(n, N, K, device=dev, dtype=dtype) / K**0.5
+                bias = (RotParam(torch.randn(n, N, device=dev, dtype=dtype), slot, plan)
+                        if act is not None else None)
+                out = torch.empty(rows, N, device=dev, dtype=dtype)
+
+                def unfused(x=x, w=w, bias=bias, act=act, out=out, plan=plan):
+                    run_gemm(x, w, plan, None, out)
+                    if bias is not None:
+                        dispatch.bias_act(out, bias, act)
+
+                def fused(x=x, w=w, bias=bias, act=act or "none", out=out, tiles=tiles, bm=bm):
+                    tg.run(x, w, tiles, bm, bias.buf if bias else None,
+                           bias.slot if bias else None, act, out)
+
+                unfused()
+                ref = out.float().clone()
+                fused()
+                err = float((out.float() - ref).abs().max())
+                op = f"triton_gemm_{kind}_T{n}"
+                extra = dict(weight_bytes=n * N * K * out.element_size(), rows=rows)
+                record(op, plan.backend + ("+bias_act" if bias is not None else ""), unfused,
+                       **extra)
+                record(op, "triton" + ("_epilogue" if bias is not None else ""), fused,
+                       max_abs_err_vs_cublas=err, **extra)
+
     section("rotation_ops", rotation_setup, kernels_why)
     if rot_state:  # each op on its own: one failing op keeps the others' numbers
         section("bias_act", bias_act_ops)
@@ -399,6 +448,16 @@ def main() -> int:
     section("attention", attention_ops, None if on_gpu or emulate else
             "needs CUDA (SDPA kernels vs bmm + masked softmax on the GPU)")
     section("gemm", gemm_ops)
+    from itif.runtime import triton_gemm  # noqa: PLC0415
+
+    triton_why = None
+    if not (on_gpu or emulate):
+        triton_why = "needs CUDA (on the CPU Triton only interprets: no times worth having)"
+    elif not triton_gemm.runnable(dev, dtype):  # the emulated pass: TRITON_INTERPRET=1
+        triton_why = (f"Triton's GEMM cannot run {args.dtype} on {dev.type} here (Triton "
+                      f"installed: {triton_gemm.available()}; on the CPU it needs "
+                      "TRITON_INTERPRET=1)")
+    section("triton_gemm", triton_ops, triton_why)
 
     # -- summary: Table 5.3 (SEQ vs fused per op) --------------------------------------------
     speedups = {}

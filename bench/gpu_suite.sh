@@ -3,14 +3,15 @@
 # workloads for every system, and (on request) the serving sweep.
 #
 #   bash bench/gpu_suite.sh OUTDIR [--dry-run] [--steps STEP,...]
-#     (steps: tests ops profile graphs table serve generate)
+#     (steps: tests ops profile graphs triton table serve generate)
 #   PYTHONPATH=/tmp/site:$PWD bash bench/gpu_suite.sh $OUT          # on the GPU machine
 #
 # Every step runs under its own `timeout` carved from one budget (SUITE_BUDGET_S), so one hang
 # cannot eat the call; each appends a summary line (and SKIPPED/ERROR lines with reasons) to
 # OUTDIR/suite.log. Files in OUTDIR (at most 8): suite.log, tests.log, ops.json, profile.json,
-# table.json, plots.tar.gz, bench.log, graph_policy.json, serve.json, generate.json (graphs, serve
-# and generate are off by default: --steps graphs,serve is one call, --steps generate another).
+# table.json, plots.tar.gz, bench.log, graph_policy.json, triton.json, serve.json, generate.json
+# (graphs, triton, serve and generate are off by default: --steps graphs,serve is one call,
+# --steps generate another, --steps tests,ops,triton another).
 # Intermediate files live in a temp dir.
 #
 # --dry-run (automatic when torch sees no CUDA): the same steps on the CPU with the tiny
@@ -24,6 +25,10 @@
 #                    [--batches 60 --rounds 2] and cap [150]
 #   PROFILE_MODELS PROFILE_TENANTS   bench/profile_forward.py's models and tenant counts
 #                    [bert-base / -] [4 32 / -] (where the fused forward's time goes; GPU only)
+#   TRITON_MODELS TRITON_TENANTS TRITON_TIMEOUT_S   the triton step (bench/triton_forward.py:
+#                    seq and itif with cuBLAS and with itif's Triton GEMM, ITIF_TRITON_GEMM=1)
+#                    [bert-base / bert-tiny] [4 32 / 2] [240 / 120]; ITIF_TRITON_GEMM=1 in the
+#                    suite's own environment runs every step with the Triton GEMM instead
 #   MODELS           [bert-base albert-large vit-base / bert-tiny albert-tiny vit-tiny]
 #   TENANTS          [1 2 4 8 32 / 1 2]
 #   SYSTEMS          [seq multi_stream hf hf_compiled mps itif itif_nographs]
@@ -111,6 +116,8 @@ if [ "$DRY" = 1 ]; then
   RES_OPS_MIN=10; RES_TABLE_MIN=80; RES_SERVE_MIN=40
   GEN_ARGS=${GEN_ARGS:-"--preset marian-tiny --tenants 2 --requests 2 --beams 2 --src-len 16 --new-tokens 4 --repeats 1"}
   GEN_CAP=${GENERATE_TIMEOUT_S:-120}
+  TRITON_MODELS=${TRITON_MODELS:-bert-tiny}; TRITON_TENANTS=${TRITON_TENANTS:-2}
+  TRITON_CAP=${TRITON_TIMEOUT_S:-120}; TRITON_ARGS="--allow-cpu --repeats 2"
 else
   BUDGET=${SUITE_BUDGET_S:-510}
   MODELS=${MODELS:-"bert-base albert-large vit-base"}
@@ -127,6 +134,8 @@ else
   RES_OPS_MIN=30; RES_TABLE_MIN=240; RES_SERVE_MIN=200
   GEN_ARGS=${GEN_ARGS:-"--preset marian-decoding --tenants 8 --requests 4 --beams 4 --src-len 128 --new-tokens 32 --repeats 3"}
   GEN_CAP=${GENERATE_TIMEOUT_S:-300}
+  TRITON_MODELS=${TRITON_MODELS:-bert-base}; TRITON_TENANTS=${TRITON_TENANTS:-"4 32"}
+  TRITON_CAP=${TRITON_TIMEOUT_S:-240}; TRITON_ARGS=""
 fi
 SYSTEMS=${SYSTEMS:-"seq multi_stream hf hf_compiled mps itif itif_nographs"}
 STRATEGIES=${STRATEGIES:-packed}
@@ -236,6 +245,21 @@ for name, s in d["summary"].items():
   fi
 else
   say "step graphs: not selected (--steps $STEPS)"
+fi
+
+# ---- (b4) itif's Triton GEMM against cuBLAS in the forward: bench/triton_forward.py (off by default)
+if has_step triton; then
+  TO=$(step_timeout "$TRITON_CAP" "$RES_TABLE")
+  # without a GPU the kernel runs under Triton's interpreter, which Triton reads at import
+  INTERP=""; [ "$DRY" = 1 ] && INTERP="TRITON_INTERPRET=1"
+  run_step triton "$TO" "$OUT/bench.log" env $INTERP "$PY" bench/triton_forward.py \
+    --models $TRITON_MODELS --tenants $TRITON_TENANTS $TRITON_ARGS --out "$OUT/triton.json"
+  "$PY" -c 'import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print({k: v for k, v in r.items() if k not in ("dtype",)})' "$OUT/triton.json" 2>&1 \
+    | sed 's/^/  /' | tee -a "$LOG"
+else
+  say "step triton: not selected (--steps $STEPS; on the GPU: --steps tests,ops,triton)"
 fi
 
 # ---- (c) Table 5.2 workloads, every system ---------------------------------------------------------

@@ -11,6 +11,12 @@ if "ITIF_CACHE_DIR" not in os.environ:  # profiled cost models go to a throwaway
 
     os.environ["ITIF_CACHE_DIR"] = tempfile.mkdtemp(prefix="itif-test-cache-")
 
+if "TRITON_INTERPRET" not in os.environ:  # itif's Triton kernel runs interpreted without a GPU;
+    import torch  # Triton reads the setting when it is imported, so it is set before anything
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest  # noqa: E402
 
 from tests.oracle import make_hf_model  # noqa: E402

@@ -136,6 +136,13 @@ def test_bench_ops_sections_run_with_emulated_kernels(tmp_path):
     t53 = {r["op"] for r in ops["table_5_3"]}
     assert {"bias_act_gelu", "bias_residual", "bias_residual_layernorm", "embed_text"} <= t53
     assert {r["op"] for r in ops["results"]} >= {"attention_view", "attention_gather_masked"}
+    # itif's Triton GEMM (interpreted here: conftest sets TRITON_INTERPRET=1) beside cuBLAS's
+    # plan for each product of a layer, the same answer within float32 rounding
+    tri = [r for r in ops["results"] if r["op"].startswith("triton_gemm_")]
+    assert {r["op"] for r in tri} == {f"triton_gemm_{k}_T2"
+                                      for k in ("qkv", "attn_out", "ffn_in", "ffn_out")}
+    assert {r["variant"] for r in tri} == {"bmm", "bmm+bias_act", "triton", "triton_epilogue"}
+    assert all(r["max_abs_err_vs_cublas"] < 1e-4 for r in tri if "max_abs_err_vs_cublas" in r)
 
 
 # ---- the table step's bookkeeping (no subprocess) ---------------------------------------------
@@ -265,3 +272,37 @@ def test_dry_run_graphs_step_is_skipped_with_its_reason(tmp_path):
     assert proc.returncode == 0, log
     assert "step graphs: SKIPPED: it times CUDA graphs" in log and "every step ok" in log
     assert not (out / "graph_policy.json").exists()
+
+
+def test_dry_run_triton_step(tmp_path):
+    """``--steps triton``: bench/triton_forward.py on bert-tiny under Triton's interpreter; seq
+    and itif with the default GEMMs and with itif's Triton GEMM, the same logits both ways."""
+    pytest.importorskip("triton")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("TRITON_INTERPRET", None)  # the suite sets it for the dry run itself
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--steps", "triton"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    log = (out / "suite.log").read_text() if (out / "suite.log").exists() else ""
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{log}"
+    assert "step triton: ok" in log and "every step ok" in log
+    d = json.loads((out / "triton.json").read_text())
+    assert not d["errors"]
+    rows = {(r["system"], r["gemm"]): r for r in d["rows"]}
+    assert set(rows) == {(s, g) for s in ("seq", "itif") for g in ("default", "triton")}
+    for s in ("seq", "itif"):
+        assert rows[(s, "triton")]["max_abs_logit_diff_vs_default"] < 1e-4
+        assert rows[(s, "triton")]["latency_ms"] > 0 and rows[(s, "default")]["latency_ms"] > 0
+    assert rows[("itif", "triton")]["speedup_vs_seq"] > 0
+
+
+def test_triton_forward_refuses_without_cuda_unless_asked(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "triton_forward.py"),
+                           "--out", str(tmp_path / "t.json")], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr
+    assert not (tmp_path / "t.json").exists()

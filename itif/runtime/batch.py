@@ -25,6 +25,7 @@ import torch
 
 from itif.backbones.spec import BackboneSpec
 from itif.batching.layout import Layout
+from itif.runtime import triton_gemm
 from itif.runtime.gemm import GemmPlan, Segments, plan_gemm, segments_for, tenant_runs
 from itif.runtime.lora import lora_tables, plan_lora
 from itif.weights.store import StoreView
@@ -349,9 +350,10 @@ def prepare(
     """
     T = layout.total_rows
     n = layout.num_requests
+    fused = triton_gemm.enabled(device, dtype)  # ITIF_TRITON_GEMM=1: tile tables, see there
     key = (view.version, tenants, layout.tenant.tobytes(), layout.length.tobytes(),
            layout.offset.tobytes(), layout.padded_len.tobytes(), layout.mb_len.tobytes(),
-           want_pooled, want_logits, want_hidden)
+           want_pooled, want_logits, want_hidden, fused)
     if cache is not None:
         skel = cache.get(key)
         if skel is not None:  # same structure: only the inputs change
@@ -388,6 +390,9 @@ def prepare(
     for k, plan in enumerate(params.plans):
         if plan.backend == "grouped_mm":
             pk.add(f"offs{k}", plan.offs)
+        if fused:
+            pk.add(f"tiles{k}", triton_gemm.tile_table(plan.segs,
+                                                       triton_gemm.block_rows(plan.max_rows)))
     attn = _attention(layout, pk)
     varlen_L = _varlen(layout, T, pk) if len(attn) > 1 else 0
     lora = plan_lora(tables.lora, row_tenant, pk, device, dtype) if tables.lora else {}

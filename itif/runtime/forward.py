@@ -34,6 +34,7 @@ from itif.backbones.spec import BackboneSpec
 from itif.ops import dispatch as ops
 from itif.ops.reference import AttnGroup, RotParam
 from itif.platform import attention_backends
+from itif.runtime import triton_gemm
 from itif.runtime.batch import PreparedBatch
 from itif.runtime.gemm import GemmPlan, broadcast_rows, run_gemm
 from itif.runtime.lora import apply_lora
@@ -66,14 +67,26 @@ class _Bound:
         k = self.P.index(name)
         return RotParam(self.P.buffer(name), self.slot_rows[k], self.P.plans[k])
 
-    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, name: str, bias: str | None = None,
+               act: str = "none") -> torch.Tensor:
+        """``act(x @ W[slot].T + bias[slot])`` of each row, W and bias the parameters ``name``
+        and ``bias``: one launch where the batch packed a Triton tile table for the product
+        (``itif.runtime.triton_gemm``), else the GEMM plan, then ``bias_act``."""
         k = self.P.index(name)
         plan = self.P.plans[k]
+        groups = self.b.lora.get(name)
+        tiles = f"tiles{k}"
+        if not groups and tiles in self.b.packer.slices:
+            rot = self.rot(bias) if bias is not None else None
+            return triton_gemm.run(x, self.P.buffer(name), self.get(tiles),
+                                   triton_gemm.block_rows(plan.max_rows),
+                                   rot.buf if rot else None, rot.slot if rot else None, act)
         offs = self.offs(f"offs{k}") if plan.backend == "grouped_mm" else None
         y = run_gemm(x, self.P.buffer(name), plan, offs)
-        groups = self.b.lora.get(name)
         if groups:  # LoRA tenants' low-rank updates of their rows (itif.runtime.lora)
             apply_lora(y, x, groups, self.P.view.buffers, self.get, self.offs)
+        if bias is not None:
+            y = ops.bias_act(y, self.rot(bias), act)
         return y
 
     def varlen(self) -> tuple[torch.Tensor, int] | None:
@@ -132,7 +145,7 @@ def _embed(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
         x = ops.bias_residual_layernorm(x, None, None, d.rot("emb.ln.weight"),
                                         d.rot("emb.ln.bias"), spec.layer_norm_eps)
         if spec.family == "albert":
-            x = ops.bias_act(d.linear(x, "emb.proj.weight"), d.rot("emb.proj.bias"))
+            x = d.linear(x, "emb.proj.weight", "emb.proj.bias")
         return x
     # ViT: patches through the per-tenant projection, then the CLS token over row 0 of each
     # request, then position embeddings by each row's position.
@@ -143,7 +156,7 @@ def _embed(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
             .reshape(-1, C * P * P).to(dtype))  # [n * g * g, C*P*P], one copy on the device
     patches = torch.zeros(T, C * P * P, dtype=dtype, device=d.ints.device)
     patches.index_copy_(0, d.get("patch_rows"), flat)
-    x = ops.bias_act(d.linear(patches, "emb.patch.weight"), d.rot("emb.patch.bias"))
+    x = d.linear(patches, "emb.patch.weight", "emb.patch.bias")
     cls = d.rot("emb.cls")
     cls_rows = d.get("cls_token_rows")
     x.index_copy_(0, cls_rows, cls.buf.index_select(0, cls.slot.index_select(0, cls_rows)))
@@ -166,8 +179,7 @@ def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
                                         d.rot("layers.0.ln1.bias"), eps)
     for layer in range(spec.layers):
         p = f"layers.{spec.layer_params(layer)}."
-        qkv = ops.bias_act(d.linear(a if spec.pre_ln else x, p + "qkv.weight"),
-                           d.rot(p + "qkv.bias"))
+        qkv = d.linear(a if spec.pre_ln else x, p + "qkv.weight", p + "qkv.bias")
         # Every row belongs to exactly one attention group, so no row is left unwritten.
         ctx = ops.attention(qkv, groups, heads, torch.empty(T, H, dtype=qkv.dtype,
                                                             device=qkv.device), varlen)
@@ -179,8 +191,7 @@ def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
         else:
             y = ops.bias_residual_layernorm(h, d.rot(p + "attn_out.bias"), x,
                                             d.rot(p + "ln1.weight"), d.rot(p + "ln1.bias"), eps)
-        f = ops.bias_act(d.linear(y, p + "ffn_in.weight"), d.rot(p + "ffn_in.bias"),
-                         spec.hidden_act)
+        f = d.linear(y, p + "ffn_in.weight", p + "ffn_in.bias", spec.hidden_act)
         o = d.linear(f, p + "ffn_out.weight")
         if spec.pre_ln:
             nxt = (f"layers.{spec.layer_params(layer + 1)}.ln1" if layer + 1 < spec.layers

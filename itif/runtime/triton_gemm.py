@@ -1,0 +1,139 @@
+"""A per-slot GEMM of itif's own in Triton, with the bias and activation in its epilogue.
+
+Why: on the H100 the fused bert-base forward spends its time in cuBLAS's batched GEMMs and in
+the bias / activation passes that follow two of the four products of every layer
+(docs/gpu.md, "Where the time goes"): at T = 32 the GEMMs reach 72% of the copy bandwidth and
+the memory-bound passes cost 0.66 ms more; at T = 4, 24 of the 50 memory-bound launches are
+``bias_act``. This kernel reads each tile's weight slot in place (no gathered copy), adds each
+row's own bias (read through the row's slot, as the rotation kernels do) and applies the
+activation before the one store: ``qkv`` and ``ffn_in`` then cost one launch instead of two
+and their outputs are written once.
+
+How: the rows of a segment list (``itif.runtime.gemm.Segments``) are cut into *tiles* of at
+most ``BM`` rows, none straddling two segments; ``tile_table`` lists them as
+``(start, end, slot)`` on the host, the batch packs the table with its other index arrays, and
+one launch covers every tile x every ``BN``-wide column block: ``grid = (tiles, cdiv(N, BN))``.
+``BM`` follows the longest segment (16 to 128 rows) so a 128-row request reads each weight
+tile once. On CUDA ``triton.autotune`` picks the column block, pipeline depth and warps per
+(N, K, BM, fill) on the first call of a shape (the graph cache's eager warm-ups run it before
+any capture); on the CPU, under Triton's interpreter (``TRITON_INTERPRET=1``, the tests), one
+small fixed configuration runs.
+
+**Opt-in**: ``ITIF_TRITON_GEMM=1`` turns it on for batches prepared afterwards, on CUDA in
+float16 / bfloat16 (and on the CPU only under the interpreter). Not yet measured against cuBLAS
+on a GPU: ``bench/bench_ops.py`` and ``bench/gpu_suite.sh`` time it beside cuBLAS so the next
+GPU session can decide whether it becomes the default. Products with LoRA updates, the heads
+and the pooler keep ``run_gemm``.
+
+Numerics: the sum is float32 and the bias is added to it before the one rounding to the
+storage type; the unfused path rounds the product first, then adds the bias. The two differ
+in last bits only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import numpy as np
+import torch
+
+from itif.runtime.gemm import Segments
+
+ENV = "ITIF_TRITON_GEMM"
+ACT_CODES = {"none": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3, "silu": 4,
+             "tanh": 5}
+MAX_BM = 128
+MIN_BM = 16
+
+
+def available() -> bool:
+    """Triton is installed here (not imported: it reads ``TRITON_INTERPRET`` when it is)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def runnable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Triton installed, and either CUDA in float16 / bfloat16 or the CPU under Triton's
+    interpreter (where float32 runs too)."""
+    if not available():
+        return False
+    if device.type == "cuda":
+        return dtype in (torch.float16, torch.bfloat16)
+    return device.type == "cpu" and interpreted()
+
+
+def enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether batches prepared now on ``device`` in ``dtype`` use this kernel: asked for with
+    ``ITIF_TRITON_GEMM=1`` and ``runnable`` there."""
+    return os.environ.get(ENV, "") == "1" and runnable(device, dtype)
+
+
+def block_rows(max_rows: int) -> int:
+    """Rows a tile holds: the longest segment rounded up to a power of two, 16 to 128."""
+    return int(min(MAX_BM, max(MIN_BM, 1 << max(0, int(max_rows) - 1).bit_length())))
+
+
+def tile_table(segs: Segments, bm: int) -> np.ndarray:
+    """``[tiles, 3]`` int64 rows ``(start, end, slot)``: each segment cut into runs of at most
+    ``bm`` rows, in row order."""
+    start = np.asarray(segs.start, np.int64)
+    end = np.asarray(segs.end, np.int64)
+    slot = np.asarray(segs.slot, np.int64)
+    count = -(-(end - start) // bm)  # tiles per segment (segments are never empty)
+    seg = np.repeat(np.arange(len(start)), count)
+    first = np.repeat(np.cumsum(count) - count, count)
+    t0 = start[seg] + (np.arange(seg.size) - first) * bm
+    return np.stack([t0, np.minimum(t0 + bm, end[seg]), slot[seg]], axis=1)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """The jitted kernel and its autotuned form, imported on first use so that the interpreter
+    setting in force then applies (Triton reads it when a kernel is defined)."""
+    from itif.runtime import _triton_kernels
+
+    return _triton_kernels.seg_gemm, _triton_kernels.tuned()
+
+
+def run(x: torch.Tensor, w: torch.Tensor, tiles: torch.Tensor, bm: int,
+        bias: torch.Tensor | None = None, bias_slot: torch.Tensor | None = None,
+        act: str = "none", out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[s:e] = act(x[s:e] @ w[slot].T + bias[bias_slot[row]])`` for every tile.
+
+    x: [rows, K] dense; w: [capacity, N, K] with dense slots; tiles: ``tile_table(segs, bm)``
+    on x's device (int32 or int64, flattened or not); bias: [capacity_b, N] and bias_slot: [rows]
+    (both or neither). Launches only: nothing is read on the host.
+    """
+    x = x.contiguous()  # a no-op for the forward's operands
+    rows, K = x.shape
+    N = w.shape[1]
+    if out is None:
+        out = torch.empty(rows, N, dtype=x.dtype, device=x.device)
+    n_tiles = tiles.numel() // 3
+    if n_tiles == 0:
+        return out
+    code = ACT_CODES[act]
+    has_bias = bias is not None
+    b, bs = (bias, bias_slot) if has_bias else (out, tiles)  # placeholders, never read
+    plain, tuned = _kernels()
+    if interpreted():
+        plain[(n_tiles, -(-N // 32))](x, w, out, tiles, b, bs, N, 0, K=K, HAS_BIAS=has_bias,
+                                      ACT=code, BM=bm, BN=32, BK=32)
+    else:
+        fill = min(1 << max(0, n_tiles * -(-N // 64) - 1).bit_length(), 512)
+        tuned[lambda meta: (n_tiles, triton_cdiv(N, meta["BN"]))](
+            x, w, out, tiles, b, bs, N, fill, K=K, HAS_BIAS=has_bias, ACT=code, BM=bm)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["ACT_CODES", "ENV", "available", "block_rows", "enabled", "interpreted", "run",
+           "runnable", "tile_table"]
