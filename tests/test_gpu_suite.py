@@ -294,6 +294,10 @@ def test_dry_run_triton_step(tmp_path):
         assert rows[(s, "triton")]["max_abs_logit_diff_vs_default"] < 1e-4
         assert rows[(s, "triton")]["latency_ms"] > 0 and rows[(s, "default")]["latency_ms"] > 0
     assert rows[("itif", "triton")]["speedup_vs_seq"] > 0
+    best = min(rows[("seq", g)]["latency_ms"] for g in ("default", "triton"))
+    for g in ("default", "triton"):
+        it = rows[("itif", g)]
+        assert it["speedup_vs_best_seq"] == pytest.approx(best / it["latency_ms"], rel=2e-3, abs=6e-4)
 
 
 def test_triton_forward_refuses_without_cuda_unless_asked(tmp_path):

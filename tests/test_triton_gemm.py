@@ -8,6 +8,11 @@ graphs.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -37,6 +42,14 @@ pytestmark = [
 ]
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_configuration(monkeypatch):
+    """On a GPU: one fixed configuration (a compile per kernel variant, not one per autotuned
+    configuration); ``test_autotuned_launch_matches`` turns tuning back on."""
+    monkeypatch.setenv(tg.AUTOTUNE_ENV, "0")
 
 
 def _reference(x, w, segs, bias=None, bslot=None, act="none"):
@@ -115,6 +128,18 @@ def test_epilogue_matches_product_bias_activation(act, dtype):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.gpu
+def test_autotuned_launch_matches(monkeypatch):
+    monkeypatch.setenv(tg.AUTOTUNE_ENV, "1")
+    dev = torch.device("cuda")
+    x, w, b, bslot = _operands(dev, torch.float16)
+    bm = tg.block_rows(210)
+    tiles = torch.from_numpy(tg.tile_table(RAGGED, bm)).to(dev)
+    y = tg.run(x, w, tiles, bm, b, bslot, "gelu")
+    ref = _reference(x.cpu(), w.cpu(), RAGGED, b.cpu(), bslot.cpu(), "gelu")
+    torch.testing.assert_close(y.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_k_not_a_multiple_of_the_step_and_rows_past_the_tiles_untouched():
     """K = 50 takes the masked K loop; a tile table covering rows 0-20 of 30 leaves 20-29 as
     they were (the kernel writes exactly its tiles' rows)."""
@@ -129,6 +154,51 @@ def test_k_not_a_multiple_of_the_step_and_rows_past_the_tiles_untouched():
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[:20].double().cpu(), ref, atol=tol, rtol=tol)
     assert not out[20:].any()
+
+
+COMPILE_SM90 = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from itif.runtime import _triton_kernels as K
+sig = {"x_ptr": "*fp16", "w_ptr": "*fp16", "out_ptr": "*fp16", "tiles_ptr": "*i64",
+       "bias_ptr": "*fp16", "bslot_ptr": "*i64", "N": "i32", "fill": "i32", "K": "constexpr",
+       "HAS_BIAS": "constexpr", "ACT": "constexpr", "BM": "constexpr", "BN": "constexpr",
+       "BK": "constexpr"}
+# what a launch specialises on aligned tensors and N % 16 == 0 (bert-base's widths)
+attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4, 6)}
+out = []
+for bn, bk, warps, stages in K.CONFIGS + (K.FIXED,):
+    for k, bias, act in ((768, True, 0), (768, True, 1), (768, True, 2), (3072, False, 0),
+                         (50, True, 3)):
+        src = ASTSource(fn=K.seg_gemm, signature=sig, attrs=attrs, constexprs=dict(
+            K=k, HAS_BIAS=bias, ACT=act, BM=128, BN=bn, BK=bk))
+        c = compile(src, target=GPUTarget("cuda", 90, 32),
+                    options=dict(num_warps=warps, num_stages=stages))
+        ptx = c.asm["ptx"]
+        out.append(dict(cfg=[bn, bk, warps, stages], k=k, shared=c.metadata.shared,
+                        wgmma="wgmma.mma_async" in ptx, cp_async="cp.async" in ptx))
+json.dump(dict(configs=len(K.CONFIGS) + 1, rows=out), sys.stdout)
+"""
+
+
+def test_kernel_compiles_for_sm90_as_a_pipelined_wgmma_loop():
+    """Without a GPU, Triton still compiles the kernel for the H100 (sm_90, its own ptxas):
+    every configuration the autotuner tries and every epilogue builds, and with aligned
+    operands the K loop runs on Hopper's warpgroup MMA fed by asynchronous copies (a
+    pipelined loop), in the shared memory an SM has."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    rows = got["rows"]
+    assert got["configs"] >= 2 and len(rows) == 5 * got["configs"]
+    for r in rows:
+        assert r["wgmma"], r
+        assert r["shared"] <= 227 * 1024, r
+        if r["k"] % r["cfg"][1] == 0:
+            assert r["cp_async"], r  # the multiple-of-BK loop is pipelined
 
 
 # ---- the forward -----------------------------------------------------------------------------
@@ -186,8 +256,9 @@ def test_switch_is_read_when_a_batch_is_prepared(hf_factory, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("preset", ["bert-tiny", "albert-tiny", "vit-tiny", "bert-small"])
+@pytest.mark.parametrize(("preset", "dtype"), [
+    ("bert-tiny", "float16"), ("albert-tiny", "float16"), ("vit-tiny", "float16"),
+    ("bert-small", "bfloat16")])
 @pytest.mark.usefixtures("exact_float32_cuda")
 def test_cuda_kernel_forward_within_tolerance_of_hf_float32(preset, dtype, monkeypatch):
     monkeypatch.setenv(tg.ENV, "1")

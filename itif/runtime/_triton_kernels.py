@@ -18,9 +18,10 @@ if (os.environ.get("TRITON_INTERPRET", "") == "1") != isinstance(tl.sigmoid, Int
     raise RuntimeError("TRITON_INTERPRET changed after Triton was imported; set it before (Triton "
                        "defines its own helpers, tl.sigmoid among them, when it is imported)")
 
-# (BN, BK, warps, pipeline stages) the autotuner tries on CUDA
-CONFIGS = ((32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 8, 3), (128, 64, 8, 3), (128, 32, 4, 4),
-           (64, 128, 4, 3))
+# (BN, BK, warps, pipeline stages) the autotuner tries on CUDA: narrow column blocks fill the
+# GPU when there are few tiles (T = 4 at 128 rows: 4 tiles), wide ones reuse each row block
+CONFIGS = ((32, 64, 4, 4), (64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 4, 3))
+FIXED = (64, 64, 4, 3)  # ITIF_TRITON_AUTOTUNE=0: this one, no tuning (one compile a kernel)
 
 
 @triton.jit

@@ -16,8 +16,9 @@ one launch covers every tile x every ``BN``-wide column block: ``grid = (tiles, 
 ``BM`` follows the longest segment (16 to 128 rows) so a 128-row request reads each weight
 tile once. On CUDA ``triton.autotune`` picks the column block, pipeline depth and warps per
 (N, K, BM, fill) on the first call of a shape (the graph cache's eager warm-ups run it before
-any capture); on the CPU, under Triton's interpreter (``TRITON_INTERPRET=1``, the tests), one
-small fixed configuration runs.
+any capture; four configurations, each a compile of its own); ``ITIF_TRITON_AUTOTUNE=0`` runs
+one fixed configuration instead (the GPU tests: one compile per kernel variant). On the CPU,
+under Triton's interpreter (``TRITON_INTERPRET=1``, the tests), a small fixed one runs.
 
 **Opt-in**: ``ITIF_TRITON_GEMM=1`` turns it on for batches prepared afterwards, on CUDA in
 float16 / bfloat16 (and on the CPU only under the interpreter). Not yet measured against cuBLAS
@@ -32,7 +33,6 @@ in last bits only.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -42,6 +42,7 @@ import torch
 from itif.runtime.gemm import Segments
 
 ENV = "ITIF_TRITON_GEMM"
+AUTOTUNE_ENV = "ITIF_TRITON_AUTOTUNE"  # "0": one fixed configuration, no tuning
 ACT_CODES = {"none": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3, "silu": 4,
              "tanh": 5}
 MAX_BM = 128
@@ -91,13 +92,12 @@ def tile_table(segs: Segments, bm: int) -> np.ndarray:
     return np.stack([t0, np.minimum(t0 + bm, end[seg]), slot[seg]], axis=1)
 
 
-@functools.lru_cache(maxsize=1)
 def _kernels():
-    """The jitted kernel and its autotuned form, imported on first use so that the interpreter
-    setting in force then applies (Triton reads it when a kernel is defined)."""
+    """``itif.runtime._triton_kernels``, imported on first use so that the interpreter setting
+    in force then applies (Triton reads it when it is imported)."""
     from itif.runtime import _triton_kernels
 
-    return _triton_kernels.seg_gemm, _triton_kernels.tuned()
+    return _triton_kernels
 
 
 def run(x: torch.Tensor, w: torch.Tensor, tiles: torch.Tensor, bm: int,
@@ -120,20 +120,21 @@ def run(x: torch.Tensor, w: torch.Tensor, tiles: torch.Tensor, bm: int,
     code = ACT_CODES[act]
     has_bias = bias is not None
     b, bs = (bias, bias_slot) if has_bias else (out, tiles)  # placeholders, never read
-    plain, tuned = _kernels()
+    kernels = _kernels()
     if interpreted():
-        plain[(n_tiles, -(-N // 32))](x, w, out, tiles, b, bs, N, 0, K=K, HAS_BIAS=has_bias,
-                                      ACT=code, BM=bm, BN=32, BK=32)
+        kernels.seg_gemm[(n_tiles, -(-N // 32))](x, w, out, tiles, b, bs, N, 0, K=K,
+                                                 HAS_BIAS=has_bias, ACT=code, BM=bm, BN=32, BK=32)
+    elif os.environ.get(AUTOTUNE_ENV, "1") == "0":
+        bn, bk, warps, stages = kernels.FIXED
+        kernels.seg_gemm[(n_tiles, -(-N // bn))](x, w, out, tiles, b, bs, N, 0, K=K,
+                                                 HAS_BIAS=has_bias, ACT=code, BM=bm, BN=bn, BK=bk,
+                                                 num_warps=warps, num_stages=stages)
     else:
         fill = min(1 << max(0, n_tiles * -(-N // 64) - 1).bit_length(), 512)
-        tuned[lambda meta: (n_tiles, triton_cdiv(N, meta["BN"]))](
+        kernels.tuned()[lambda meta: (n_tiles, -(-N // meta["BN"]))](
             x, w, out, tiles, b, bs, N, fill, K=K, HAS_BIAS=has_bias, ACT=code, BM=bm)
     return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["ACT_CODES", "ENV", "available", "block_rows", "enabled", "interpreted", "run",
+__all__ = ["ACT_CODES", "AUTOTUNE_ENV", "ENV", "available", "block_rows", "enabled", "interpreted", "run",
            "runnable", "tile_table"]
