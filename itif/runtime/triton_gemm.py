@@ -33,6 +33,7 @@ in last bits only.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -49,8 +50,10 @@ MAX_BM = 128
 MIN_BM = 16
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Triton is installed here (not imported: it reads ``TRITON_INTERPRET`` when it is)."""
+    """Triton is installed here (not imported: it reads ``TRITON_INTERPRET`` when it is).
+    Cached: every batch prepared with the switch on asks."""
     return importlib.util.find_spec("triton") is not None
 
 
