@@ -243,16 +243,24 @@ def test_copy_bandwidth_on_cuda():
     assert 50e9 < bw < 20e12 and src.startswith("measured")
 
 
+def _dry_step(tmp_path, step: str) -> tuple[Path, str]:
+    """``gpu_suite.sh OUT --dry-run --steps STEP``: asserts it exits 0; (OUT, suite.log's text).
+    TRITON_INTERPRET is left to the suite, which sets it for its dry run."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--steps", step],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    log = (out / "suite.log").read_text() if (out / "suite.log").exists() else ""
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{log}"
+    return out, log
+
+
 def test_dry_run_generate_step(tmp_path):
     """``--steps generate``: the Decoding row's three systems on tiny presets, every sequence
     equal to HF's, and a summary line per system in suite.log."""
     pytest.importorskip("transformers")
-    out = tmp_path / "out"
-    env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--steps", "generate"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    log = (out / "suite.log").read_text() if (out / "suite.log").exists() else ""
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{log}"
+    out, log = _dry_step(tmp_path, "generate")
     assert "step generate: ok" in log and "every step ok" in log
     d = json.loads((out / "generate.json").read_text())
     assert {r["system"] for r in d["rows"]} == {"hf", "seq", "itif"}
@@ -264,12 +272,7 @@ def test_dry_run_generate_step(tmp_path):
 def test_dry_run_graphs_step_is_skipped_with_its_reason(tmp_path):
     """``--steps graphs`` times CUDA graphs and torch's attention backends: on the CPU it is
     marked SKIPPED with the reason, and the suite still ends well."""
-    out = tmp_path / "out"
-    env = dict(os.environ, PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--steps", "graphs"],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    log = (out / "suite.log").read_text()
-    assert proc.returncode == 0, log
+    out, log = _dry_step(tmp_path, "graphs")
     assert "step graphs: SKIPPED: it times CUDA graphs" in log and "every step ok" in log
     assert not (out / "graph_policy.json").exists()
 
@@ -278,13 +281,7 @@ def test_dry_run_triton_step(tmp_path):
     """``--steps triton``: bench/triton_forward.py on bert-tiny under Triton's interpreter; seq
     and itif with the default GEMMs and with itif's Triton GEMM, the same logits both ways."""
     pytest.importorskip("triton")
-    out = tmp_path / "out"
-    env = dict(os.environ, PYTHON=sys.executable)
-    env.pop("TRITON_INTERPRET", None)  # the suite sets it for the dry run itself
-    proc = subprocess.run(["bash", str(SCRIPT), str(out), "--dry-run", "--steps", "triton"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    log = (out / "suite.log").read_text() if (out / "suite.log").exists() else ""
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{log}"
+    out, log = _dry_step(tmp_path, "triton")
     assert "step triton: ok" in log and "every step ok" in log
     d = json.loads((out / "triton.json").read_text())
     assert not d["errors"]
@@ -297,7 +294,8 @@ def test_dry_run_triton_step(tmp_path):
     best = min(rows[("seq", g)]["latency_ms"] for g in ("default", "triton"))
     for g in ("default", "triton"):
         it = rows[("itif", g)]
-        assert it["speedup_vs_best_seq"] == pytest.approx(best / it["latency_ms"], rel=2e-3, abs=6e-4)
+        assert it["speedup_vs_best_seq"] == pytest.approx(best / it["latency_ms"],
+                                                         rel=2e-3, abs=6e-4)
 
 
 def test_triton_forward_refuses_without_cuda_unless_asked(tmp_path):
