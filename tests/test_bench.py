@@ -616,6 +616,36 @@ def test_gpu_report_profile_generate_and_extra_tables():
     assert "| vit-base | 4 | 5.64 | 5.38 | 2.07 | 2.73× | 2.60× |" in out
 
 
+def test_gpu_report_triton_sections():
+    """triton_forward.py's rows (one table row per GEMM: seq and itif side by side) and
+    bench_ops.py's triton_gemm rows (weight GB/s from the bytes and the time)."""
+    from itif.bench import gpu_report
+
+    def row(system, gemm, ms, alone, **kw):
+        return dict(model="bert-base", tenants=4, dtype="float16", system=system, gemm=gemm,
+                    latency_ms=ms, latency_ms_alone=alone, **kw)
+
+    tri = dict(device="NVIDIA H100", torch="2.11", rows=[
+        row("seq", "cublas", 4.8, 3.6), row("itif", "cublas", 1.6, 1.2, speedup_vs_seq=3.0,
+                                            speedup_vs_best_seq=3.0),
+        row("seq", "triton", 5.2, 4.0, max_abs_logit_diff_vs_cublas=2e-3),
+        row("itif", "triton", 1.2, 1.0, speedup_vs_seq=4.333, speedup_vs_best_seq=4.0,
+            max_abs_logit_diff_vs_cublas=1e-3)],
+        errors=[dict(model="bert-base", tenants=32, error="OutOfResources: shared memory")])
+    ops = dict(device="NVIDIA H100", dtype="float16", results=[
+        dict(op="triton_gemm_ffn_in_T4", variant="bmm+bias_act", median_us=20.0,
+             weight_bytes=18874368),
+        dict(op="triton_gemm_ffn_in_T4", variant="triton_epilogue", median_us=10.0,
+             weight_bytes=18874368, max_abs_err_vs_cublas=1e-3)])
+    out = gpu_report.render(None, None, ops=ops, triton=("R/triton.json", tri))
+    assert "No GPU results yet" not in out and "[`R/triton.json`]" in out
+    assert "| bert-base | 4 | cublas | 4.8 (3.6) | 1.6 (1.2) | 3.00× | 3.00× | – |" in out
+    assert "| bert-base | 4 | triton | 5.2 (4) | 1.2 (1) | 4.33× | 4.00× | 1.0e-03 |" in out
+    assert "- error: bert-base T = 32: OutOfResources: shared memory" in out
+    assert "| ffn_in_T4 | bmm+bias_act | 20.0 | 944 | – |" in out
+    assert "| ffn_in_T4 | triton_epilogue | 10.0 | 1887 | 1.0e-03 |" in out
+
+
 # ---- weights and workloads ---------------------------------------------------------------------
 @pytest.mark.parametrize("preset", ["bert-tiny", "albert-tiny", "vit-tiny"])
 @pytest.mark.parametrize("fine_tune", ["full", "head", "last:1"])
