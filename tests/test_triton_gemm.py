@@ -83,6 +83,16 @@ def test_tile_table_cuts_each_segment_into_blocks_of_at_most_bm_rows():
     assert len(t) == 1 + 1 + 1 + 1 + 4  # 3, 37, 1, 49 rows: one tile each; 210 rows: four
 
 
+def test_max_block_rows_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(tg.MAX_BM_ENV, raising=False)
+    assert tg.max_block_rows() == 128
+    monkeypatch.setenv(tg.MAX_BM_ENV, "64")
+    assert tg.max_block_rows() == 64 and tg.block_rows(128, 64) == 64
+    monkeypatch.setenv(tg.MAX_BM_ENV, "100")
+    with pytest.raises(ValueError, match="ITIF_TRITON_MAX_BM='100': choose 16, 32, 64 or 128"):
+        tg.max_block_rows()
+
+
 def test_enabled_needs_the_switch_and_a_runnable_place(monkeypatch):
     monkeypatch.delenv(tg.ENV, raising=False)
     assert not tg.enabled(CPU, torch.float32)
@@ -233,6 +243,26 @@ def test_fused_forward_with_the_kernel_equals_hf(preset, hf_factory, monkeypatch
     for i, (res, req) in enumerate(zip(results, reqs)):
         d = max_diff(res, reference(models[req.tenant], req))
         assert d <= 1e-4, f"request {i} of {req.tenant}: max abs diff {d:.3g}"
+
+
+def test_smaller_tiles_are_part_of_the_structure(hf_factory, monkeypatch):
+    """ITIF_TRITON_MAX_BM=16: the batch cuts its 40-row requests into tiles of 16 rows or fewer
+    (kept with the batch, read by the forward), a structure of its own beside the 128-row
+    one, and the same answers."""
+    monkeypatch.setenv(tg.ENV, "1")
+    eng, _ = _engine("bert-tiny", hf_factory, n=2)
+    rng = np.random.default_rng(9)
+    reqs = [random_request(eng.spec, f"t{i % 2}", rng, length=40) for i in range(2)]
+    with mock.patch.object(tg, "run", wraps=tg.run) as run:
+        wide = eng.infer(reqs)
+        assert {c.args[3] for c in run.call_args_list} == {64}  # 40 rows: one 64-row tile
+        run.reset_mock()
+        monkeypatch.setenv(tg.MAX_BM_ENV, "16")
+        narrow = eng.infer(reqs)
+        assert {c.args[3] for c in run.call_args_list} == {16}
+        assert all(c.args[2].numel() == 3 * 3 * 2 for c in run.call_args_list)  # 3 tiles each
+    for a, b in zip(wide, narrow):
+        np.testing.assert_allclose(a.last_hidden_state, b.last_hidden_state, atol=1e-5)
 
 
 def test_switch_is_read_when_a_batch_is_prepared(hf_factory, monkeypatch):

@@ -167,6 +167,9 @@ class PreparedBatch:
     #: The longest sequence of the packed "varlen.cu" boundaries (``_varlen``); 0: not packed
     #: (one attention group, which is already one call).
     varlen_L: int = 0
+    #: Slot-table index -> rows a tile holds, for the tables packed as "tiles{k}" (the Triton
+    #: GEMM, ``itif.runtime.triton_gemm``); empty when it is off.
+    tile_rows: dict = field(default_factory=dict)
 
     # flat float32 output: [logits n x max_labels][pooled n x H][hidden T x H]
     @property
@@ -350,7 +353,8 @@ def prepare(
     """
     T = layout.total_rows
     n = layout.num_requests
-    fused = triton_gemm.enabled(device, dtype)  # ITIF_TRITON_GEMM=1: tile tables, see there
+    # ITIF_TRITON_GEMM=1: tile tables (see there); the largest tile is part of the structure
+    fused = triton_gemm.max_block_rows() if triton_gemm.enabled(device, dtype) else 0
     key = (view.version, tenants, layout.tenant.tobytes(), layout.length.tobytes(),
            layout.offset.tobytes(), layout.padded_len.tobytes(), layout.mb_len.tobytes(),
            want_pooled, want_logits, want_hidden, fused)
@@ -387,12 +391,13 @@ def prepare(
 
     params = Params(view, tenants, tenant_runs(row_tenant), tables.backbone, T, device, dtype)
     pk.add("tables", params.table_matrix)
+    tile_rows = {}
     for k, plan in enumerate(params.plans):
         if plan.backend == "grouped_mm":
             pk.add(f"offs{k}", plan.offs)
         if fused:
-            pk.add(f"tiles{k}", triton_gemm.tile_table(plan.segs,
-                                                       triton_gemm.block_rows(plan.max_rows)))
+            tile_rows[k] = triton_gemm.block_rows(plan.max_rows, fused)
+            pk.add(f"tiles{k}", triton_gemm.tile_table(plan.segs, tile_rows[k]))
     attn = _attention(layout, pk)
     varlen_L = _varlen(layout, T, pk) if len(attn) > 1 else 0
     lora = plan_lora(tables.lora, row_tenant, pk, device, dtype) if tables.lora else {}
@@ -445,7 +450,7 @@ def prepare(
         pooler_rows=pooler_rows if pooler_plans is not None else 0, pooler_plans=pooler_plans,
         heads=heads, want_pooled=want_pooled, want_logits=want_logits, want_hidden=want_hidden,
         max_labels=max_labels, labels=tables.labels, key=key, tok_row=tok_row, lora=lora,
-        varlen_L=varlen_L,
+        varlen_L=varlen_L, tile_rows=tile_rows,
     )
     if cache is not None:
         cache.put(key, batch)

@@ -75,11 +75,10 @@ class _Bound:
         k = self.P.index(name)
         plan = self.P.plans[k]
         groups = self.b.lora.get(name)
-        tiles = f"tiles{k}"
-        if not groups and tiles in self.b.packer.slices:
+        bm = self.b.tile_rows.get(k)
+        if not groups and bm:
             rot = self.rot(bias) if bias is not None else None
-            return triton_gemm.run(x, self.P.buffer(name), self.get(tiles),
-                                   triton_gemm.block_rows(plan.max_rows),
+            return triton_gemm.run(x, self.P.buffer(name), self.get(f"tiles{k}"), bm,
                                    rot.buf if rot else None, rot.slot if rot else None, act)
         offs = self.offs(f"offs{k}") if plan.backend == "grouped_mm" else None
         y = run_gemm(x, self.P.buffer(name), plan, offs)

@@ -13,8 +13,8 @@ How: the rows of a segment list (``itif.runtime.gemm.Segments``) are cut into *t
 most ``BM`` rows, none straddling two segments; ``tile_table`` lists them as
 ``(start, end, slot)`` on the host, the batch packs the table with its other index arrays, and
 one launch covers every tile x every ``BN``-wide column block: ``grid = (tiles, cdiv(N, BN))``.
-``BM`` follows the longest segment (16 to 128 rows) so a 128-row request reads each weight
-tile once. On CUDA ``triton.autotune`` picks the column block, pipeline depth and warps per
+``BM`` follows the longest segment (16 to 128 rows, ``ITIF_TRITON_MAX_BM`` lowers the cap) so
+a 128-row request reads each weight tile once; the batch keeps it (``tile_rows``). On CUDA ``triton.autotune`` picks the column block, pipeline depth and warps per
 (N, K, BM, fill) on the first call of a shape (the graph cache's eager warm-ups run it before
 any capture; four configurations, each a compile of its own); ``ITIF_TRITON_AUTOTUNE=0`` runs
 one fixed configuration instead (the GPU tests: one compile per kernel variant). On the CPU,
@@ -44,6 +44,7 @@ from itif.runtime.gemm import Segments
 
 ENV = "ITIF_TRITON_GEMM"
 AUTOTUNE_ENV = "ITIF_TRITON_AUTOTUNE"  # "0": one fixed configuration, no tuning
+MAX_BM_ENV = "ITIF_TRITON_MAX_BM"  # the largest tile (max_block_rows)
 ACT_CODES = {"none": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2, "relu": 3, "silu": 4,
              "tanh": 5}
 MAX_BM = 128
@@ -77,9 +78,20 @@ def enabled(device: torch.device, dtype: torch.dtype) -> bool:
     return os.environ.get(ENV, "") == "1" and runnable(device, dtype)
 
 
-def block_rows(max_rows: int) -> int:
-    """Rows a tile holds: the longest segment rounded up to a power of two, 16 to 128."""
-    return int(min(MAX_BM, max(MIN_BM, 1 << max(0, int(max_rows) - 1).bit_length())))
+def max_block_rows() -> int:
+    """The largest tile: 128 rows, or ``ITIF_TRITON_MAX_BM`` (16, 32 or 64: more, smaller tiles
+    fill more SMs when a batch has few tenants, each re-reading its weight tile)."""
+    asked = os.environ.get(MAX_BM_ENV, "")
+    if not asked:
+        return MAX_BM
+    if asked not in ("16", "32", "64", "128"):
+        raise ValueError(f"{MAX_BM_ENV}={asked!r}: choose 16, 32, 64 or 128")
+    return int(asked)
+
+
+def block_rows(max_rows: int, largest: int = MAX_BM) -> int:
+    """Rows a tile holds: the longest segment rounded up to a power of two, 16 to ``largest``."""
+    return int(min(largest, max(MIN_BM, 1 << max(0, int(max_rows) - 1).bit_length())))
 
 
 def tile_table(segs: Segments, bm: int) -> np.ndarray:
@@ -139,5 +151,5 @@ def run(x: torch.Tensor, w: torch.Tensor, tiles: torch.Tensor, bm: int,
     return out
 
 
-__all__ = ["ACT_CODES", "AUTOTUNE_ENV", "ENV", "available", "block_rows", "enabled", "interpreted", "run",
-           "runnable", "tile_table"]
+__all__ = ["ACT_CODES", "AUTOTUNE_ENV", "ENV", "MAX_BM_ENV", "available", "block_rows", "enabled",
+           "interpreted", "max_block_rows", "run", "runnable", "tile_table"]
