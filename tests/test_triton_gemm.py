@@ -245,14 +245,20 @@ def test_fused_forward_with_the_kernel_equals_hf(preset, hf_factory, monkeypatch
         assert d <= 1e-4, f"request {i} of {req.tenant}: max abs diff {d:.3g}"
 
 
+def _two_tenants_switched_on(hf_factory, monkeypatch, n: int, length: int, seed: int):
+    """ITIF_TRITON_GEMM=1, a bert-tiny engine with tenants t0 and t1, and ``n`` requests of
+    ``length`` tokens alternating between them."""
+    monkeypatch.setenv(tg.ENV, "1")
+    eng, _ = _engine("bert-tiny", hf_factory, n=2)
+    rng = np.random.default_rng(seed)
+    return eng, [random_request(eng.spec, f"t{i % 2}", rng, length=length) for i in range(n)]
+
+
 def test_smaller_tiles_are_part_of_the_structure(hf_factory, monkeypatch):
     """ITIF_TRITON_MAX_BM=16: the batch cuts its 40-row requests into tiles of 16 rows or fewer
     (kept with the batch, read by the forward), a structure of its own beside the 128-row
     one, and the same answers."""
-    monkeypatch.setenv(tg.ENV, "1")
-    eng, _ = _engine("bert-tiny", hf_factory, n=2)
-    rng = np.random.default_rng(9)
-    reqs = [random_request(eng.spec, f"t{i % 2}", rng, length=40) for i in range(2)]
+    eng, reqs = _two_tenants_switched_on(hf_factory, monkeypatch, n=2, length=40, seed=9)
     with mock.patch.object(tg, "run", wraps=tg.run) as run:
         wide = eng.infer(reqs)
         assert {c.args[3] for c in run.call_args_list} == {64}  # 40 rows: one 64-row tile
@@ -268,10 +274,7 @@ def test_smaller_tiles_are_part_of_the_structure(hf_factory, monkeypatch):
 def test_switch_is_read_when_a_batch_is_prepared(hf_factory, monkeypatch):
     """The same structure prepared with and without the switch: two cache entries, tile tables
     only in the one prepared with it, and the same answers from both."""
-    monkeypatch.setenv(tg.ENV, "1")
-    eng, _ = _engine("bert-tiny", hf_factory, n=2)
-    rng = np.random.default_rng(5)
-    reqs = [random_request(eng.spec, f"t{i % 2}", rng, length=12) for i in range(4)]
+    eng, reqs = _two_tenants_switched_on(hf_factory, monkeypatch, n=4, length=12, seed=5)
     with mock.patch.object(tg, "run", wraps=tg.run) as run:
         fused = eng.infer(reqs)
         assert run.call_count > 0
