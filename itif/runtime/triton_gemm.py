@@ -14,16 +14,18 @@ most ``BM`` rows, none straddling two segments; ``tile_table`` lists them as
 ``(start, end, slot)`` on the host, the batch packs the table with its other index arrays, and
 one launch covers every tile x every ``BN``-wide column block: ``grid = (tiles, cdiv(N, BN))``.
 ``BM`` follows the longest segment (16 to 128 rows, ``ITIF_TRITON_MAX_BM`` lowers the cap) so
-a 128-row request reads each weight tile once; the batch keeps it (``tile_rows``). On CUDA ``triton.autotune`` picks the column block, pipeline depth and warps per
-(N, K, BM, fill) on the first call of a shape (the graph cache's eager warm-ups run it before
-any capture; four configurations, each a compile of its own); ``ITIF_TRITON_AUTOTUNE=0`` runs
-one fixed configuration instead (the GPU tests: one compile per kernel variant). On the CPU,
-under Triton's interpreter (``TRITON_INTERPRET=1``, the tests), a small fixed one runs.
+a 128-row request reads each weight tile once; the batch keeps it (``tile_rows``). On CUDA
+``triton.autotune`` picks the column block, pipeline depth and warps per (N, K, BM, fill) on
+the first call of a shape (the graph cache's eager warm-ups run it before any capture; four
+configurations, each a compile of its own); ``ITIF_TRITON_AUTOTUNE=0`` runs one fixed
+configuration instead (the GPU tests: one compile per kernel variant). On the CPU, under
+Triton's interpreter (``TRITON_INTERPRET=1``, the tests), a small fixed one runs.
 
 **Opt-in**: ``ITIF_TRITON_GEMM=1`` turns it on for batches prepared afterwards, on CUDA in
 float16 / bfloat16 (and on the CPU only under the interpreter). Not yet measured against cuBLAS
-on a GPU: ``bench/bench_ops.py`` and ``bench/gpu_suite.sh`` time it beside cuBLAS so the next
-GPU session can decide whether it becomes the default. Products with LoRA updates, the heads
+on a GPU: ``bench/bench_ops.py`` (per product) and ``bench/triton_forward.py`` (the forward;
+``gpu_suite.sh --steps triton``) time it beside cuBLAS so the next GPU session can decide
+whether it becomes the default. Products with LoRA updates, the heads
 and the pooler keep ``run_gemm``.
 
 Numerics: the sum is float32 and the bias is added to it before the one rounding to the
