@@ -1,9 +1,9 @@
 """itif's Triton per-slot GEMM with its bias / activation epilogue (itif.runtime.triton_gemm).
 
 On the CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, which
-tests/conftest.py sets before Triton is imported): the same kernel source, tile tables and epilogue, checked against
-torch; on a GPU the gpu-marked tests run it compiled, against Hugging Face float32 and with CUDA
-graphs.
+tests/conftest.py sets before Triton is imported): the same kernel source, tile tables and
+epilogue, checked against torch, and Triton compiles it for sm_90 without a GPU; on a GPU the
+gpu-marked tests run it compiled, against Hugging Face float32 and with CUDA graphs.
 """
 
 from __future__ import annotations
