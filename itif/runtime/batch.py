@@ -354,10 +354,10 @@ def prepare(
     T = layout.total_rows
     n = layout.num_requests
     # ITIF_TRITON_GEMM=1: tile tables (see there); the largest tile is part of the structure
-    fused = triton_gemm.max_block_rows() if triton_gemm.enabled(device, dtype) else 0
+    tile_cap = triton_gemm.max_block_rows() if triton_gemm.enabled(device, dtype) else 0
     key = (view.version, tenants, layout.tenant.tobytes(), layout.length.tobytes(),
            layout.offset.tobytes(), layout.padded_len.tobytes(), layout.mb_len.tobytes(),
-           want_pooled, want_logits, want_hidden, fused)
+           want_pooled, want_logits, want_hidden, tile_cap)
     if cache is not None:
         skel = cache.get(key)
         if skel is not None:  # same structure: only the inputs change
@@ -395,8 +395,8 @@ def prepare(
     for k, plan in enumerate(params.plans):
         if plan.backend == "grouped_mm":
             pk.add(f"offs{k}", plan.offs)
-        if fused:
-            tile_rows[k] = triton_gemm.block_rows(plan.max_rows, fused)
+        if tile_cap:
+            tile_rows[k] = triton_gemm.block_rows(plan.max_rows, tile_cap)
             pk.add(f"tiles{k}", triton_gemm.tile_table(plan.segs, tile_rows[k]))
     attn = _attention(layout, pk)
     varlen_L = _varlen(layout, T, pk) if len(attn) > 1 else 0
