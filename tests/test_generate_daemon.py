@@ -391,6 +391,7 @@ BAD = [  # (what the request says, the field the refusal names)
     (dict(seed=3), "seed"),
     (dict(do_sample=True, temperature=0.0), "temperature"),
     (dict(do_sample=True, top_p=1.5), "top_p"),
+    (dict(do_sample=True, top_p=-0.1), "top_p"),
     (dict(do_sample=True, top_k=-1), "top_k"),
     (dict(do_sample=True, num_beams=2), "num_beams"),  # beam sampling is not served
     (dict(num_return_sequences=2), "num_return_sequences"),  # greedy returns one

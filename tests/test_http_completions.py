@@ -290,7 +290,7 @@ BAD = [  # (body changes, HTTP status, how the message starts)
     (dict(do_sample=True, temperature=0), 400, "temperature: must be in [1e-06, 1e+06]"),
     (dict(temperature=1e308), 400, "temperature: must be in [1e-06, 1e+06], got 1e+308"),
     (dict(num_beams=2, length_penalty=1e308), 400, "length_penalty: 1e+308 with max_new_tokens 3"),
-    (dict(temperature=0.7, top_p=1.5), 400, "top_p: must be in (0, 1]"),
+    (dict(temperature=0.7, top_p=1.5), 400, "top_p: must be in [0, 1]"),
     (dict(temperature=0.7, top_k=-1), 400, "top_k: must be 0 (off) or more"),
     (dict(top_k=5), 400, "top_k: is set (5) but do_sample is false"),
     (dict(early_stopping="sometimes"), 400, "early_stopping: must be true, false or"),

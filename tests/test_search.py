@@ -322,6 +322,9 @@ def test_sampling_reproducible_and_equal_to_hf_warpers(tenants):
                               temperature=rng.choice((1.0, 0.7, 1.5)), top_k=rng.choice((0, 5, 20)),
                               top_p=rng.choice((1.0, 0.9, 0.5)), no_repeat_ngram_size=rng.choice((0, 3)))
         jobs.append((f"s{i}", rng.choice((0, 2)), req))
+    # top_p = 0 keeps only the most likely token, as generate()'s warper does
+    jobs.append(("p0", 1, GenerateRequest(tenant="gpt2-b", input_ids=[4, 8, 15], do_sample=True, seed=77,
+                                          max_new_tokens=6, temperature=1.3, top_p=0.0)))
     alone, _ = drive(tenants, jobs[:3])
     crowded, _ = drive(tenants, jobs + [(f"g{i}", i, GenerateRequest(tenant="bart", input_ids=_prompt(rng),
                                                                      num_beams=2, max_new_tokens=5))

@@ -154,8 +154,8 @@ def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int
             raise bad("temperature", f"must be in [{lo:g}, {hi:g}], got {r.temperature!r}")
         if not isinstance(r.top_k, int) or r.top_k < 0:
             raise bad("top_k", f"must be 0 (off) or more, got {r.top_k!r}")
-        if not (0.0 < r.top_p <= 1.0):
-            raise bad("top_p", f"must be in (0, 1], got {r.top_p!r}")
+        if not (0.0 <= r.top_p <= 1.0):  # 0 keeps the most likely token, as generate()'s does
+            raise bad("top_p", f"must be in [0, 1], got {r.top_p!r}")
     else:
         for name, value, neutral in (("temperature", r.temperature, 1.0), ("top_k", r.top_k, 0),
                                      ("top_p", r.top_p, 1.0), ("seed", r.seed, None)):
