@@ -78,6 +78,13 @@ def _infer_counts(d: Daemon, method: str = "Infer") -> dict[str, Counter]:
     return out
 
 
+def _rows_ok(d: Daemon, tenant: str) -> int:
+    """Rows of ``tenant`` that left the queue and were computed (itif_inference_rows_total)."""
+    return int(sum(v for (name, labels), v in scrape(d.metrics_port).items()
+                   if name == "itif_inference_rows_total"
+                   and dict(labels).get("tenant") == tenant and dict(labels).get("code") == "OK"))
+
+
 def _call(c, method: str, raw: bytes, timeout: float = 60):
     return getattr(c.stub, method)(_PARSE[method](raw), metadata=c.metadata, timeout=timeout)
 
@@ -172,6 +179,45 @@ def test_the_client_queues_calls_over_the_stream_limit_instead_of_failing(d, rel
 
 
 # ---- 5: a slow reader -------------------------------------------------------------------------
+def _unread_round(d: Daemon, raw: bytes) -> tuple[Counter, float, float]:
+    """Four HTTP/2 connections send 15 InferBatch calls each (``raw``: 0.75 MiB replies) and
+    never read; then they close. (the calls' codes, RSS MiB while held, RSS MiB after).
+
+    The daemon gives freed heap back (malloc_trim) 0.5 s after a large reply is released, so
+    each RSS reading is taken after such a trim: otherwise it also holds the forwards' freed
+    scratch memory or not, depending on how the trim fell against them (on a loaded machine
+    the held reading was 40-72 MiB over the base instead of 7-12)."""
+    before = _infer_counts(d, "InferBatch").get("reader", Counter())
+    rows_before = _rows_ok(d, "reader")
+
+    def codes() -> Counter:
+        return _infer_counts(d, "InferBatch").get("reader", Counter()) - before
+
+    readers = [SlowReader("127.0.0.1", d.port) for _ in range(4)]
+    try:
+        for r in readers:
+            for _ in range(15):
+                r.call("/itif.v1.Itif/InferBatch", raw, TOKENS["reader"])
+        # the refusals are counted at once, the admitted calls only once gRPC finishes them:
+        # every call refused or run (24 rows each), then another tenant's full-size reply,
+        # read: its release starts the trim that the held reading waits for
+        wait_until(lambda: codes()["RESOURCE_EXHAUSTED"]
+                   + (_rows_ok(d, "reader") - rows_before) // 24 == 60, 60, step=0.2,
+                   what="every unread call refused or run")
+        with d.client(TOKENS["quiet"]) as c:
+            assert len(_call(c, "InferBatch", big_batch_raw("quiet", 24)).results) == 24
+        time.sleep(1.0)
+        held = d.rss_bytes() / MIB
+    finally:
+        for r in readers:
+            r.close()
+    wait_until(lambda: sum(codes().values()) == 60, 30, step=0.2, what="every call finished")
+    with d.client(TOKENS["reader"]) as c:  # the budget was given back: admitted, answered
+        assert len(_call(c, "InferBatch", raw).results) == 24
+    time.sleep(1.0)  # the trim after it
+    return codes(), held, d.rss_bytes() / MIB
+
+
 @promise(33)
 def test_unread_replies_are_bounded_and_freed(d, rel):
     """Four HTTP/2 connections send 15 InferBatch calls each (24 rows of last_hidden_state:
@@ -179,43 +225,25 @@ def test_unread_replies_are_bounded_and_freed(d, rel):
     daemon (RSS grew by several times the 45 MiB of replies, stayed high after the client left,
     and all counted as OK). Now: the reader tenant's unread replies are bounded by
     max_pending_reply_bytes (8 MiB): the calls past it answer RESOURCE_EXHAUSTED before they run
-    (counted), the daemon's RSS grows by less than 40 MiB, and once the connections close the
-    budget is free again (a full-size call is admitted) and RSS is back near where it was."""
+    (counted), the daemon's RSS grows by less than 32 MiB, and once the connections close the
+    budget is free again (a full-size call is admitted) and RSS is back within 24 MiB of where
+    it was. On this 2-core machine, alone and beside a busy core: held 2-16 MiB over the base,
+    after -9 to +8 MiB; with an unbounded budget held 54-71 MiB.
+
+    The base is taken after one such round already (the allocator's and gRPC's steady state
+    for it: a first round left 0-30 MiB more behind than the base before it, from run to run,
+    which made this test fail now and then); that freed heap goes back to the system at all is
+    test_admission's test_a_large_reply_released_trims_the_heap."""
     raw = big_batch_raw("reader", 24)
-    with d.client(TOKENS["reader"]) as c:  # the allocator's steady state for such replies
-        for _ in range(3):
-            _call(c, "InferBatch", raw)
-    before = _infer_counts(d, "InferBatch").get("reader", Counter())
+    first, _, _ = _unread_round(d, raw)
+    assert first["RESOURCE_EXHAUSTED"] >= 40, first
     base = d.rss_bytes() / MIB
-    readers = [SlowReader("127.0.0.1", d.port) for _ in range(4)]
-    for r in readers:
-        for _ in range(15):
-            r.call("/itif.v1.Itif/InferBatch", raw, TOKENS["reader"])
-
-    def answered() -> int:
-        return sum((_infer_counts(d, "InferBatch").get("reader", Counter()) - before).values())
-
-    try:
-        # the refusals are counted at once; the admitted calls only once gRPC finishes them
-        wait_until(lambda: _infer_counts(d, "InferBatch").get("reader", Counter())[
-            "RESOURCE_EXHAUSTED"] - before["RESOURCE_EXHAUSTED"] >= 40, 60, step=0.2,
-            what="the refusals past the reply budget")
-        time.sleep(1.0)
-        held = d.rss_bytes() / MIB
-    finally:
-        for r in readers:
-            r.close()
-    wait_until(lambda: answered() == 60, 30, step=0.2, what="every call finished")
-    seen = _infer_counts(d, "InferBatch").get("reader", Counter()) - before
+    seen, held, after = _unread_round(d, raw)
     assert set(seen) == {"OK", "RESOURCE_EXHAUSTED"}, seen
     assert seen["OK"] <= 8 * MIB // (24 * ROW_BYTES) + 1, seen  # the budget, one over at most
-    assert held - base < 40, (base, held)
-    with d.client(TOKENS["reader"]) as c:  # the budget was given back: admitted, answered
-        assert len(_call(c, "InferBatch", raw).results) == 24
-    time.sleep(2.0)  # freed buffers are returned to the system shortly after (malloc_trim)
-    after = d.rss_bytes() / MIB
+    assert held - base < 32, (base, held)
     assert after - base < 24, (base, held, after)
-    rel.inputs += 60
+    rel.inputs += 120
     rel.notes["60 unread 0.75 MiB replies, 8 MiB budget: codes"] = dict(seen)
     rel.notes["RSS MiB before / held / after the disconnect"] = [
         round(base, 1), round(held, 1), round(after, 1)]
