@@ -80,9 +80,8 @@ def _infer_counts(d: Daemon, method: str = "Infer") -> dict[str, Counter]:
 
 def _rows_ok(d: Daemon, tenant: str) -> int:
     """Rows of ``tenant`` that left the queue and were computed (itif_inference_rows_total)."""
-    return int(sum(v for (name, labels), v in scrape(d.metrics_port).items()
-                   if name == "itif_inference_rows_total"
-                   and dict(labels).get("tenant") == tenant and dict(labels).get("code") == "OK"))
+    return int(metric(scrape(d.metrics_port), "itif_inference_rows_total", tenant=tenant,
+                      code="OK"))
 
 
 def _call(c, method: str, raw: bytes, timeout: float = 60):
