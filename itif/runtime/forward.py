@@ -232,8 +232,10 @@ def heads(spec: BackboneSpec, d: _Bound, hidden: torch.Tensor, out: torch.Tensor
         buf = view.buffers[("pooler.weight", (H, H))]
         offs = d.offs("pool.offs") if pw.backend == "grouped_mm" else None
         y = run_gemm(cls[:r], buf, pw, offs)
-        _add_rows(y, view.buffers[("pooler.bias", (H,))], pb, d.get("pool.bias_slots"))
-        torch.tanh(y, out=pooled[:r])
+        # bias and tanh in one pass, in float32 and rounded once (as HF's addmm, then tanh)
+        ops.bias_act(y, RotParam(view.buffers[("pooler.bias", (H,))], d.get("pool.bias_slots"),
+                                 pb), "tanh")
+        pooled[:r] = y
     if b.want_logits:
         logits = out[:n_logits].view(b.n, b.max_labels)
         if sum((g.b - g.a) * g.labels for g in b.heads) < b.n * b.max_labels:
@@ -243,9 +245,9 @@ def heads(spec: BackboneSpec, d: _Bound, hidden: torch.Tensor, out: torch.Tensor
             src = src.index_select(0, d.get("head_perm"))
         for g in b.heads:
             offs = d.offs(g.name + ".offs") if g.weight_plan.backend == "grouped_mm" else None
-            y = run_gemm(src[g.a : g.b], view.buffers[g.weight_kind], g.weight_plan, offs)
-            _add_rows(y, view.buffers[g.bias_kind], g.bias_plan, d.get(g.name + ".bias_slots"))
-            logits[g.a : g.b, : g.labels] = y
+            dst = logits[g.a : g.b, : g.labels]  # float32: the bias is added there, unrounded
+            dst.copy_(run_gemm(src[g.a : g.b], view.buffers[g.weight_kind], g.weight_plan, offs))
+            _add_rows(dst, view.buffers[g.bias_kind], g.bias_plan, d.get(g.name + ".bias_slots"))
     if b.want_pooled:
         out[n_logits : n_logits + n_pooled].view(b.n, H).copy_(pooled)
     if b.want_hidden:
