@@ -22,10 +22,12 @@ configuration instead (the GPU tests: one compile per kernel variant). On the CP
 Triton's interpreter (``TRITON_INTERPRET=1``, the tests), a small fixed one runs.
 
 **Opt-in**: ``ITIF_TRITON_GEMM=1`` turns it on for batches prepared afterwards, on CUDA in
-float16 / bfloat16 (and on the CPU only under the interpreter). Not yet measured against cuBLAS
-on a GPU: ``bench/bench_ops.py`` (per product) and ``bench/triton_forward.py`` (the forward;
-``gpu_suite.sh --steps triton``) time it beside cuBLAS so the next GPU session can decide
-whether it becomes the default. Products with LoRA updates, the heads
+float16 / bfloat16 (and on the CPU only under the interpreter). Measured on an H100
+(2026-11-28, docs/gpu.md "A ninth session"), it is no faster than cuBLAS in the forward
+(bert-base itif: 1.35 / 1.27 ms with 128- / 64-row tiles against 1.21 at 4 tenants, level at
+32), so it stays off by default: ``bench/bench_ops.py`` (per product: it loses on the products
+without an epilogue, attention-out and FFN-out) and ``bench/triton_forward.py`` (the forward;
+``gpu_suite.sh --steps triton``) time it beside cuBLAS. Products with LoRA updates, the heads
 and the pooler keep ``run_gemm``.
 
 Numerics: the sum is float32 and the bias is added to it before the one rounding to the
