@@ -3,11 +3,12 @@
 Both are measured against Hugging Face in float32 with the tenant's own weights, request by
 request. The memory-bound ops compute in float32 and round once when they store
 (``itif.ops.reference``, as ``kernels/rotation.cu`` does); the pooler adds its bias and takes
-its tanh in one such op, and the classifier adds its bias to the float32 logits. Before that, on this repository's CPU (24 requests, seeds 7 and 8), itif's last hidden
-state was 1.15-1.28x as far off as Hugging Face's own model in the same dtype (bert-small,
-albert-tiny, vit-tiny; float16 and bfloat16); after it 0.85-0.995x (seeds 7 to 9, bert-tiny too).
-The logits' ratio is noisier (a few logits a request: 0.77-1.24x after, 1.01-1.62x before), so it
-only has to stay within 1.3x.
+its tanh in one such op, and the classifier adds its bias to the float32 logits. Before that,
+on this repository's CPU (24 requests, seeds 7 and 8), itif's last hidden state was 1.15-1.28x
+as far off as Hugging Face's own model in the same dtype (bert-small, albert-tiny, vit-tiny;
+float16 and bfloat16); after it 0.85-0.995x (seeds 7 to 9, bert-tiny too). The logits' ratio
+is noisier (a few logits a request: 0.77-1.24x after, 1.01-1.62x before), so it only has to
+stay within 1.3x.
 
 The ops' own rounding is checked first: each result equals the float32 computation rounded once.
 """
@@ -40,7 +41,7 @@ def _rot(buf: torch.Tensor, T: int, gen: torch.Generator) -> RotParam:
 
 
 def _rows(p: RotParam) -> torch.Tensor:
-    return p.buf.float().index_select(0, p.slot)
+    return ref.rows_of(p).float()
 
 
 @pytest.mark.parametrize("dtype", REDUCED)
