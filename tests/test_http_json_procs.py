@@ -162,8 +162,13 @@ def test_the_loop_runs_while_a_worker_parses_and_stalls_while_a_thread_does():
         procs = JsonProcs(1)
         try:
             await procs.run(int)  # the worker started
+            # the worker: the best of three rounds (a busy machine only lengthens gaps); the
+            # thread: its longest gap over nine parses. Taking the best round for the thread as
+            # well failed one CI run in four (12.5 ms against a 55.8 ms parse): a round can miss
+            # the stall (probably when the thread takes the GIL before the ticker's first timer
+            # is set; not reproduced here)
             worker = min([await _largest_gap(procs, body, 3) for _ in range(3)])
-            thread = min([await _largest_gap(JsonProcs(0), body, 3) for _ in range(3)])
+            thread = await _largest_gap(JsonProcs(0), body, 9)
         finally:
             procs.close()
         return worker, thread
