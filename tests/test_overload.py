@@ -178,9 +178,13 @@ def test_the_client_queues_calls_over_the_stream_limit_instead_of_failing(d, rel
 
 
 # ---- 5: a slow reader -------------------------------------------------------------------------
-def _unread_round(d: Daemon, raw: bytes, conns: int = 8) -> tuple[Counter, float, float]:
-    """``conns`` HTTP/2 connections send 15 InferBatch calls each (``raw``: 0.75 MiB replies)
-    and never read; then they close. (the calls' codes, RSS MiB while held, RSS MiB after).
+UNREAD_CONNS = 8
+
+
+def _unread_round(d: Daemon, raw: bytes) -> tuple[Counter, float, float]:
+    """``UNREAD_CONNS`` HTTP/2 connections send 15 InferBatch calls each (``raw``: 0.75 MiB
+    replies) and never read; then they close. (the calls' codes, RSS MiB while held, RSS MiB
+    after).
 
     The daemon gives freed heap back (malloc_trim) 0.5 s after a large reply is released, so
     each RSS reading is taken after such a trim: otherwise it also holds the forwards' freed
@@ -192,8 +196,9 @@ def _unread_round(d: Daemon, raw: bytes, conns: int = 8) -> tuple[Counter, float
     def codes() -> Counter:
         return _infer_counts(d, "InferBatch").get("reader", Counter()) - before
 
-    calls = 15 * conns  # 15 a connection: under max_streams_per_connection, none refused by gRPC
-    readers = [SlowReader("127.0.0.1", d.port) for _ in range(conns)]
+    # 15 a connection: under max_streams_per_connection, so gRPC refuses none of them
+    calls = 15 * UNREAD_CONNS
+    readers = [SlowReader("127.0.0.1", d.port) for _ in range(UNREAD_CONNS)]
     try:
         for r in readers:
             for _ in range(15):
