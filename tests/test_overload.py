@@ -236,10 +236,10 @@ def test_unread_replies_are_bounded_and_freed(d, rel):
 
     The bars sit between what either side measured on this 2-core machine (2026-11-28): with
     the budget (five rounds), held -2 to +35 MiB over the base and after -13 to +26; with an
-    unbounded budget (1 GiB, three rounds), held +95 to +100. The RSS readings wander by tens of MiB from
-    round to round (glibc arenas, gRPC's buffers), so the test sends 90 MiB of replies rather
-    than the 45 MiB it sent before: with 45, the bounded side once read 33 MiB against a 32 MiB
-    bar in CI, and the unbounded side (54-71 MiB) left no room for a wider one.
+    unbounded budget (1 GiB, three rounds), held +95 to +100. The RSS readings wander by tens
+    of MiB from round to round (glibc arenas, gRPC's buffers), so the test sends 90 MiB of
+    replies rather than the 45 MiB it sent before: with 45, the bounded side once read 33 MiB
+    against a 32 MiB bar in CI, and the unbounded side (54-71 MiB) left no room for a wider one.
 
     The base is taken after one such round already (the allocator's and gRPC's steady state
     for it: a first round left 0-30 MiB more behind than the base before it, from run to run);
