@@ -179,12 +179,14 @@ def test_the_client_queues_calls_over_the_stream_limit_instead_of_failing(d, rel
 
 # ---- 5: a slow reader -------------------------------------------------------------------------
 UNREAD_CONNS = 8
+# a connection's calls: under max_streams_per_connection (16), so gRPC refuses none of them
+UNREAD_CALLS = 15
 
 
 def _unread_round(d: Daemon, raw: bytes) -> tuple[Counter, float, float]:
-    """``UNREAD_CONNS`` HTTP/2 connections send 15 InferBatch calls each (``raw``: 0.75 MiB
-    replies) and never read; then they close. (the calls' codes, RSS MiB while held, RSS MiB
-    after).
+    """``UNREAD_CONNS`` HTTP/2 connections send ``UNREAD_CALLS`` InferBatch calls each
+    (``raw``: 0.75 MiB replies) and never read; then they close. (the calls' codes, RSS MiB
+    while held, RSS MiB after).
 
     The daemon gives freed heap back (malloc_trim) 0.5 s after a large reply is released, so
     each RSS reading is taken after such a trim: otherwise it also holds the forwards' freed
@@ -196,12 +198,11 @@ def _unread_round(d: Daemon, raw: bytes) -> tuple[Counter, float, float]:
     def codes() -> Counter:
         return _infer_counts(d, "InferBatch").get("reader", Counter()) - before
 
-    # 15 a connection: under max_streams_per_connection, so gRPC refuses none of them
-    calls = 15 * UNREAD_CONNS
+    calls = UNREAD_CALLS * UNREAD_CONNS
     readers = [SlowReader("127.0.0.1", d.port) for _ in range(UNREAD_CONNS)]
     try:
         for r in readers:
-            for _ in range(15):
+            for _ in range(UNREAD_CALLS):
                 r.call("/itif.v1.Itif/InferBatch", raw, TOKENS["reader"])
         # the refusals are counted at once, the admitted calls only once gRPC finishes them:
         # every call refused or run (24 rows each), then another tenant's full-size reply,
