@@ -255,8 +255,9 @@ def test_unread_replies_are_bounded_and_freed(d, rel):
     assert seen["OK"] <= 8 * MIB // (24 * ROW_BYTES) + 1, seen  # the budget, one over at most
     assert held - base < 60, (base, held)
     assert after - base < 48, (base, held, after)
-    rel.inputs += 240
-    rel.notes["120 unread 0.75 MiB replies, 8 MiB budget: codes"] = dict(seen)
+    rel.inputs += 2 * UNREAD_CONNS * UNREAD_CALLS  # two rounds
+    rel.notes[f"{UNREAD_CONNS * UNREAD_CALLS} unread 0.75 MiB replies, 8 MiB budget: codes"] = (
+        dict(seen))
     rel.notes["RSS MiB before / held / after the disconnect"] = [
         round(base, 1), round(held, 1), round(after, 1)]
 
