@@ -49,6 +49,7 @@ C = grpc.StatusCode
 TOKENS = make_tokens(["quiet", "noisy", "reader"])
 MIB = 1 << 20
 ROW_BYTES = 128 * 64 * 4  # one 128-token row of bert-tiny's last_hidden_state
+MAX_STREAMS = 16  # the daemon's max_streams_per_connection
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def d(tmp_path_factory):
                     server_extra={"metrics_listen": f"127.0.0.1:{port}",
                                   "max_message_bytes": "1MiB",
                                   "max_pending_reply_bytes": "8MiB",
-                                  "max_streams_per_connection": 16})
+                                  "max_streams_per_connection": MAX_STREAMS})
     daemon.start()
     for i, (tid, tok) in enumerate(TOKENS.items()):
         with daemon.client(tok) as c:
@@ -144,7 +145,7 @@ def test_quiet_tenant_p99_under_a_256_call_flood(d, tmp_path, rel):
     and the median over the rounds of p99(flood)/p99(idle) is at most 12 (2.5 measured on a
     2-core machine whose other core runs the flood)."""
     rounds = flood_rounds(d, TOKENS["quiet"], TOKENS["noisy"], tmp_path / "flood")
-    ratio = flood_ratio(rounds, rel, "rounds (16 streams per connection, gate off)")
+    ratio = flood_ratio(rounds, rel, f"rounds ({MAX_STREAMS} streams per connection, gate off)")
     # 2.5x on a quiet machine, 3.0-7.3x in CI runs on a busy 2-core runner; 29.8x before the
     # fix. The bound catches that regression without measuring the runner's load.
     assert ratio <= 12.0, rounds
@@ -174,13 +175,14 @@ def test_the_client_queues_calls_over_the_stream_limit_instead_of_failing(d, rel
             assert codes == Counter({"OK": 400}), codes
             rel.inputs += 400
             rel.saw(C.OK, codes["OK"])
-    rel.notes["400 calls at once on one connection (16 streams), twice: codes"] = dict(codes)
+    rel.notes[f"400 calls at once on one connection ({MAX_STREAMS} streams), twice: codes"] = (
+        dict(codes))
 
 
 # ---- 5: a slow reader -------------------------------------------------------------------------
 UNREAD_CONNS = 8
-# a connection's calls: under max_streams_per_connection (16), so gRPC refuses none of them
-UNREAD_CALLS = 15
+# a connection's calls: under the stream limit, so gRPC refuses none of them
+UNREAD_CALLS = MAX_STREAMS - 1
 
 
 def _unread_round(d: Daemon, raw: bytes) -> tuple[Counter, float, float]:
