@@ -129,6 +129,16 @@ def _drift(pred, measured):
     return float(np.exp(np.mean([np.log(pred[k] / measured[k]) for k in measured])))
 
 
+def _retried(attempt, tries: int = 3) -> list[dict]:
+    """Calls ``attempt(n)`` for n = 0, 1, ... until one returns ``ok``, at most ``tries`` times, and
+    returns them all. A burst of load from other jobs between a calibration and a measurement
+    skews single points, so each retry passes a fresh calibration."""
+    attempts: list[dict] = []
+    while not (attempts and attempts[-1]["ok"]) and len(attempts) < tries:
+        attempts.append(attempt(len(attempts)))
+    return attempts
+
+
 def _attempt(eng, model, reqs, layouts) -> dict:
     """One calibration checked against one measurement: both predictors' errors per layout."""
     measured = _measure(eng, reqs, layouts)
@@ -156,9 +166,8 @@ def test_prediction_error_and_a_backend_blind_predictor_fails(setup):
     calibration, at most three times; every attempt must keep the blind predictor failing, so
     the bound keeps its teeth."""
     eng, model, reqs, layouts = setup
-    attempts = [_attempt(eng, model, reqs, layouts)]
-    while not attempts[-1]["ok"] and len(attempts) < 3:
-        attempts.append(_attempt(eng, BatchCostModel.profile(eng, passes=2), reqs, layouts))
+    attempts = _retried(lambda n: _attempt(
+        eng, BatchCostModel.profile(eng, passes=2) if n else model, reqs, layouts))
     assert attempts[-1]["ok"], attempts
     for a in attempts:
         assert max(abs(e) for e in a["blind_err"].values()) > REL_BOUND, attempts
@@ -235,12 +244,11 @@ def test_attention_beyond_the_grid_is_priced_superlinearly(setup):
     from itif.ops.reference import AttnGroup
     from itif.runtime.batch import AttnSpec
 
-    eng, model, _, _ = setup
+    eng, first, _, _ = setup
     H, heads = eng.spec.hidden, eng.spec.heads
-    attempts = []
-    while not (attempts and attempts[-1]["ok"]) and len(attempts) < 3:
-        if attempts:
-            model = BatchCostModel.profile(eng, passes=2)
+
+    def attempt(n: int) -> dict:
+        model = BatchCostModel.profile(eng, passes=2) if n else first
         top = int(model.grids["att_lens"][-1])
         best = {}
         for _ in range(5):
@@ -253,8 +261,10 @@ def test_attention_beyond_the_grid_is_priced_superlinearly(setup):
         predicted = model.attn_ms(AttnSpec(n=1, L=2 * top)) / model.attn_ms(AttnSpec(n=1, L=top))
         assert 2.0 < predicted <= 4.0 + 1e-9, predicted
         # proportional pricing (2x) would be more than 23 % off a growth over 2.6
-        attempts.append(dict(ok=grown > 2.6 and abs(predicted / grown - 1) < 0.25,
-                             measured_growth=grown, predicted_growth=predicted, best_ms=best))
+        return dict(ok=grown > 2.6 and abs(predicted / grown - 1) < 0.25,
+                    measured_growth=grown, predicted_growth=predicted, best_ms=best)
+
+    attempts = _retried(attempt)
     detail = attempts[-1]
     assert detail["measured_growth"] > 2.6, attempts
     assert abs(detail["predicted_growth"] / detail["measured_growth"] - 1) < 0.25, attempts
@@ -268,25 +278,27 @@ def test_the_cpu_kernel_is_priced_as_it_runs(setup):
     three times, as above)."""
     assert cpu_gemm.ensure(), cpu_gemm.state["why_not"]
     eng, _, reqs, layouts = setup
-    attempts = []
+
+    def attempt(_n: int) -> dict:
+        model = BatchCostModel.profile(eng, passes=2)
+        assert "kernel" in model.t
+        parts = {k: model.components(structure_of_batch(prepare_for(eng, reqs, lay)))
+                 for k, lay in layouts.items()}
+        for k, c in parts.items():  # all of the GEMM time on the kernel
+            assert c["gemm_cpu_kernel"] > 0, (k, c)
+            others = (c["gemm_mm"], c["gemm_bmm"], c["gemm_grouped_mm"], c["gemm_loop"])
+            assert others == (0.0, 0.0, 0.0, 0.0), (k, c)
+        measured = _measure(eng, reqs, layouts)
+        pred = {k: model.predict_batch(lay, prepare_for(eng, reqs, lay), key=())
+                for k, lay in layouts.items()}
+        drift = _drift(pred, measured)
+        err = {k: pred[k] / measured[k] / drift - 1 for k in layouts}
+        return dict(ok=(1 / (1 + ABS_BOUND) <= drift <= 1 + ABS_BOUND
+                        and all(abs(e) <= REL_BOUND for e in err.values())),
+                    measured=measured, predicted=pred, drift=drift, err=err)
+
     with cpu_gemm.suspended(False):
-        while not (attempts and attempts[-1]["ok"]) and len(attempts) < 3:
-            model = BatchCostModel.profile(eng, passes=2)
-            assert "kernel" in model.t
-            parts = {k: model.components(structure_of_batch(prepare_for(eng, reqs, lay)))
-                     for k, lay in layouts.items()}
-            for k, c in parts.items():  # all of the GEMM time on the kernel
-                assert c["gemm_cpu_kernel"] > 0, (k, c)
-                assert c["gemm_mm"] == c["gemm_bmm"] == c["gemm_grouped_mm"] == c["gemm_loop"] == 0.0, (
-                    k, c)
-            measured = _measure(eng, reqs, layouts)
-            pred = {k: model.predict_batch(lay, prepare_for(eng, reqs, lay), key=())
-                    for k, lay in layouts.items()}
-            drift = _drift(pred, measured)
-            err = {k: pred[k] / measured[k] / drift - 1 for k in layouts}
-            attempts.append(dict(ok=(1 / (1 + ABS_BOUND) <= drift <= 1 + ABS_BOUND
-                                     and all(abs(e) <= REL_BOUND for e in err.values())),
-                                 measured=measured, predicted=pred, drift=drift, err=err))
+        attempts = _retried(attempt)
     assert attempts[-1]["ok"], attempts
 
 
