@@ -73,6 +73,15 @@ class Overloaded(ItifError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class Busy(Overloaded):
+    """A transient overload: a limit that frees itself as calls finish (a tenant's calls in
+    flight or queued, replies not yet read, an upload already running, the device out of memory
+    for one batch). The same call may succeed later, so the answer carries a retry hint (gRPC
+    ``retry-after`` and ``grpc-retry-pushback-ms`` trailers, HTTP 429 with ``Retry-After``:
+    ``itif.server.errors.retry_hint``). Plain :class:`Overloaded` is a refusal that retrying
+    does not cure (a message over its limit, a tenant over the memory budget)."""
+
+
 class Unauthenticated(ItifError):
     """Missing or wrong bearer token."""
 

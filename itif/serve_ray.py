@@ -63,7 +63,7 @@ from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon, State, TenantStatus
 from itif.errors import ItifError
 from itif.platform import tune_gc
-from itif.server.errors import http_status_of
+from itif.server.errors import http_retry_headers, http_status_of
 from itif.server.http import build_app
 from itif.server.http.common import read_body
 from itif.server.json_procs import OFFLOAD_BYTES, JsonProcs, model_of
@@ -373,7 +373,8 @@ class ItifRouter:
             body = await read_body(request, self.config.server.max_message_bytes)
         except ItifError as e:
             status, _, msg = http_status_of(e)
-            return JSONResponse({"error": msg}, status_code=getattr(e, "http_status", status))
+            return JSONResponse({"error": msg}, status_code=getattr(e, "http_status", status),
+                                headers=http_retry_headers(e, self.config.server.retry_after_ms))
         method, path = request.method, request.scope["path"]
         root = request.scope.get("root_path", "")
         if root and path.startswith(root):  # an application on a route prefix other than "/"

@@ -230,8 +230,8 @@ def test_frame_server_runs_the_handler_as_grpc_would():
         return sink.frames
 
     frames = asyncio.run(run())
-    assert frames[0] == (1, 0, "", b"answer to ok")
-    assert frames[1] == (2, grpc.StatusCode.NOT_FOUND.value[0], "no such tenant", None)
+    assert frames[0] == (1, 0, "", b"answer to ok", ())
+    assert frames[1] == (2, grpc.StatusCode.NOT_FOUND.value[0], "no such tenant", None, ())
     assert frames[2][0] == 3 and frames[2][1] == grpc.StatusCode.UNKNOWN.value[0]
     assert len(frames) == 3  # the cancelled call answered nothing
     assert seen["done"] == [b"wait", b"refuse", b"ok"]

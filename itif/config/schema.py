@@ -97,6 +97,9 @@ class ServerConfig:
     #: of a connection beyond it (UNAVAILABLE, never started): a burst on one connection
     #: cannot queue in front of every other caller's calls.
     max_streams_per_connection: int = setting(F.integer, 100, lo=1, hi=1_000_000)
+    #: The retry hint of a transient overload's answer (RESOURCE_EXHAUSTED's ``retry-after`` and
+    #: ``grpc-retry-pushback-ms`` trailers, HTTP 429's ``Retry-After`` in whole seconds).
+    retry_after_ms: int = setting(F.integer, 200, lo=1, hi=3_600_000)
     #: Bytes of replies a tenant, and a connection, may have computed or in computation and
     #: not yet read by the client; a call that would need more answers RESOURCE_EXHAUSTED
     #: before it runs (one call is always admitted when nothing is held).

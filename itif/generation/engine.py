@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from itif.backbones.hf import CanonicalWeights
-from itif.errors import (InvalidRequest, ItifError, Overloaded, TenantNotFound, Unavailable,
+from itif.errors import (Busy, InvalidRequest, ItifError, TenantNotFound, Unavailable,
                          is_out_of_memory, shown)
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
@@ -583,11 +583,11 @@ class GenEngine:
 
 def _error(e: Exception, out_of_memory: str, failed: str) -> ItifError:
     """What a request that failed with ``e`` is told: ``e`` itself if it is an ItifError,
-    Overloaded (RESOURCE_EXHAUSTED) with ``out_of_memory`` for the device's out-of-memory error,
+    Busy (RESOURCE_EXHAUSTED, retry later) with ``out_of_memory`` for the device's out-of-memory error,
     else ``failed`` and the exception's type (its text may name another request's data)."""
     if isinstance(e, ItifError):
         return e
-    err = Overloaded(out_of_memory) if is_out_of_memory(e) else ItifError(f"{failed}: {type(e).__name__}")
+    err = Busy(out_of_memory) if is_out_of_memory(e) else ItifError(f"{failed}: {type(e).__name__}")
     err.__cause__ = e
     return err
 

@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterable, Sequence
 from itif.config.fields import check
 from itif.config.schema import SchedulerConfig
 from itif.errors import (
+    Busy,
     Cancelled,
     DeadlineExceeded,
     InvalidRequest,
     ItifError,
     NoWeights,
-    Overloaded,
     TenantNotFound,
     Unavailable,
     is_out_of_memory,
@@ -220,14 +220,14 @@ class Scheduler:
                priority: int = 0) -> Ticket:
         """Queue one request; never blocks. ``tokens`` is its length (for the batch token
         budget), ``deadline`` an absolute ``clock()`` time, ``priority`` orders requests within
-        the tenant (higher first). Raises Overloaded (queue full), TenantNotFound, InvalidRequest
+        the tenant (higher first). Raises Busy (queue full), TenantNotFound, InvalidRequest
         (longer than the tenant's max_seq_len) or Unavailable (stopped)."""
         return self.submit_many([request], tokens=[tokens], deadline=deadline, priority=priority)[0]
 
     def submit_many(self, requests: Sequence[Request], *, tokens: Sequence[int],
                     deadline: float | None = None, priority: int = 0) -> list[Ticket]:
         """Queue several requests all-or-nothing (a batch RPC): if any tenant's queue cannot take
-        all of its requests, Overloaded is raised and nothing is queued."""
+        all of its requests, Busy is raised and nothing is queued."""
         requests = list(requests)
         tokens = [_count(n, f"request {i}: tokens") for i, n in enumerate(tokens)]
         if len(tokens) != len(requests):
@@ -260,7 +260,7 @@ class Scheduler:
                     for nm, k in want.items():
                         q.stats[nm].rejected += k
                     what = "a request" if len(requests) == 1 else f"{n} requests"
-                    raise Overloaded(
+                    raise Busy(
                         f"tenant {name!r} queue is full ({tq.depth} queued, max_queue="
                         f"{tq.quota.max_queue}); cannot take {what}, retry later")
             now = self._clock()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from itif.config.fields import check
 from itif.config.schema import Tenant
-from itif.errors import Cancelled, InvalidRequest, ItifError, Overloaded
+from itif.errors import Busy, Cancelled, InvalidRequest, ItifError
 from itif.requests import Request, Result
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,7 +36,7 @@ class InternalError(ItifError):
     code = "INTERNAL"
 
 
-class OutOfMemory(Overloaded):
+class OutOfMemory(Busy):
     """The device ran out of memory running the request's batch; the request may be retried."""
 
     code = "RESOURCE_EXHAUSTED"

@@ -47,8 +47,9 @@ from typing import Any, Callable
 import grpc
 
 from itif import daemon_tiers
-from itif.errors import Overloaded
+from itif.errors import Busy, Overloaded
 from itif.platform import libc
+from itif.server.errors import retry_after_ms, retry_hint
 from itif.server.fairgate import FairGate
 from itif.server.handlers import wrap_handler
 from itif.server.ingress import PEER_KEY
@@ -125,11 +126,11 @@ class Admission:
         with self._lock:
             mine = self.calls.get(tenant, 0)
             if limit is not None and mine >= limit:
-                raise Overloaded(
+                raise Busy(
                     f"tenant {tenant!r} has {mine} calls in flight, its limit (tenants[]."
                     "max_inflight, default 2 x max_queue); retry after some are answered")
             if self.total >= server_limit:
-                raise Overloaded(
+                raise Busy(
                     f"the server has {self.total} calls in flight, its limit "
                     "(server.max_inflight_calls); retry later")
             self.calls[tenant] = mine + 1
@@ -176,7 +177,7 @@ class Admission:
                                      ("connection", self.reply_by_peer, slot.peer)):
                 held = table.get(key, 0) - slot.reply_bytes
                 if held > 0 and held + nbytes > budget:
-                    raise Overloaded(
+                    raise Busy(
                         f"this {what} already has {held} bytes of replies computed or in "
                         f"computation and not yet read (server.max_pending_reply_bytes = "
                         f"{budget}); read the replies of earlier calls, then retry")
@@ -199,7 +200,8 @@ class Admission:
                 metrics = getattr(self.daemon, "metrics", None)
                 if metrics is not None and tenant:
                     metrics.note_tenant(tenant)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
+                                    retry_hint(e, retry_after_ms(self.daemon)))
             context.add_done_callback(slot.release)  # when gRPC has finished the call
             await self.gate.enter(tenant)
             if not self._mark_gated(slot):  # finished (cancelled) while it waited

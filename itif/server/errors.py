@@ -4,16 +4,25 @@ statuses: :data:`HTTP_STATUS`).
 Every servicer method is wrapped by ``rpc``: an ``ItifError`` aborts with its own code and
 message; anything else is INTERNAL, logged with its traceback, and the client sees no internals.
 Out-of-memory is RESOURCE_EXHAUSTED (the batch failed, the daemon did not).
+
+RESOURCE_EXHAUSTED always says whether to retry (:func:`retry_hint`). A transient overload
+(:class:`~itif.errors.Busy`, out of memory in a batch) trails ``retry-after`` (whole seconds,
+as HTTP's header) and ``grpc-retry-pushback-ms`` (what gRPC's own retry policy obeys, when the
+client lists RESOURCE_EXHAUSTED as retryable), both from ``server.retry_after_ms``; the HTTP
+APIs answer 429 with ``Retry-After``. Any other RESOURCE_EXHAUSTED (a message over its limit, a
+tenant over the memory budget) trails ``grpc-retry-pushback-ms: -1``: gRPC's word for "do not
+retry". UNAVAILABLE is kept for a daemon that is starting, stopping, or has lost its engine.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import grpc
 
-from itif.errors import ItifError, clip, is_out_of_memory
+from itif.errors import Busy, ItifError, clip, is_out_of_memory
 
 log = logging.getLogger("itif.server")
 
@@ -37,6 +46,44 @@ HTTP_STATUS = {
 }
 
 
+#: the retry hint when no daemon configuration is at hand (``server.retry_after_ms``'s default)
+DEFAULT_RETRY_AFTER_MS = 200
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is an overload that frees itself (retry later)."""
+    return isinstance(exc, Busy) or (not isinstance(exc, ItifError) and is_out_of_memory(exc))
+
+
+def retry_after_ms(daemon) -> int:
+    """The daemon's ``server.retry_after_ms`` (the default without one)."""
+    try:
+        return int(daemon.config.server.retry_after_ms)
+    except AttributeError:
+        return DEFAULT_RETRY_AFTER_MS
+
+
+def retry_seconds(ms: int) -> int:
+    """HTTP's ``Retry-After`` (whole seconds, at least 1) for a hint of ``ms``."""
+    return max(1, math.ceil(ms / 1000))
+
+
+def retry_hint(exc: BaseException, ms: int = DEFAULT_RETRY_AFTER_MS
+               ) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of ``exc``'s status: for RESOURCE_EXHAUSTED, when to retry (or
+    not to: ``grpc-retry-pushback-ms: -1``); nothing for other codes."""
+    if transient(exc):
+        return (("retry-after", str(retry_seconds(ms))), ("grpc-retry-pushback-ms", str(ms)))
+    if status_of(exc)[0] is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return (("grpc-retry-pushback-ms", "-1"),)
+    return ()
+
+
+def http_retry_headers(exc: BaseException, ms: int = DEFAULT_RETRY_AFTER_MS) -> dict[str, str]:
+    """``Retry-After`` for a transient overload's HTTP answer (429), else nothing."""
+    return {"Retry-After": str(retry_seconds(ms))} if transient(exc) else {}
+
+
 def http_status_of(exc: BaseException) -> tuple[int, str, str]:
     """(HTTP status, gRPC code name, message) of an exception, through :func:`status_of`."""
     code, msg = status_of(exc)
@@ -51,6 +98,13 @@ def _status(e: Exception, name: str) -> tuple[grpc.StatusCode, str]:
     return code, msg
 
 
+async def abort_with(context, exc: BaseException, name: str, daemon=None) -> None:
+    """End the call with ``exc``'s status and its retry hint (``daemon``: whose
+    ``server.retry_after_ms``)."""
+    code, msg = _status(exc, name)
+    await context.abort(code, msg, retry_hint(exc, retry_after_ms(daemon)))
+
+
 def rpc(method):
     """Wrap an async servicer method: map exceptions to statuses, never leak a traceback."""
 
@@ -61,8 +115,8 @@ def rpc(method):
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
-            code, msg = _status(e, method.__name__)
-        await context.abort(code, msg)
+            error = e
+        await abort_with(context, error, method.__name__, getattr(self, "daemon", None))
 
     return wrapper
 
@@ -79,7 +133,7 @@ def rpc_stream(method):
         except grpc.aio.AbortError:
             raise
         except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
-            code, msg = _status(e, method.__name__)
-        await context.abort(code, msg)
+            error = e
+        await abort_with(context, error, method.__name__, getattr(self, "daemon", None))
 
     return wrapper

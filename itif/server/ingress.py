@@ -11,7 +11,8 @@ connections over them):
 - **Infer, InferBatch and ModelInfer** (:data:`HOT`) cross to the daemon as raw bytes over a
   second unix socket, one length-prefixed frame a call each way (:func:`pack`); the daemon runs
   the very interceptors and handler the gRPC server would (``itif.server.ingress_host``: auth,
-  admission, metrics, the same status codes) and answers with the reply's bytes or a status.
+  admission, metrics, the same status codes) and answers with the reply's bytes or a status
+  (with its retry hint's trailing metadata).
   Neither side parses what it only passes on.
 - **Every other method** (uploads, management, health, reflection, KServe's repository and
   metadata calls) is relayed to the daemon's gRPC server on its unix socket, as raw bytes, the
@@ -154,10 +155,10 @@ class EngineLink:
     async def _read(self) -> None:
         try:
             while True:
-                rid, code, details, body = await read_frame(self._reader)
+                rid, code, details, body, trailers = await read_frame(self._reader)
                 fut = self._waiting.pop(rid, None)
                 if fut is not None and not fut.done():
-                    fut.set_result((code, details, body))
+                    fut.set_result((code, details, body, trailers))
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             err = e
         except Exception as e:  # noqa: BLE001 - a broken frame ends the link like a close
@@ -171,7 +172,7 @@ class EngineLink:
             self.closed.set_result(None)
 
     async def call(self, method: str, metadata, timeout: float | None, peer: str,
-                   body: bytes, context=None) -> tuple[int, str, bytes | None]:
+                   body: bytes, context=None) -> tuple[int, str, bytes | None, tuple]:
         """One framed call; ``context`` (the caller's gRPC call): when it ends (its reply sent,
         or the call cancelled) a DONE frame tells the daemon, whose admission holds the reply's
         bytes and the call's slot until then."""
@@ -225,14 +226,14 @@ class Router(grpc.GenericRpcHandler):
 
         async def call(request: bytes, context) -> bytes:
             try:
-                code, details, body = await link.call(method, passed_metadata(context),
-                                                      context.time_remaining(),
-                                                      context.peer() or "", request, context)
+                code, details, body, trailers = await link.call(
+                    method, passed_metadata(context), context.time_remaining(),
+                    context.peer() or "", request, context)
             except ConnectionError:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "the daemon is not reachable; retry")
             if code:
-                await context.abort(status_code(code), details)
+                await context.abort(status_code(code), details, trailers)
             return body
 
         return call
@@ -347,8 +348,19 @@ def _stream_stream_relay(channel: grpc.Channel, method: str):
 
 
 async def _abort_as(context, e: grpc.RpcError) -> None:
-    """End the caller's call with the daemon's status."""
-    await context.abort(e.code(), e.details() or "")
+    """End the caller's call with the daemon's status and its retry hint."""
+    trailing = getattr(e, "trailing_metadata", None)
+    await context.abort(e.code(), e.details() or "",
+                        retry_trailers(trailing() if trailing is not None else None))
+
+
+#: the daemon's trailing metadata a relayed call passes on to its caller (the retry hint)
+RETRY_KEYS = ("retry-after", "grpc-retry-pushback-ms")
+
+
+def retry_trailers(metadata) -> tuple[tuple[str, str], ...]:
+    """The retry hint among ``metadata`` (a status's trailing metadata; None: nothing)."""
+    return tuple((k, v) for k, v in (metadata or ()) if k in RETRY_KEYS)
 
 
 def _call_options(context) -> dict:

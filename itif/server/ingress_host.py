@@ -52,7 +52,7 @@ class _Abort(grpc.aio.AbortError):
 class _Context:
     """The parts of ``grpc.aio.ServicerContext`` itif's interceptors and handlers use."""
 
-    __slots__ = ("_metadata", "_deadline", "_peer", "_code", "_details", "_done")
+    __slots__ = ("_metadata", "_deadline", "_peer", "_code", "_details", "_done", "trailers")
 
     def __init__(self, metadata, timeout: float | None, peer: str) -> None:
         self._metadata = metadata
@@ -60,6 +60,7 @@ class _Context:
         self._peer = peer
         self._code: grpc.StatusCode | None = None
         self._details = ""
+        self.trailers: tuple = ()
         self._done: list = []
 
     def invocation_metadata(self):
@@ -76,6 +77,7 @@ class _Context:
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
         self._code, self._details = code, details
+        self.trailers = tuple(trailing_metadata or ())  # the retry hint goes back with it
         raise _Abort()
 
     def set_code(self, code) -> None:
@@ -183,13 +185,13 @@ class FrameServer:
                 request = h.request_deserializer(body) if h.request_deserializer else body
                 reply = await h.unary_unary(request, context)
                 raw = h.response_serializer(reply) if h.response_serializer else reply
-                answer = (rid, 0, "", raw)
+                answer = (rid, 0, "", raw, ())
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN
-                answer = (rid, code.value[0], context.details(), None)
+                answer = (rid, code.value[0], context.details(), None, context.trailers)
             except Exception:  # noqa: BLE001 - what gRPC answers for an escaping exception
                 log.exception("framed %s failed", method)
-                answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None)
+                answer = (rid, grpc.StatusCode.UNKNOWN.value[0], "internal error", None, ())
             _send(out, answer, method)
             held = answered.hold(rid, context)
         finally:
@@ -236,7 +238,7 @@ def _send(out: FrameWriter, answer: tuple, method: str) -> None:
     except Exception:  # noqa: BLE001 - a status still goes back to the caller
         log.exception("framed %s: its answer could not be sent", method)
         code, details = grpc.StatusCode.UNKNOWN, "internal error"
-    out.write((answer[0], code.value[0], details, None))
+    out.write((answer[0], code.value[0], details, None, ()))
 
 
 class IngressPool:

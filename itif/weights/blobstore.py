@@ -68,7 +68,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from itif.errors import InvalidRequest, InvalidWeights, Overloaded, shown
+from itif.errors import Busy, InvalidRequest, InvalidWeights, Overloaded, shown
 from itif.weights.durable_io import (  # private names: tests patch _write_durably here
     fsync_dir as _fsync_dir,
     fsync_path as _fsync_path,
@@ -251,7 +251,7 @@ class BlobStore:
             )
         with self._lock:
             if tenant in self._uploading:
-                raise Overloaded(f"upload already in progress for tenant {tenant!r}")
+                raise Busy(f"upload already in progress for tenant {tenant!r}")
             self._uploading.add(tenant)
         try:
             return Upload(self, tenant, expected_sha256, total_size)

@@ -31,7 +31,8 @@ from starlette.responses import Response
 
 from itif.errors import InvalidRequest, ItifError, Overloaded
 from itif.metrics import call_tenant
-from itif.server.errors import http_status_of
+from itif.server.errors import (DEFAULT_RETRY_AFTER_MS, http_retry_headers, http_status_of,
+                                retry_after_ms)
 from itif.server.json_procs import IN_THREAD, MAX_LIST, OFFLOAD_BYTES, JsonProcs, json_load
 
 log = logging.getLogger("itif.server.http")
@@ -204,7 +205,8 @@ def endpoint(api: str, method: str, render: Render, *, admit: bool = True):
                     except ClientDisconnect:
                         response = Response(status_code=CLIENT_GONE)
                     except Exception as e:  # noqa: BLE001 - the boundary: all is an answer
-                        response = _error_answer(render, api, method, e)
+                        response = _error_answer(render, api, method, e,
+                                                 retry_after_ms(self.daemon))
                 metrics = getattr(self.daemon, "metrics", None)
                 if metrics is not None and hasattr(metrics, "observe_http"):
                     metrics.observe_http(holder[0], api, method, response.status_code,
@@ -226,7 +228,9 @@ def endpoint(api: str, method: str, render: Render, *, admit: bool = True):
 CLIENT_GONE = 499
 
 
-def _error_answer(render: Render, api: str, method: str, e: Exception) -> Response:
+def _error_answer(render: Render, api: str, method: str, e: Exception,
+                  hint_ms: int = DEFAULT_RETRY_AFTER_MS) -> Response:
+    """``render``'s answer to ``e``; a transient overload's (429) carries ``Retry-After``."""
     status, code, msg = http_status_of(e)
     status = getattr(e, "http_status", status)
     if code == "INTERNAL":
@@ -234,7 +238,9 @@ def _error_answer(render: Render, api: str, method: str, e: Exception) -> Respon
     # what a client sent may come back in the message; a lone surrogate cannot be UTF-8
     msg = msg.encode("utf-8", "backslashreplace").decode("utf-8")
     try:
-        return render(status, code, msg)
+        response = render(status, code, msg)
+        response.headers.update(http_retry_headers(e, hint_ms))
+        return response
     except Exception:  # noqa: BLE001 - an answer is owed whatever the renderer does
         log.exception("%s %s: rendering the error answer failed", api, method)
         return Response(b"internal error", status_code=500, media_type="text/plain")
