@@ -9,6 +9,7 @@ metadata at all, so a client could not tell a full queue from a message it must 
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,7 +21,15 @@ from itif.errors import Busy, InvalidRequest, Overloaded
 from itif.scheduler.tickets import OutOfMemory
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.errors import http_retry_headers, retry_hint
-from tests.reliability_util import Daemon, free_port, make_tokens, upload_bytes, weights_bytes
+from tests.reliability_util import rel  # noqa: F401 - the fixture, used by name
+from tests.reliability_util import (
+    Daemon,
+    free_port,
+    make_tokens,
+    promise,
+    upload_bytes,
+    weights_bytes,
+)
 
 C = grpc.StatusCode
 TOKENS = make_tokens(["acme"])
@@ -60,7 +69,8 @@ def d(request, tmp_path_factory):
     daemon.stop()
 
 
-def test_a_transient_overload_trails_when_to_retry(d):
+@promise(36)
+def test_a_transient_overload_trails_when_to_retry(d, rel):
     """A burst over the tenant's max_inflight: the refused calls are RESOURCE_EXHAUSTED with
     ``retry-after: 2`` and ``grpc-retry-pushback-ms: 1500``; the admitted ones are OK."""
     req = itif_pb2.InferRequest(
@@ -74,6 +84,10 @@ def test_a_transient_overload_trails_when_to_retry(d):
                 f.result()
             except grpc.RpcError as e:
                 errors.append(e)
+    rel.inputs += BURST
+    rel.saw(C.OK, BURST - len(errors))
+    rel.saw(C.RESOURCE_EXHAUSTED, len(errors))
+    rel.notes["trailers of a refusal"] = dict(_trailers(errors[0])) if errors else None
     assert errors and len(errors) < BURST, len(errors)
     for e in errors:
         assert e.code() == C.RESOURCE_EXHAUSTED, e
@@ -82,19 +96,23 @@ def test_a_transient_overload_trails_when_to_retry(d):
         assert hint.get("grpc-retry-pushback-ms") == str(HINT_MS), hint
 
 
-def test_a_refusal_retrying_cannot_cure_says_do_not_retry(d):
+@promise(36)
+def test_a_refusal_retrying_cannot_cure_says_do_not_retry(d, rel):
     """A reply over max_message_bytes (48 rows of last_hidden_state, 1.5 MiB through 1 MiB):
     RESOURCE_EXHAUSTED trailing ``grpc-retry-pushback-ms: -1`` and no ``retry-after``."""
     with d.client(TOKENS["acme"]) as c:
         call = c.channel.unary_unary("/itif.v1.Itif/InferBatch")
         with pytest.raises(grpc.RpcError) as e:
             call(big_batch_raw("acme", 48), metadata=c.metadata, timeout=60)
+    rel.inputs += 1
+    rel.saw(e.value.code())
     assert e.value.code() == C.RESOURCE_EXHAUSTED, e.value
     hint = _trailers(e.value)
     assert hint.get("grpc-retry-pushback-ms") == "-1" and "retry-after" not in hint, hint
 
 
-def test_http_overload_is_429_with_retry_after(d):
+@promise(36)
+def test_http_overload_is_429_with_retry_after(d, rel):
     """The same burst over KServe REST and OpenAI embeddings: the refused calls are 429 with
     ``Retry-After: 2``; a body over max_message_bytes is 413 without one (retrying it cannot
     help)."""
@@ -110,6 +128,8 @@ def test_http_overload_is_429_with_retry_after(d):
                 answers = list(pool.map(lambda _: http.post(url + path, json=body, headers=auth),
                                         range(BURST)))
         refused = [r for r in answers if r.status_code != 200]
+        rel.inputs += BURST
+        rel.notes[f"{path}: statuses"] = dict(Counter(r.status_code for r in answers))
         assert refused and len(refused) < BURST, (path, [r.status_code for r in answers])
         for r in refused:
             assert r.status_code == 429, (path, r.status_code, r.text)

@@ -73,6 +73,7 @@ PROMISES = {
     33: "Memory bounded under slow readers: unread replies capped, freed on disconnect",
     34: "Reply over max_message_bytes: refused before it runs, counted, no traceback",
     35: "More calls than a connection's streams: itif's client retries, every call OK",
+    36: "Every overload answer says whether to retry: RESOURCE_EXHAUSTED / 429 with a hint",
 }
 
 
