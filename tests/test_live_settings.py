@@ -88,6 +88,7 @@ RESTART = {
     "server.max_streams_per_connection": 8,
     "server.ingress_processes": 2,
     "server.http_max_connections": 64,
+    "server.http_max_connections_per_client": 16,
     "server.http_header_timeout_s": 2.5,
     "server.http_json_processes": 0,
     "server.tls": "tls",

@@ -3,7 +3,8 @@
 The operator's file has four top-level sections::
 
     server:     listen, data_dir, admin_token_sha256, metrics_listen, http_listen,
-                http_max_connections, http_header_timeout_s, http_json_processes,
+                http_max_connections, http_max_connections_per_client,
+                http_header_timeout_s, http_json_processes,
                 max_message_bytes, max_upload_bytes, grace_s, upload_idle_s,
                 max_inflight_calls, max_active_calls, max_pending_calls,
                 max_pending_reply_bytes, max_new_tokens, ingress_processes,

@@ -21,7 +21,7 @@ __all__ = ["ConfigDiff", "diff_configs"]
 _RESTART_SERVER_KEYS = ("listen", "data_dir", "metrics_listen", "http_listen", "max_message_bytes",
                         "tls", "max_pending_calls", "max_streams_per_connection",
                         "ingress_processes", "http_max_connections", "http_header_timeout_s",
-                        "http_json_processes")
+                        "http_json_processes", "http_max_connections_per_client")
 _LIVE_SERVER_KEYS = ("admin_token_sha256", "max_upload_bytes", "grace_s", "upload_idle_s",
                      "max_inflight_calls", "max_active_calls", "max_pending_reply_bytes",
                      "max_new_tokens")
@@ -69,7 +69,8 @@ def diff_configs(old: Config, new: Config) -> ConfigDiff:
     ``server.max_message_bytes``, ``server.tls``, ``server.max_pending_calls``,
     ``server.max_streams_per_connection``, ``server.ingress_processes``,
     ``server.http_max_connections``, ``server.http_header_timeout_s``,
-    ``server.http_json_processes``, any ``backbone.*``).
+    ``server.http_json_processes``, ``server.http_max_connections_per_client``, any
+    ``backbone.*``).
     Tenant, scheduler and the other server keys are live-applicable.
     """
     problems: list[str] = []

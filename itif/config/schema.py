@@ -63,10 +63,15 @@ class ServerConfig:
     #: ``host:port`` of the HTTP APIs (KServe v2 REST, OpenAI embeddings; ``itif.server.http``,
     #: the ``http`` extra); None: no HTTP. Request bodies are bounded by ``max_message_bytes``.
     http_listen: str | None = setting(F.hostport, None)
-    #: HTTP connections open at once (idle, sending, or being answered), all clients together;
-    #: one more is answered 503 and closed at once, so it frees its file descriptor. Lowered at
+    #: HTTP connections open at once (idle, sending, or being answered), all clients together.
+    #: At the cap a new one closes the oldest idle one (no request in progress); only when all
+    #: are busy with a request is it answered 503 and closed (``itif.server.http``). Lowered at
     #: start to half the process's open-file limit (``ulimit -n``) where that is smaller.
     http_max_connections: int = setting(F.integer, 1000, lo=1, hi=1_000_000)
+    #: HTTP connections one peer address may hold at once: at it, a new one from that address
+    #: closes the address's own oldest idle one (or, all busy, is answered 503), never another
+    #: client's. Clients behind one proxy or NAT share an address: raise it there.
+    http_max_connections_per_client: int = setting(F.integer, 256, lo=1, hi=1_000_000)
     #: An HTTP connection that has not sent a whole request line and headers this long after it
     #: opened (or, kept alive, after the first byte of its next request) is closed. An idle
     #: kept-alive connection is closed after uvicorn's keep-alive timeout (5 s).

@@ -9,12 +9,36 @@ a limit, 429). The daemon's loop keeps SIGTERM/SIGINT: uvicorn installs no signa
 ``server.tls`` the port speaks HTTPS with the same certificate (and, with ``client_ca``, asks
 clients for theirs).
 
-Connections are bounded (:class:`_GuardedH11`): past ``server.http_max_connections`` a new one is
-answered 503 and closed, and one that has not sent its request line and headers within
-``server.http_header_timeout_s`` is closed, so idle or half-sent connections cannot take the
-daemon's file descriptors (uvicorn's own keep-alive timeout starts only after a response); a
-request body that sends nothing for as long is answered 408 and closed (its call held an
-admission slot).
+Connections are bounded (:class:`_GuardedH11`, :class:`_Conns`), so that a client holding idle
+sockets can neither take the daemon's file descriptors nor starve the other clients (a review
+held 1,100 idle connections and another tenant's calls were answered 503; 2,000 connections
+opened and closed at once made the health endpoint answer 503 for 0.3 s):
+
+- at most ``server.http_max_connections`` are counted at once, all clients together, and at
+  most ``server.http_max_connections_per_client`` from one peer address;
+- at a cap, a new connection closes the oldest IDLE one within that cap (no request in
+  progress: nothing sent yet, part of a request line and headers, or kept alive between
+  requests) instead of being refused: an idle connection costs its owner a reconnect, a refused
+  one a failed call. Only when every connection within the cap is busy with a request is the
+  newcomer answered 503 and closed (before any request is parsed there is no 429 to give; the
+  refusals and the closed idle ones are counted and logged). Checking each idle candidate's
+  socket first (a peek), one whose peer has already gone (its end of file not yet read by the
+  loop: the storm's) is dropped for free, and one with a request waiting unread (a probe
+  accepted in the same burst) is passed over, not evicted;
+- a closing connection is not counted: uvicorn keeps a connection in its set until
+  ``connection_lost``, after a close has flushed, while here it leaves the count when it starts
+  closing;
+- the per-address cap first: a peer at its cap evicts its own oldest idle connection, never
+  another client's; clients behind one proxy or NAT share an address, so raise it there;
+- idle connections time out: one that has not sent its whole request line and headers within
+  ``server.http_header_timeout_s`` after it opened (or after the first byte of a kept-alive
+  connection's next request) is closed, and one kept alive after a response by uvicorn's
+  keep-alive timeout (5 s); a request body that sends nothing for ``http_header_timeout_s``
+  is answered 408 and closed (its call held an admission slot).
+
+Health answers do not depend on idle connections: a probe's new connection evicts one (it
+fails only when every connection is busy with a request, which admission bounds).
+
 A request line and headers over :data:`MAX_HEADER_BYTES` are answered 431, and the rest of what
 the client sends is read and dropped for a moment before the close, so that the client reads the
 answer instead of a connection reset (uvicorn answered 400 and closed with it unread).
@@ -31,6 +55,9 @@ import re
 import resource
 import socket
 import ssl
+import time
+from collections import OrderedDict
+from itertools import islice
 
 try:
     import h11
@@ -92,23 +119,163 @@ _TOO_LARGE = _closing_answer("431 Request Header Fields Too Large",
                              f"the request line and headers are over {MAX_HEADER_BYTES} bytes")
 
 
-class _GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with a cap on open connections and a request-header timeout.
+def _peer_sent(transport) -> bool | None:
+    """What the peer of ``transport`` has sent that the loop has not read yet, by a peek at its
+    socket: True (bytes wait), False (nothing), None (its end of file or a reset: it has gone)."""
+    ts = transport.get_extra_info("socket")
+    if ts is None:
+        return False
+    sock = socket.socket(ts.family, ts.type, ts.proto, fileno=ts.fileno())  # a view: detached
+    try:
+        return True if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) else None
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return None
+    finally:
+        sock.detach()
 
-    A connection past ``max_connections`` (uvicorn's set of open connections counts it) gets
-    :data:`_BUSY` and is closed at once. A connection whose peer has not finished a request's
-    line and headers (h11's ``their_state`` still IDLE) ``header_timeout_s`` after it opened,
-    or after the first byte of a kept-alive connection's next request, is closed; uvicorn's
-    keep-alive timer closes one that sends nothing after a response. Subclassed by
-    :class:`HttpServer` with the two limits set.
+
+class _Conns:
+    """The counted connections of one HTTP port: how many in all and per peer address, and the
+    idle ones oldest first (all together, and per address), for :class:`_GuardedH11`.
+
+    Idle: no request in progress (``_GuardedH11._busy`` false), ordered by when it became idle
+    (opened, or its last answer sent): part of a request line coming in keeps its place, so a
+    client cannot stay young by trickling bytes.
+    """
+
+    #: idle candidates a newcomer looks at, oldest first, before it gives up and is refused:
+    #: those skipped have a request waiting unread (a burst); bounds the work of one accept
+    scan = 64
+    #: seconds between two log lines of the refusals and evictions
+    log_every_s = 10.0
+
+    def __init__(self, cap: int, per_client: int) -> None:
+        self.cap, self.per_client = cap, min(per_client, cap)
+        self.count = 0
+        self.per_peer: dict[str, int] = {}
+        self.idle: OrderedDict[_GuardedH11, None] = OrderedDict()
+        self.peer_idle: dict[str, OrderedDict[_GuardedH11, None]] = {}
+        #: newcomers refused (every connection within the cap busy), idle connections closed
+        #: to make room, connections of gone peers dropped at a cap
+        self.refused = self.evicted = self.gone = 0
+        self._logged: dict[str, int] = {}  # kind -> its count at its last log line
+        self._logged_at: dict[str, float] = {}
+        self._due: dict[str, asyncio.TimerHandle] = {}
+
+    def admit(self, conn: _GuardedH11) -> bool:
+        """Count ``conn`` (new), making room at a cap; False: refused, not counted."""
+        peer = conn.peer
+        if self.per_peer.get(peer, 0) >= self.per_client and not self._free(
+                self.peer_idle.get(peer, ())):
+            return self._refuse()
+        if self.count >= self.cap and not self._free(self.idle):
+            return self._refuse()
+        conn.counted = True
+        self.count += 1
+        self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
+        self.set_idle(conn)
+        return True
+
+    def set_idle(self, conn: _GuardedH11) -> None:
+        """``conn`` has no request in progress (its place kept if it was idle already)."""
+        if conn.counted and conn not in self.idle:
+            self.idle[conn] = None
+            self.peer_idle.setdefault(conn.peer, OrderedDict())[conn] = None
+
+    def set_busy(self, conn: _GuardedH11) -> None:
+        self.idle.pop(conn, None)
+        mine = self.peer_idle.get(conn.peer)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self.peer_idle[conn.peer]
+
+    def drop(self, conn: _GuardedH11) -> None:
+        """``conn`` closes: it counts no more (idempotent)."""
+        if not conn.counted:
+            return
+        conn.counted = False
+        self.set_busy(conn)
+        self.count -= 1
+        left = self.per_peer[conn.peer] - 1
+        if left:
+            self.per_peer[conn.peer] = left
+        else:
+            del self.per_peer[conn.peer]
+
+    def _free(self, idle) -> bool:
+        """Close the oldest idle connection of ``idle`` that has no request waiting unread (or
+        drop one whose peer has gone); False: none within :attr:`scan`."""
+        for conn in list(islice(idle, self.scan)):
+            sent = None if conn.transport.is_closing() else _peer_sent(conn.transport)
+            if sent:
+                continue  # a request came with the burst: it is not idle
+            self.drop(conn)
+            if sent is None:
+                self.gone += 1
+            else:
+                self.evicted += 1
+                self._note("evicted")
+            conn.transport.abort()
+            return True
+        return False
+
+    def _refuse(self) -> bool:
+        self.refused += 1
+        self._note("refused")
+        return False
+
+    def _note(self, kind: str) -> None:
+        """Log the refusals, and apart the evictions: the first at once, then at most one line
+        per :attr:`log_every_s` with how many came since (a line left due is written then)."""
+        if kind in self._due:
+            return
+        wait = self._logged_at.get(kind, -self.log_every_s) + self.log_every_s - time.monotonic()
+        if wait <= 0:
+            self._write(kind)
+        else:
+            self._due[kind] = asyncio.get_running_loop().call_later(wait, self._write, kind)
+
+    def _write(self, kind: str) -> None:
+        self._due.pop(kind, None)
+        total = getattr(self, kind)
+        n = total - self._logged.get(kind, 0)
+        self._logged[kind], self._logged_at[kind] = total, time.monotonic()
+        if kind == "refused":
+            log.warning("HTTP: %d new connections refused 503, every one within the cap busy "
+                        "with a request (caps: %d connections, %d per client address)",
+                        n, self.cap, self.per_client)
+        else:
+            log.warning("HTTP: %d idle connections closed to make room for new ones (caps: %d "
+                        "connections, %d per client address)", n, self.cap, self.per_client)
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with bounded connections (:class:`_Conns`: the caps, eviction of
+    the oldest idle) and a request-header timeout.
+
+    A new connection is counted by :meth:`_Conns.admit`; refused (every connection within its
+    cap busy), it gets :data:`_BUSY` and is closed at once. It leaves the count as soon as it
+    starts closing (its own timeouts, uvicorn's keep-alive timeout or close after an answer, an
+    eviction), not when uvicorn's ``connection_lost`` comes. A connection whose peer has not
+    finished a request's line and headers (h11's ``their_state`` still IDLE)
+    ``header_timeout_s`` after it opened, or after the first byte of a kept-alive connection's
+    next request, is closed; uvicorn's keep-alive timer closes one that sends nothing after a
+    response. Subclassed by :class:`HttpServer` with the limits and its :class:`_Conns` set.
     """
 
     max_connections: int = 1000
+    max_connections_per_client: int = 256
     header_timeout_s: float = 10.0
     #: after a 431, how long the connection waits for the client to stop sending before it
     #: closes (each chunk that comes restarts the wait; header_timeout_s bounds the whole)
     linger_s: float = 0.5
+    conns: _Conns  # one per port (HttpServer's subclass)
 
+    peer: str = ""
+    counted: bool = False
     _header_timer: asyncio.TimerHandle | None = None
     _body_timer: asyncio.TimerHandle | None = None
     _linger: asyncio.TimerHandle | None = None
@@ -116,12 +283,33 @@ class _GuardedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            self.connections.discard(self)  # not counted against the next ones while it closes
+        self.peer = self.client[0] if self.client else ""
+        if not self.conns.admit(self):
+            self.connections.discard(self)  # nothing for uvicorn's shutdown to wait for
             transport.write(_BUSY)
             transport.abort()  # the fd now: close() would wait for a TLS peer's close_notify
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and those
+            # socket.create_server makes (and accepts) have proto 0: an answer's second write
+            # waited for the client's delayed ACK, 40 ms a call on a kept-alive connection
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._arm_header_timer()
+
+    @property
+    def _busy(self) -> bool:
+        """A request in progress: its line and headers came and its answer is not all sent."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _track(self) -> None:
+        """Tell :attr:`conns` what this connection is now: closing, busy, or idle."""
+        if self.transport.is_closing():
+            self.conns.drop(self)
+        elif self._busy:
+            self.conns.set_busy(self)
+        else:
+            self.conns.set_idle(self)
 
     def data_received(self, data: bytes) -> None:
         if self._linger is not None:  # answered 431: what still comes is dropped
@@ -144,6 +332,19 @@ class _GuardedH11(H11Protocol):
         if self.conn.their_state is not h11.IDLE:  # a whole request line and headers came
             self._cancel_header_timer()
         self._watch_body()  # (data_received comes here too, through uvicorn's own)
+        self._track()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # (a pipelined next request starts in it)
+        self._track()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._track()
+
+    def eof_received(self) -> None:
+        self.conns.drop(self)  # returns None: the transport closes
+        return super().eof_received()
 
     def _watch_body(self) -> None:
         """While a request's body is still coming, it may not go ``header_timeout_s`` without
@@ -162,8 +363,10 @@ class _GuardedH11(H11Protocol):
         if cycle is not None and not cycle.response_started:
             self.transport.write(_BODY_STALLED)  # the route sees the client gone (499)
         self.transport.close()
+        self.conns.drop(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.conns.drop(self)
         self._cancel_header_timer()
         if self._body_timer is not None:
             self._body_timer.cancel()
@@ -173,7 +376,8 @@ class _GuardedH11(H11Protocol):
 
     def _refuse_too_large(self) -> None:
         """431, then linger (:attr:`linger_s`) while the client finishes sending: closing a
-        socket with unread data resets it, and the client would lose the answer."""
+        socket with unread data resets it, and the client would lose the answer. Counted while
+        it lingers, as an idle connection (the oldest are evicted first)."""
         self._cancel_header_timer()
         self.transport.write(_TOO_LARGE)
         self._linger_until = self.loop.time() + self.header_timeout_s
@@ -191,6 +395,7 @@ class _GuardedH11(H11Protocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.conns.drop(self)
             self.transport.abort()
 
 
@@ -238,9 +443,11 @@ class HttpServer:
         self.procs = JsonProcs(s.http_json_processes)
         app = build_app(daemon, health, max_body=s.max_message_bytes, admission=admission,
                         procs=self.procs)
+        cap = _max_connections(s.http_max_connections)
+        self.conns = _Conns(cap, s.http_max_connections_per_client)
         protocol = type("_GuardedH11", (_GuardedH11,), {
-            "max_connections": _max_connections(s.http_max_connections),
-            "header_timeout_s": s.http_header_timeout_s})
+            "max_connections": cap, "max_connections_per_client": self.conns.per_client,
+            "header_timeout_s": s.http_header_timeout_s, "conns": self.conns})
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
                                 http=protocol, ws="none", server_header=False,
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
