@@ -101,7 +101,7 @@ class GenEngine:
         self.store = WeightStore(self.device, self.dtype)
         if kv_cache_bytes is None:  # room for 64 sequences of the backbone's full length
             elem = torch.empty((), dtype=self.dtype).element_size()
-            kv_cache_bytes = 64 * self.spec.max_position * self.spec.dec_layers * 2 * self.spec.hidden * elem
+            kv_cache_bytes = 64 * self.spec.max_position * self.spec.dec_layers * 2 * self.spec.kv_width * elem
         self.kv_cache_bytes = kv_cache_bytes
         self._before_forward: Callable[[set[str]], None] | None = None
         self._rebuild = False  # the batch must be made again before the next step

@@ -1,12 +1,18 @@
-"""Import GPT-2, BART and Marian Hugging Face checkpoints onto a DecoderSpec's canonical table.
+"""Import GPT-2, BART, Marian and llama-family (Llama, Qwen2, Mistral) Hugging Face checkpoints
+onto a DecoderSpec's canonical table.
 
 Accepted: a safetensors file, a checkpoint directory, or a dict of tensors with Hugging Face
 names (``GPT2LMHeadModel`` / ``GPT2Model``, ``BartForConditionalGeneration`` / ``BartModel``,
-``MarianMTModel``; with or without the ``transformer.`` / ``model.`` prefix). GPT-2's
+``MarianMTModel``, ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` and
+their bare models; with or without the ``transformer.`` / ``model.`` prefix). GPT-2's
 ``Conv1D`` weights ([in, out]) are transposed to ``[out, in]``. Tied tensors are read once:
 the encoder's and decoder's word embeddings and the LM head all become ``emb.word`` (a separate
 ``lm_head.weight`` only where the spec says it is not tied); Marian's sinusoidal position tables
-(buffers) are skipped. A checkpoint that does not fit raises ``InvalidWeights`` naming the tensor.
+(buffers) are skipped, as are the llama family's ``rotary_emb.inv_freq`` buffers of older
+checkpoints (itif computes the frequencies from the config). The llama family's Q, K and V
+projections become one ``qkv`` (rows: Q, then K, then V), its gate and up projections one
+``gate_up`` (gate rows first). A checkpoint that does not fit raises ``InvalidWeights`` naming
+the tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from itif.errors import InvalidWeights
 from itif.generation.spec import DecoderSpec
 
 _IGNORED = ("attn.bias", "attn.masked_bias", "position_ids")
+_LLAMA_IGNORED = ("rotary_emb.inv_freq",)
 
 
 def _gpt2_sources(spec: DecoderSpec) -> dict[str, tuple[tuple[str, ...], Callable]]:
@@ -34,6 +41,27 @@ def _gpt2_sources(spec: DecoderSpec) -> dict[str, tuple[tuple[str, ...], Callabl
                                 ("ffn_out", "mlp.c_proj", True)):
             out[p + canon + ".weight"] = ((h + hf + ".weight",), t if conv else one)
             out[p + canon + ".bias"] = ((h + hf + ".bias",), one)
+    return out
+
+
+def _llama_sources(spec: DecoderSpec) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    one = lambda ts: ts[0]  # noqa: E731
+    cat = lambda ts: torch.cat(ts, 0)  # noqa: E731
+    out = {"final_ln.weight": (("norm.weight",), one)}
+    have = {n for n, _ in spec.params()}
+    for i in range(spec.dec_layers):
+        h, p = f"layers.{i}.", f"dec.{i}."
+        sa, mlp = h + "self_attn.", h + "mlp."
+        out[p + "ln1.weight"] = ((h + "input_layernorm.weight",), one)
+        out[p + "ln2.weight"] = ((h + "post_attention_layernorm.weight",), one)
+        for suf in ("weight", "bias"):
+            parts = {"qkv": (tuple(sa + f"{x}_proj.{suf}" for x in "qkv"), cat),
+                     "attn_out": ((sa + f"o_proj.{suf}",), one),
+                     "gate_up": ((mlp + f"gate_proj.{suf}", mlp + f"up_proj.{suf}"), cat),
+                     "ffn_out": ((mlp + f"down_proj.{suf}",), one)}
+            for canon, src in parts.items():
+                if f"{p}{canon}.{suf}" in have:
+                    out[f"{p}{canon}.{suf}"] = src
     return out
 
 
@@ -82,11 +110,13 @@ def _strip(src: Mapping[str, torch.Tensor], spec: DecoderSpec) -> dict[str, torc
 def to_canonical(spec: DecoderSpec, src: Mapping[str, torch.Tensor]) -> CanonicalWeights:
     """Map one checkpoint's tensors onto ``spec``'s canonical table (float32, contiguous, CPU)."""
     src = _strip(src, spec)
-    table = _gpt2_sources(spec) if spec.family == "gpt2" else _seq2seq_sources(spec)
+    table = (_gpt2_sources(spec) if spec.family == "gpt2" else
+             _llama_sources(spec) if spec.family == "llama" else _seq2seq_sources(spec))
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
     # Word embeddings: every tied copy must be the same tensor; the first present one is read.
     emb_names = (("wte.weight", "lm_head.weight") if spec.family == "gpt2" else
+                 ("embed_tokens.weight", "lm_head.weight") if spec.family == "llama" else
                  ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
                   "lm_head.weight"))
     if not spec.tied_lm_head:
@@ -116,7 +146,8 @@ def to_canonical(spec: DecoderSpec, src: Mapping[str, torch.Tensor]) -> Canonica
             used.add(n)
         out[canon] = combine(parts)
     for n in src:
-        if n.endswith(_IGNORED) or (spec.family == "marian" and n.endswith("embed_positions.weight")):
+        if (n.endswith(_IGNORED) or (spec.family == "marian" and n.endswith("embed_positions.weight"))
+                or (spec.family == "llama" and n.endswith(_LLAMA_IGNORED))):
             used.add(n)
     extra = [n for n in src if n not in used]
     if extra:

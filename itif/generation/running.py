@@ -22,6 +22,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
+from itif.generation import llama
 from itif.generation.cache import KVPool, RowTable
 from itif.generation.model import (CrossGroup, Scratch, SeqGroup, SlotMatrix, TenantParams, decode,
                                    encode, group_rows, prefill, rows_of_requests)
@@ -52,7 +53,10 @@ class RunningBatch:
         # test hook (itif.faults): called with the tenants of each forward before it runs
         self.before_forward = before_forward
         self.device, self.dtype = store.device, store.dtype
-        self.pool = KVPool(spec.dec_layers, spec.hidden, kv_cache_bytes, self.device, self.dtype, block)
+        self.pool = KVPool(spec.dec_layers, spec.kv_width, kv_cache_bytes, self.device, self.dtype, block)
+        # the decoder-only forward of the spec's family (``model`` for gpt2, ``llama`` for llama)
+        self._prefill, self._decode = ((llama.prefill, llama.decode) if spec.family == "llama"
+                                       else (prefill, decode))
         self.table = RowTable(spec.max_position, self.device)
         self.last = torch.zeros(0, dtype=torch.int64, device=self.device)  # each row's next input
         n0 = np.zeros(0, np.int64)
@@ -158,7 +162,7 @@ class RunningBatch:
                 Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
                 ids, pos = _packed([items[i].prompt for i in order], plen[order], dev)
                 wloc = torch.cat([prompt_locs[i] for i in order])
-                logits_f = prefill(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
+                logits_f = self._prefill(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
                                    wloc, pstart + plen[order] - 1)
         except BaseException:
             for a, rid in zip(items, rids.tolist()):
@@ -244,8 +248,8 @@ class RunningBatch:
             self.before_forward({t for t, i in P.sm.tenant_index.items() if i in ids})
         pos = self.table.length.index_select(0, perm)
         loc = self.table.loc[:, :L].index_select(0, perm)
-        return decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross,
-                      self._scratch)
+        return self._decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc,
+                            cross, self._scratch)
 
     def _advance(self) -> None:
         self.table.advance()

@@ -1,7 +1,7 @@
 """DecoderSpec: the generative backbone every tenant of one GenEngine shares, and its canonical
 parameters.
 
-Three families:
+Four families:
 
 * ``gpt2``: decoder-only, pre-LayerNorm blocks, learned positions, a final LayerNorm, the LM head
   tied to the word embeddings;
@@ -10,6 +10,12 @@ Three families:
   ``scale_embedding``, a ``final_logits_bias``;
 * ``marian``: as BART but with fixed sinusoidal positions (computed here, never stored), no
   embedding LayerNorm, scaled embeddings (per its config) and decoder start = pad.
+* ``llama``: decoder-only, pre-RMSNorm blocks, rotary positions (nothing stored; the RoPE
+  variants of ``itif.generation.rope``), grouped-query attention (``kv_heads`` key/value heads
+  shared by ``heads / kv_heads`` query heads each), a gated MLP (SwiGLU), a final RMSNorm, the
+  LM head tied or not. Hugging Face ``model_type`` llama, qwen2 and mistral (``model_type``
+  records which); biases only where the checkpoint has them (Qwen2: Q/K/V; Llama's
+  ``attention_bias``: Q/K/V and the output; ``mlp_bias``: the three MLP matrices).
 
 Canonical names (``{i}`` a layer; ``H`` hidden, ``I`` FFN width, ``V`` vocabulary)::
 
@@ -17,6 +23,12 @@ Canonical names (``{i}`` a layer; ``H`` hidden, ``I`` FFN width, ``V`` vocabular
     lm_head.weight [V,H]                 only when the checkpoint does not tie it
     final_logits_bias [V]                bart, marian
     gpt2:  emb.pos [P,H]  final_ln.{weight,bias} [H]
+    llama: final_ln.weight [H]; per layer (pre-RMSNorm, no LayerNorm biases, ``A = heads x d``,
+           ``G = kv_heads x d``, ``d`` the head size):
+           dec.{i}.ln1.weight  dec.{i}.qkv.weight [A+2G,H] (+ .bias when qkv_bias)
+           dec.{i}.attn_out.weight [H,A] (+ .bias when out_bias)  dec.{i}.ln2.weight
+           dec.{i}.gate_up.weight [2I,H] (gate rows, then up rows; + .bias when mlp_bias)
+           dec.{i}.ffn_out.weight [H,I] (+ .bias when mlp_bias)
     bart:  enc.emb.pos [P+2,H]  dec.emb.pos [P+2,H]  enc.emb.ln.{weight,bias}  dec.emb.ln.{weight,bias}
     encoder layer (bart, marian), post-LN:
            enc.{i}.qkv.{weight [3H,H], bias [3H]}  enc.{i}.attn_out.{weight [H,H], bias}
@@ -29,7 +41,7 @@ Canonical names (``{i}`` a layer; ``H`` hidden, ``I`` FFN width, ``V`` vocabular
                dec.{i}.cross_out.{weight [H,H], bias}  dec.{i}.ln_cross.{weight,bias}
                dec.{i}.ln2 (after the FFN)
 
-Q, K and V are one fused kind (one GEMM); the cross-attention keys and values are one kind too
+Q, K and V are one fused kind (one GEMM; llama's gate and up projections too); the cross-attention keys and values are one kind too
 (``cross_kv``), computed once per source sequence. Encoder and decoder word embeddings must be
 the same tensor (all three families share them); they are ``emb.word``.
 """
@@ -48,7 +60,10 @@ import torch
 from itif.errors import InvalidConfig
 from itif.generation.api import GenerationDefaults
 
-Family = Literal["gpt2", "bart", "marian"]
+Family = Literal["gpt2", "bart", "marian", "llama"]
+FAMILIES = ("gpt2", "bart", "marian", "llama")
+#: Hugging Face model_type -> family, for the model types served under another family's name.
+LLAMA_TYPES = ("llama", "qwen2", "mistral")
 _ACT_NAMES = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new",
               "relu": "relu", "swish": "silu", "silu": "silu", "tanh": "tanh"}
 
@@ -68,30 +83,77 @@ class DecoderSpec:
     scale_embedding: bool = False
     tied_lm_head: bool = True
     pad_token_id: int | None = None
+    #: llama: key/value heads (grouped-query attention); 0 means ``heads``.
+    kv_heads: int = 0
+    #: llama: the head size when the config gives one (``head_dim``); 0 means hidden / heads.
+    head_size: int = 0
+    #: llama: the RoPE settings as sorted (key, value) pairs (a frozen spec must hash), always
+    #: with ``rope_type`` and ``rope_theta``: ``itif.generation.rope`` reads them.
+    rope: tuple = (("rope_theta", 10000.0), ("rope_type", "default"))
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    #: llama (Mistral): a query attends to at most this many positions, itself included; 0: all.
+    sliding_window: int = 0
+    #: llama: the Hugging Face model_type it was read from (llama, qwen2, mistral).
+    model_type: str = ""
     name: str = field(default="custom", compare=False)
     source_dir: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.family not in ("gpt2", "bart", "marian"):
-            raise InvalidConfig(f"model_type {self.family!r} is not a served decoder (gpt2, bart, marian)")
-        if self.hidden % self.heads:
+        if self.family not in FAMILIES:
+            raise InvalidConfig(f"model_type {self.family!r} is not a served decoder "
+                                f"({', '.join(FAMILIES[:3] + LLAMA_TYPES)})")
+        if self.hidden % self.heads and not (self.family == "llama" and self.head_size):
             raise InvalidConfig(f"hidden size {self.hidden} is not divisible by {self.heads} heads")
         if self.act not in _ACT_NAMES.values():
             raise InvalidConfig(f"activation {self.act!r} is not one of {sorted(set(_ACT_NAMES))}")
-        if self.family != "gpt2" and self.enc_layers < 1:
+        if self.encoder_decoder and self.enc_layers < 1:
             raise InvalidConfig(f"{self.family} needs encoder layers, got {self.enc_layers}")
+        if self.family == "llama":
+            if self.kv_heads < 0 or self.heads % self.kv_heads_n:
+                raise InvalidConfig(f"num_key_value_heads {self.kv_heads} does not divide "
+                                    f"num_attention_heads {self.heads}")
+            if self.head_dim % 2:
+                raise InvalidConfig(f"head_dim {self.head_dim} is odd: rotary positions "
+                                    "rotate pairs of dimensions")
+            if self.sliding_window < 0:
+                raise InvalidConfig(f"sliding_window {self.sliding_window} is negative")
+            from itif.generation.rope import check_rope  # noqa: PLC0415 (torch-free, small)
+
+            check_rope(self.rope_params, self.max_position)
 
     @property
     def encoder_decoder(self) -> bool:
-        return self.family != "gpt2"
+        return self.family in ("bart", "marian")
 
     @property
     def pre_ln(self) -> bool:
-        return self.family == "gpt2"
+        return self.family in ("gpt2", "llama")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def kv_heads_n(self) -> int:
+        """Key/value heads: ``kv_heads`` (llama's grouped-query attention), else ``heads``."""
+        return self.kv_heads or self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the attention's queries and context: heads x head size."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of one position's keys (and of its values) in the KV cache: kv heads x head
+        size (the hidden size for gpt2, bart and marian)."""
+        return self.kv_heads_n * self.head_dim
+
+    @property
+    def rope_params(self) -> dict:
+        return dict(self.rope)
 
     @property
     def pos_offset(self) -> int:
@@ -114,6 +176,8 @@ class DecoderSpec:
             out.append(("lm_head.weight", (V, H)))
         lin = lambda p, n, o, i: [(f"{p}{n}.weight", (o, i)), (f"{p}{n}.bias", (o,))]  # noqa: E731
         ln = lambda p, n: [(f"{p}{n}.weight", (H,)), (f"{p}{n}.bias", (H,))]  # noqa: E731
+        if self.family == "llama":
+            return out + self._llama_params()
         if self.family == "gpt2":
             out.append(("emb.pos", (P, H)))
         else:
@@ -136,6 +200,26 @@ class DecoderSpec:
             out += ln("", "final_ln")
         return out
 
+    def _llama_params(self) -> list[tuple[str, tuple[int, ...]]]:
+        H, I = self.hidden, self.ffn
+        qkv = self.q_width + 2 * self.kv_width
+        out: list[tuple[str, tuple[int, ...]]] = []
+        for i in range(self.dec_layers):
+            p = f"dec.{i}."
+            out += [(p + "ln1.weight", (H,)), (p + "qkv.weight", (qkv, H))]
+            if self.qkv_bias:
+                out.append((p + "qkv.bias", (qkv,)))
+            out.append((p + "attn_out.weight", (H, self.q_width)))
+            if self.out_bias:
+                out.append((p + "attn_out.bias", (H,)))
+            out += [(p + "ln2.weight", (H,)), (p + "gate_up.weight", (2 * I, H))]
+            if self.mlp_bias:
+                out.append((p + "gate_up.bias", (2 * I,)))
+            out.append((p + "ffn_out.weight", (H, I)))
+            if self.mlp_bias:
+                out.append((p + "ffn_out.bias", (H,)))
+        return out + [("final_ln.weight", (H,))]
+
     def sinusoidal(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Marian's fixed position table [max_position, H]: sines of the even frequencies in the
         first half, cosines of the odd ones in the second (not interleaved)."""
@@ -151,6 +235,8 @@ class DecoderSpec:
 
     def hf_config(self) -> dict:
         """A Hugging Face config.json dict of this spec (tests and tools)."""
+        if self.family == "llama":
+            return llama_hf_config(self)
         if self.family == "gpt2":
             return dict(model_type="gpt2", vocab_size=self.vocab_size, n_positions=self.max_position,
                         n_embd=self.hidden, n_layer=self.dec_layers, n_head=self.heads,
@@ -208,12 +294,114 @@ def _get(cfg: dict, *names, default=None):
     return default
 
 
+#: RoPE settings read from a config (the rest, such as ``type``, are aliases or unused).
+_ROPE_KEYS = ("rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings")
+
+
+def _rope_of(cfg: dict) -> tuple:
+    """The RoPE settings as Hugging Face resolves them: ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` (older config.json), ``rope_theta`` beside them, ``type`` an old name of
+    ``rope_type``; llama3 without ``original_max_position_embeddings`` takes the config's."""
+    rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0) != 1.0:
+        raise InvalidConfig("config.json partial_rotary_factor other than 1 is not supported "
+                            "(rotary positions over part of each head)")
+    rp.setdefault("rope_type", rp.get("type", "default"))
+    rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if rp["rope_type"] == "llama3":
+        rp.setdefault("original_max_position_embeddings",
+                      cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+    out = {k: rp[k] for k in _ROPE_KEYS if rp.get(k) is not None}
+    out["rope_theta"] = float(out["rope_theta"])
+    return tuple(sorted(out.items()))
+
+
+def _llama_spec(cfg: dict, name: str, source_dir: Path | None) -> DecoderSpec:
+    """A llama-family spec from a llama, qwen2 or mistral config.json."""
+    mt = cfg["model_type"]
+    heads = int(cfg["num_attention_heads"])
+    act = str(cfg.get("hidden_act", "silu"))
+    if act not in _ACT_NAMES:
+        raise InvalidConfig(f"config.json hidden_act {act!r} is not one of {sorted(_ACT_NAMES)}")
+    window = 0
+    if mt == "qwen2":
+        sliding = cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ())
+        if sliding:
+            raise InvalidConfig("Qwen2 with use_sliding_window (sliding-window attention on some "
+                                "layers) is not supported")
+        qkv_bias, out_bias, mlp_bias = True, False, False
+    elif mt == "mistral":
+        qkv_bias = out_bias = mlp_bias = False
+        window = int(cfg.get("sliding_window") or 0)
+    else:
+        qkv_bias = out_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+    return DecoderSpec(
+        "llama", int(cfg["vocab_size"]), int(cfg["hidden_size"]), heads,
+        int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
+        max_position=int(cfg.get("max_position_embeddings", 2048)), act=_ACT_NAMES[act],
+        eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied_lm_head=bool(cfg.get("tie_word_embeddings", False)),
+        pad_token_id=cfg.get("pad_token_id"), kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_size=int(cfg.get("head_dim") or 0), rope=_rope_of(cfg), qkv_bias=qkv_bias,
+        out_bias=out_bias, mlp_bias=mlp_bias, sliding_window=window, model_type=mt, name=name,
+        source_dir=source_dir)
+
+
+def llama_hf_config(spec: DecoderSpec) -> dict:
+    """A config.json dict of a llama-family spec, for its ``model_type``."""
+    rp = spec.rope_params
+    cfg = dict(model_type=spec.model_type or "llama", vocab_size=spec.vocab_size,
+               hidden_size=spec.hidden, intermediate_size=spec.ffn,
+               num_hidden_layers=spec.dec_layers, num_attention_heads=spec.heads,
+               num_key_value_heads=spec.kv_heads_n, head_dim=spec.head_dim,
+               hidden_act={"gelu_new": "gelu_pytorch_tanh"}.get(spec.act, spec.act),
+               max_position_embeddings=spec.max_position, rms_norm_eps=spec.eps,
+               tie_word_embeddings=spec.tied_lm_head, pad_token_id=spec.pad_token_id,
+               rope_parameters=rp, rope_theta=rp["rope_theta"], attention_dropout=0.0)
+    if cfg["model_type"] == "llama":
+        if spec.qkv_bias != spec.out_bias:
+            raise InvalidConfig("a llama config has one attention_bias for Q/K/V and the output")
+        cfg.update(attention_bias=spec.qkv_bias, mlp_bias=spec.mlp_bias)
+    elif cfg["model_type"] == "mistral":
+        cfg["sliding_window"] = spec.sliding_window or None
+    return cfg
+
+
+def decoder_refusal(backbone) -> str | None:
+    """Why the encoder ``Engine`` cannot take ``backbone`` when it is a decoder (a DecoderSpec,
+    a decoder preset, or a config.json / checkpoint directory of a decoder model_type): the
+    message names the class that serves it. None when it is not a decoder."""
+    if isinstance(backbone, DecoderSpec):
+        what = f"the {backbone.family} decoder {backbone.name!r}"
+    elif str(backbone) in PRESETS:
+        what = f"the decoder preset {str(backbone)!r}"
+    else:
+        path = Path(str(backbone))
+        cfg_path = path / "config.json" if path.is_dir() else path
+        try:
+            mt = json.loads(cfg_path.read_text()).get("model_type")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            return None
+        if mt not in FAMILIES[:3] + LLAMA_TYPES:
+            return None
+        what = f"model_type {mt!r}"
+    return (f"{what} is a generative decoder: itif.Engine serves encoders (bert, albert, vit); "
+            "serve decoders with itif.GenEngine (itif.generation.engine.GenEngine) and "
+            "itif.GenerateRequest")
+
+
 def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None = None) -> DecoderSpec:
-    """A spec from a Hugging Face config.json dict (model_type gpt2, bart or marian)."""
+    """A spec from a Hugging Face config.json dict (model_type gpt2, bart, marian, or llama,
+    qwen2, mistral: the llama family)."""
     family = cfg.get("model_type")
-    if family not in ("gpt2", "bart", "marian"):
-        raise InvalidConfig(f"model_type {family!r} is not a served decoder (gpt2, bart, marian)")
+    if family not in FAMILIES[:3] + LLAMA_TYPES:
+        raise InvalidConfig(f"model_type {family!r} is not a served decoder "
+                            f"({', '.join(FAMILIES[:3] + LLAMA_TYPES)})")
     try:
+        if family in LLAMA_TYPES:
+            return _llama_spec(cfg, name, source_dir)
         if family == "gpt2":
             H = int(_get(cfg, "n_embd", "hidden_size"))
             act = str(cfg.get("activation_function", "gelu_new"))
@@ -338,5 +526,6 @@ def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:
     return defaults_from_config(cfg, gen)
 
 
-__all__ = ["DecoderSpec", "PRESETS", "PRESET_DEFAULTS", "defaults_from_config", "defaults_from_dir",
-           "load_decoder_spec", "spec_from_hf_config"]
+__all__ = ["DecoderSpec", "FAMILIES", "LLAMA_TYPES", "PRESETS", "PRESET_DEFAULTS", "decoder_refusal",
+           "defaults_from_config", "defaults_from_dir", "llama_hf_config", "load_decoder_spec",
+           "spec_from_hf_config"]

@@ -268,6 +268,30 @@ __all__ = [
     "disable",
     "embed_text",
     "fallbacks",
+    "gated_act",
     "kernel_states",
     "record_kernel_ok",
+    "rms_norm",
+    "rotary",
 ]
+
+
+# ---- llama-family ops. No CUDA kernel yet: on every device (CUDA tensors included) these run
+# the torch reference, which is why they are not in ``OPS`` (the self-test and the fallback
+# gauge cover kernels only). A kernel would take its place in ``_run`` like the ops above.
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, gamma: RotParam, eps: float,
+             keep_sum: bool = False) -> torch.Tensor:
+    """``RMSNorm(x + residual) * gamma[row]`` (``itif.ops.reference.rms_norm``)."""
+    return _ref.rms_norm(x, residual, gamma, eps, keep_sum)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotary positions over ``heads`` heads of each row, in place (``reference.rotary``)."""
+    return _ref.rotary(x, cos, sin, heads)
+
+
+def gated_act(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` of x [T, 2I] -> [T, I] (``reference.gated_act``)."""
+    return _ref.gated_act(x, act)

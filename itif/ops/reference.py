@@ -225,3 +225,46 @@ def attention(
         else:
             out.index_copy_(0, g.dest, o.index_select(0, g.valid))
     return out
+
+
+# ---- llama family (decoders): RMSNorm, rotary positions, the gated MLP ---------------------
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, gamma: RotParam, eps: float,
+             keep_sum: bool = False) -> torch.Tensor:
+    """``RMSNorm(x + residual) * gamma[row]``, a new [T, H] tensor: ``s / sqrt(mean(s^2) +
+    eps)`` in float32, as Llama's RMSNorm (no mean subtracted, no beta).
+
+    With ``keep_sum`` the sum ``x + residual`` is also written into ``x`` (the pre-norm block's
+    next residual: one pass over the rows adds the sublayer's output and normalises it)."""
+    s = _wide(x, copy=not keep_sum)
+    if residual is not None:
+        s.add_(residual)
+    if keep_sum and s is not x:
+        x.copy_(s)
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    return _apply(y, gamma, "mul_").to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotary positions, in place: each row's ``heads`` heads of ``d`` columns (x [T, heads*d],
+    a column slice of a wider buffer is fine) become ``x * cos + rotate_half(x) * sin`` with the
+    row's ``cos, sin [T, d]`` (float32), where ``rotate_half(x) = [-x[d/2:], x[:d/2]]`` (the
+    halves convention of Hugging Face's Llama, not interleaved pairs)."""
+    T = x.shape[0]
+    d = cos.shape[1]
+    v = x.unflatten(1, (heads, d))
+    f = _wide(v, copy=False)
+    half = d // 2
+    rot = torch.cat((-f[..., half:], f[..., :half]), dim=-1)
+    out = f * cos[:, None, :] + rot * sin[:, None, :]
+    v.copy_(out)
+    return x
+
+
+def gated_act(x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The gated MLP's middle: x [T, 2I] holds the gate projection then the up projection;
+    returns ``act(gate) * up`` [T, I] (SwiGLU for ``silu``), float32 arithmetic, one rounding."""
+    n = x.shape[1] // 2
+    g, u = _wide(x[:, :n], copy=False), _wide(x[:, n:], copy=False)
+    return _ACT[act](g).mul_(u).to(x.dtype)
