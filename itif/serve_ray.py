@@ -65,7 +65,7 @@ from itif.errors import ItifError
 from itif.platform import tune_gc
 from itif.server.errors import http_retry_headers, http_status_of
 from itif.server.http import build_app
-from itif.server.http.common import read_body
+from itif.server.http.common import read_body, release_body
 from itif.server.json_procs import OFFLOAD_BYTES, JsonProcs, model_of
 
 log = logging.getLogger("itif.serve_ray")
@@ -369,6 +369,16 @@ class ItifRouter:
         _release(self)
 
     async def __call__(self, request: Request) -> Response:
+        """Forward the request; a gzip or deflate body is inflated here (bounded as in the
+        daemon, ``itif.server.http.common.read_body``: over max_message_bytes 413 before it is
+        inflated whole, past the inflated bytes held at once 429) and held until the replica
+        has answered (a streamed answer: until it has started)."""
+        try:
+            return await self._forward(request)
+        finally:
+            release_body(request)
+
+    async def _forward(self, request: Request) -> Response:
         try:
             body = await read_body(request, self.config.server.max_message_bytes)
         except ItifError as e:
@@ -433,6 +443,8 @@ class ItifRouter:
                 parts.cancel()
                 raise
 
+        what = f"{call[0]} {call[1]}"  # not the call itself: the stream holds no body
+
         async def chunks():
             finished = False
             try:
@@ -440,8 +452,7 @@ class ItifRouter:
                     yield chunk
                 finished = True
             except _DIED as e:
-                log.warning("%s %s: its replica died mid-stream (%s)", call[0], call[1],
-                            type(e).__name__)
+                log.warning("%s: its replica died mid-stream (%s)", what, type(e).__name__)
             finally:
                 if not finished:
                     parts.cancel()

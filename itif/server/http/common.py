@@ -3,7 +3,10 @@ wrapper (:func:`endpoint`) that turns exceptions into an error answer and counts
 
 Errors map like the gRPC APIs' (``itif.server.errors``: an ``ItifError`` keeps its code and
 message; anything else is logged and answers "internal error"); the HTTP status comes from
-``itif.server.errors.HTTP_STATUS``, and a body over ``server.max_message_bytes`` is 413.
+``itif.server.errors.HTTP_STATUS``, and a body over ``server.max_message_bytes`` is 413. So is a
+gzip or deflate body that inflates past it, refused while it is inflated, before it is held
+(:func:`read_body`); the inflated bodies held at once, all calls together, are bounded by the
+same number (past it: 429 with ``Retry-After``).
 
 Admission (``itif.server.admission``) counts HTTP calls exactly as it counts gRPC calls, in the
 same counters when the daemon serves both (``itif.server.app`` hands both servers one
@@ -22,15 +25,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from itif.errors import InvalidRequest, ItifError, Overloaded
+from itif.errors import Busy, InvalidRequest, ItifError, Overloaded
 from itif.metrics import call_tenant
+from itif.server.admission import _Trimmer  # the one heap trimmer (its docstring says why)
 from itif.server.errors import (DEFAULT_RETRY_AFTER_MS, http_retry_headers, http_status_of,
                                 retry_after_ms)
 from itif.server.json_procs import IN_THREAD, MAX_LIST, OFFLOAD_BYTES, JsonProcs, json_load
@@ -65,11 +71,122 @@ def byte_count(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() else None
 
 
+#: The output piece a compressed body is first inflated in (counted, then dropped): small
+#: enough that a bomb costs the server no more than one piece at a time per body, and below
+#: glibc's mmap threshold, so the same heap block serves every piece.
+INFLATE_PIECE = 64 << 10
+#: Threads that count compressed bodies' bytes as they arrive (:meth:`_Inflated.count`).
+COUNT_THREADS = 4
+#: A body that held at least this many inflated bytes asks for a heap trim once released (as
+#: ``itif.server.admission`` does after replies of this size).
+_TRIM_BYTES = 256 << 10
+_HELD = "itif.inflated"  # the ASGI scope's key: the inflated bytes a request holds
+
+
+class _Inflated:
+    """The inflated bytes of compressed request bodies the process holds at once, all calls
+    together (one HTTP door per process: the daemon's, or a Ray Serve router's), bounded by
+    ``server.max_message_bytes``, the bound of one body: one body is always taken when none is
+    held, so a refusal is never for good.
+
+    Past it a body is refused at once (429, ``Retry-After``) rather than made to wait: a waiting
+    call holds its connection, its admission slot and its compressed bytes meanwhile, and a
+    client that sends many would fill a queue instead; a refusal costs the server nothing and
+    the client knows when to come back.
+
+    The inflating runs in threads of its own (zlib lets the GIL go meanwhile, so the event loop
+    does not wait for it): :data:`COUNT_THREADS` count bodies as they arrive, and one thread
+    inflates the bodies taken, whole (:meth:`whole`). One, because of glibc: a CPU engine keeps
+    freed heap memory (``itif.platform.tune_host_malloc``: no trimming of the heap's top, no
+    mmapped blocks), and a thread started before it did so has an arena of its own, whose top
+    ``malloc_trim`` never gives back (measured: a 48 MiB body inflated in such a thread stayed
+    resident). A body inflated whole always comes from that one thread's arena, whichever it
+    is, so what it keeps is at most what was held at once, this budget, and never grows with
+    the bodies sent. Releasing a large body asks for a heap trim (the admission's mechanism,
+    ``itif.server.admission._Trimmer``), which gives back whatever came from the main heap."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+        self._trim = _Trimmer()
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+
+    def _run(self, pool: str, threads: int, fn: Callable[..., Any], *args: Any
+             ) -> Awaitable[Any]:
+        with self._lock:
+            if pool not in self._pools:  # started at the first compressed body
+                self._pools[pool] = ThreadPoolExecutor(
+                    threads, thread_name_prefix=f"itif-inflate-{pool}")
+        return asyncio.get_running_loop().run_in_executor(self._pools[pool], fn, *args)
+
+    def count(self, inflate: Any, data: bytes, room: int) -> Awaitable[int]:
+        """:func:`_count` in a counting thread."""
+        return self._run("count", COUNT_THREADS, _count, inflate, data, room)
+
+    def whole(self, data: bytes, wbits: int, size: int) -> Awaitable[bytes]:
+        """``data`` inflated at once into ``size`` bytes (its size, counted): zlib allocates
+        the result once (an inflate object grows its output in blocks and joins them, twice
+        the size for a moment)."""
+        return self._run("whole", 1, zlib.decompress, data, wbits, max(1, size))
+
+    def take(self, nbytes: int, budget: int) -> None:
+        with self._lock:
+            held = self.held
+            if held and held + nbytes > budget:
+                raise Busy(
+                    f"the request body inflates to {nbytes} bytes, and the server already "
+                    f"holds {held} bytes of inflated request bodies: together over "
+                    f"server.max_message_bytes ({budget}); retry later, or send it "
+                    "uncompressed")
+            self.held = held + nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+        if nbytes >= _TRIM_BYTES:
+            self._trim.soon()
+
+
+INFLATED = _Inflated()
+
+
+def release_body(request: Request) -> None:
+    """Give back what :func:`read_body` took of :data:`INFLATED` for ``request`` (once its
+    body is no longer held: :func:`endpoint` does it when the handler has returned)."""
+    nbytes = request.scope.pop(_HELD, 0)
+    if nbytes:
+        INFLATED.give(nbytes)
+
+
+def _count(inflate: Any, data: bytes, room: int) -> int:
+    """Inflate ``data`` (a body's next compressed chunk) in :data:`INFLATE_PIECE` pieces that
+    are counted and dropped; stop once more than ``room`` bytes came. The bytes it inflated."""
+    n = 0
+    while not inflate.eof:
+        out = inflate.decompress(data, INFLATE_PIECE)
+        n += len(out)
+        data = inflate.unconsumed_tail
+        if n > room or (not data and len(out) < INFLATE_PIECE):
+            break  # (a full piece may leave output inside zlib: asked for again)
+    return n
+
+
+def _not_whole(encoding: str, after_end: bool) -> InvalidRequest:
+    return InvalidRequest(f"the request body is not one whole {encoding} stream ("
+                          f"{'data after its end' if after_end else 'it is cut short'})")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, at most ``limit`` bytes (after a gzip or deflate Content-Encoding is
-    undone); more is refused without reading it all (a body that stalls is cut off by the
-    connection guard, ``itif.server.http._GuardedH11``). A gzip body must be one whole member
-    with nothing after it."""
+    undone); more is refused (413) without reading it all (a body that stalls is cut off by
+    the connection guard, ``itif.server.http._GuardedH11``). A gzip body must be one whole
+    member with nothing after it.
+
+    A compressed body is inflated twice, so that one that inflates past ``limit`` never costs
+    its inflated size: first as its chunks arrive, in pieces that are only counted (413 the
+    moment the count passes ``limit``), then, once whole and within the limit, at once into a
+    buffer of exactly its size, when :data:`INFLATED` can take it (else 429). The caller gives
+    those bytes back with :func:`release_body` once it no longer holds the body."""
     too_large = BodyTooLarge(f"the request body is over server.max_message_bytes ({limit} bytes)")
     length = request.headers.get("content-length")
     if length is not None:
@@ -78,30 +195,41 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise InvalidRequest(f"Content-Length {length[:32]!r} is not a byte count")
         if count > limit:
             raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    if encoding not in ("gzip", "deflate"):
+    if encoding not in ("", "identity", "gzip", "deflate"):
         raise UnsupportedEncoding(f"Content-Encoding {encoding[:32]!r} is not supported "
-                             "(identity, gzip, deflate)")
-    inflate = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+                                  "(identity, gzip, deflate)")
+    wbits = {"gzip": 31, "deflate": 15}.get(encoding)
+    inflate = None if wbits is None else zlib.decompressobj(wbits=wbits)
+    chunks, size, inflated = [], 0, 0
     try:
-        # zlib lets the GIL go while it inflates; the loop does not wait for it
-        out = await asyncio.to_thread(inflate.decompress, body, limit + 1)
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+            if inflate is None or not chunk:
+                continue
+            if inflate.eof:
+                raise _not_whole(encoding, after_end=True)
+            inflated += await INFLATED.count(inflate, chunk, limit - inflated)
+            if inflated > limit:
+                raise too_large
+            if inflate.unused_data:
+                raise _not_whole(encoding, after_end=True)
     except zlib.error as e:
         raise InvalidRequest(f"the request body is not valid {encoding} data: {e}") from None
-    if len(out) > limit or inflate.unconsumed_tail:
-        raise too_large
-    if not inflate.eof or inflate.unused_data:
-        raise InvalidRequest(f"the request body is not one whole {encoding} stream ("
-                             f"{'data after its end' if inflate.eof else 'it is cut short'})")
+    body = b"".join(chunks)
+    del chunks
+    if inflate is None:
+        return body
+    if not inflate.eof:
+        raise _not_whole(encoding, after_end=False)
+    INFLATED.take(inflated, limit)
+    request.scope[_HELD] = request.scope.get(_HELD, 0) + inflated
+    out = await INFLATED.whole(body, wbits, inflated)
+    if len(out) != inflated:  # the same bytes inflated the same way: cannot happen
+        raise RuntimeError(f"{encoding} body inflated to {len(out)} bytes, then {inflated}")
     return out
 
 
@@ -216,6 +344,7 @@ def endpoint(api: str, method: str, render: Render, *, admit: bool = True):
                 held, slot = _Held(response, slot), None  # released once it is sent
                 return held
             finally:  # cancelled (the client went away), or the answer failed: freed now
+                release_body(request)  # the handler no longer holds its body
                 if slot is not None:
                     slot.release()
 
@@ -246,6 +375,6 @@ def _error_answer(render: Render, api: str, method: str, e: Exception,
         return Response(b"internal error", status_code=500, media_type="text/plain")
 
 
-__all__ = ["CLIENT_GONE", "MAX_LIST", "OFFLOAD_BYTES", "BodyTooLarge", "bounded_list", "Render",
-           "authorization", "byte_count", "endpoint", "field", "json_object", "json_type",
-           "read_body"]
+__all__ = ["CLIENT_GONE", "INFLATED", "MAX_LIST", "OFFLOAD_BYTES", "BodyTooLarge", "bounded_list",
+           "Render", "authorization", "byte_count", "endpoint", "field", "json_object",
+           "json_type", "read_body", "release_body"]
