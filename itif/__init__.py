@@ -12,11 +12,13 @@ from itif.errors import (
 )
 from itif.requests import Request, Result
 
-_LAZY = {"Engine": "itif.runtime.engine", "TenantInfo": "itif.runtime.engine"}
+_LAZY = {"Engine": "itif.runtime.engine", "TenantInfo": "itif.runtime.engine",
+         "GenEngine": "itif.generation.engine", "GenerateRequest": "itif.generation.api"}
 
 
 def __getattr__(name: str):
-    """``itif.Engine`` and ``itif.TenantInfo`` load the engine (and torch) on first use, so that
+    """``itif.Engine`` and ``itif.TenantInfo`` (encoders), ``itif.GenEngine`` and
+    ``itif.GenerateRequest`` (decoders) load their engine (and torch) on first use, so that
     ``import itif.scheduler`` or ``import itif.config`` stays light."""
     if name in _LAZY:
         import importlib  # noqa: PLC0415
@@ -30,6 +32,8 @@ __all__ = [
     "PRESETS",
     "BackboneSpec",
     "Engine",
+    "GenEngine",
+    "GenerateRequest",
     "InvalidConfig",
     "InvalidRequest",
     "InvalidWeights",

@@ -101,7 +101,8 @@ class GenEngine:
         self.store = WeightStore(self.device, self.dtype)
         if kv_cache_bytes is None:  # room for 64 sequences of the backbone's full length
             elem = torch.empty((), dtype=self.dtype).element_size()
-            kv_cache_bytes = 64 * self.spec.max_position * self.spec.dec_layers * 2 * self.spec.kv_width * elem
+            sp = self.spec
+            kv_cache_bytes = 64 * sp.max_len * sp.dec_layers * 2 * sp.kv_width * elem
         self.kv_cache_bytes = kv_cache_bytes
         self._before_forward: Callable[[set[str]], None] | None = None
         self._rebuild = False  # the batch must be made again before the next step
@@ -244,14 +245,14 @@ class GenEngine:
                                      f"{spec.max_position} positions")
             prompt, source, total = [int(start)], [int(t) for t in r.input_ids], 1 + r.max_new_tokens
         else:
-            if n > spec.max_position:
+            if n > spec.max_len:
                 raise InvalidRequest(f"input_ids: {n} tokens, over the backbone's "
-                                     f"{spec.max_position} positions")
+                                     f"{spec.max_len} positions")
             prompt, source, total = [int(t) for t in r.input_ids], None, n + r.max_new_tokens
-        if total - 1 > spec.max_position:  # the last new token is never fed back (generate())
+        if total - 1 > spec.max_len:  # the last new token is never fed back (generate())
             raise InvalidRequest(f"max_new_tokens: {r.max_new_tokens} new tokens after "
                                  f"{len(prompt)} decoder tokens need {total - 1} positions, "
-                                 f"over the backbone's {spec.max_position}")
+                                 f"over the backbone's {spec.max_len}")
         params = _search().search_params(r, d, spec.encoder_decoder)
         t = Ticket(next(self._ids), r, lambda ev: None, params)
         t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens - 1, source)

@@ -124,13 +124,15 @@ def _embed(P: TenantParams, ids: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tensor,
-            pos: torch.Tensor, seqs: SeqGroup, wloc: torch.Tensor, last: np.ndarray) -> torch.Tensor:
+            pos: torch.Tensor, seqs: SeqGroup, wloc: torch.Tensor, last: np.ndarray
+            ) -> torch.Tensor:
     """Prompts (packed rows): rotated K and V to ``kv[layer, wloc[row]]``; the logits [n, V]
     of rows ``last`` (host array: each prompt's last token). A dynamic RoPE rotates a prompt
     with its own length as the sequence length (as ``generate()`` on that prompt alone)."""
     with torch.inference_mode(), attention_backends(kv.device):
-        seq_len = seqs.lens.repeat_interleave(seqs.lens) if rope_of(spec, kv.device).dynamic else None
-        cos, sin = rope_of(spec, kv.device).cos_sin(pos, seq_len)
+        rope = rope_of(spec, kv.device)
+        seq_len = seqs.lens.repeat_interleave(seqs.lens) if rope.dynamic else None
+        cos, sin = rope.cos_sin(pos, seq_len)
         A = spec.q_width
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,10 @@ class RunningBatch:
         self.before_forward = before_forward
         self.device, self.dtype = store.device, store.dtype
         self.pool = KVPool(spec.dec_layers, spec.kv_width, kv_cache_bytes, self.device, self.dtype, block)
-        # the decoder-only forward of the spec's family (``model`` for gpt2, ``llama`` for llama)
-        self._prefill, self._decode = ((llama.prefill, llama.decode) if spec.family == "llama"
-                                       else (prefill, decode))
-        self.table = RowTable(spec.max_position, self.device)
+        # the decoder-only forward: ``llama``'s for that family, else ``model``'s (looked up at
+        # each call, so a test that replaces this module's ``prefill`` or ``decode`` sees it)
+        self._llama = spec.family == "llama"
+        self.table = RowTable(spec.max_len, self.device)
         self.last = torch.zeros(0, dtype=torch.int64, device=self.device)  # each row's next input
         n0 = np.zeros(0, np.int64)
         self.rid, self.tenant, self.nrows, self.length, self.src_len = n0, n0, n0, n0, n0
@@ -162,8 +162,9 @@ class RunningBatch:
                 Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
                 ids, pos = _packed([items[i].prompt for i in order], plen[order], dev)
                 wloc = torch.cat([prompt_locs[i] for i in order])
-                logits_f = self._prefill(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
-                                   wloc, pstart + plen[order] - 1)
+                run = llama.prefill if self._llama else prefill
+                logits_f = run(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
+                               wloc, pstart + plen[order] - 1)
         except BaseException:
             for a, rid in zip(items, rids.tolist()):
                 blocks = self.blocks.pop(rid, None)
@@ -248,8 +249,9 @@ class RunningBatch:
             self.before_forward({t for t, i in P.sm.tenant_index.items() if i in ids})
         pos = self.table.length.index_select(0, perm)
         loc = self.table.loc[:, :L].index_select(0, perm)
-        return self._decode(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc,
-                            cross, self._scratch)
+        run = llama.decode if self._llama else decode
+        return run(self.spec, P, self.pool.kv, self.last.index_select(0, perm), pos, loc, cross,
+                   self._scratch)
 
     def _advance(self) -> None:
         self.table.advance()

@@ -41,7 +41,8 @@ Canonical names (``{i}`` a layer; ``H`` hidden, ``I`` FFN width, ``V`` vocabular
                dec.{i}.cross_out.{weight [H,H], bias}  dec.{i}.ln_cross.{weight,bias}
                dec.{i}.ln2 (after the FFN)
 
-Q, K and V are one fused kind (one GEMM; llama's gate and up projections too); the cross-attention keys and values are one kind too
+Q, K and V are one fused kind (one GEMM; llama's gate and up projections too); the
+cross-attention keys and values are one kind too
 (``cross_kv``), computed once per source sequence. Encoder and decoder word embeddings must be
 the same tensor (all three families share them); they are ``emb.word``.
 """
@@ -165,7 +166,13 @@ class DecoderSpec:
 
     @property
     def max_len(self) -> int:
-        """Longest sequence (source, or prompt plus new tokens) the position table allows."""
+        """Longest sequence (source, or prompt plus new tokens) the positions allow: the position
+        table's length; for a dynamic RoPE, ``factor`` times ``max_position_embeddings`` (what
+        that scaling stretches the context to; the other RoPE variants' configs already give
+        the stretched length as ``max_position_embeddings``)."""
+        p = self.rope_params if self.family == "llama" else {}
+        if p.get("rope_type") == "dynamic":
+            return int(self.max_position * p["factor"])
         return self.max_position
 
     def params(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -311,7 +318,8 @@ def _rope_of(cfg: dict) -> tuple:
     rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if rp["rope_type"] == "llama3":
         rp.setdefault("original_max_position_embeddings",
-                      cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+                      cfg.get("original_max_position_embeddings",
+                              cfg.get("max_position_embeddings")))
     out = {k: rp[k] for k in _ROPE_KEYS if rp.get(k) is not None}
     out["rope_theta"] = float(out["rope_theta"])
     return tuple(sorted(out.items()))
@@ -326,7 +334,8 @@ def _llama_spec(cfg: dict, name: str, source_dir: Path | None) -> DecoderSpec:
         raise InvalidConfig(f"config.json hidden_act {act!r} is not one of {sorted(_ACT_NAMES)}")
     window = 0
     if mt == "qwen2":
-        sliding = cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ())
+        layers = cfg.get("layer_types") or ()
+        sliding = cfg.get("use_sliding_window") or "sliding_attention" in layers
         if sliding:
             raise InvalidConfig("Qwen2 with use_sliding_window (sliding-window attention on some "
                                 "layers) is not supported")
@@ -526,6 +535,6 @@ def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:
     return defaults_from_config(cfg, gen)
 
 
-__all__ = ["DecoderSpec", "FAMILIES", "LLAMA_TYPES", "PRESETS", "PRESET_DEFAULTS", "decoder_refusal",
-           "defaults_from_config", "defaults_from_dir", "llama_hf_config", "load_decoder_spec",
+__all__ = ["DecoderSpec", "FAMILIES", "LLAMA_TYPES", "PRESETS", "PRESET_DEFAULTS",
+           "decoder_refusal", "defaults_from_config", "defaults_from_dir", "llama_hf_config", "load_decoder_spec",
            "spec_from_hf_config"]

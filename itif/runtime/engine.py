@@ -28,7 +28,7 @@ from itif.backbones.hf import CanonicalWeights, load_tenant_weights
 from itif.backbones.spec import BackboneSpec, load_spec
 from itif.batching.layout import Layout
 from itif.batching.strategies import DEFAULT_STRATEGY, plan
-from itif.errors import InvalidRequest, InvalidWeights, TenantNotFound, shown
+from itif.errors import InvalidConfig, InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
 from itif.runtime import cpu_gemm, forward
@@ -88,7 +88,15 @@ class Engine:
         max_seq_len: int | None = None,
         cuda_graphs: str | bool = "auto",
     ) -> None:
-        self.spec = load_spec(backbone)
+        try:
+            self.spec = load_spec(backbone)
+        except InvalidConfig as e:  # a decoder: the refusal names the engine that serves it
+            from itif.generation.spec import decoder_refusal  # noqa: PLC0415
+
+            why = decoder_refusal(backbone)
+            if why is None:
+                raise
+            raise InvalidConfig(why) from e
         self.max_seq_len = min(max_seq_len or self.spec.seq_len_max, self.spec.seq_len_max)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
