@@ -252,3 +252,35 @@ def test_at_a_cap_the_oldest_idle_connection_goes_and_busy_ones_stay(tmp_path):
         for s in socks:
             s.close()
         d.stop()
+
+
+def test_idle_grpc_connections_cannot_take_every_descriptor(tmp_path):
+    """The gRPC port holds at most a quarter of the open-file limit (``itif.server.app``):
+    before, 21,000 idle TCP connections took all 20,000 descriptors, and the HTTP port and both
+    health checks with them. Here the daemon starts with a limit of 1024 (a cap of 256), and
+    600 idle connections leave it its descriptors and its HTTP port (2,000 idle connections
+    under the 20,000 limit cost other gRPC clients nothing measurable: within the cap)."""
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # the daemon inherits it
+    try:
+        d = Daemon(tmp_path / "d", {"acme": TOKEN},
+                   server_extra={"http_listen": f"127.0.0.1:{free_port()}"}).start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    d.http = d.server_extra["http_listen"]
+    held: list[socket.socket] = []
+    try:
+        base = sum(t.startswith("socket:") for t in d.fds())
+        for i in range(600):
+            held.append(socket.create_connection(("127.0.0.1", d.port), timeout=5,
+                                                 source_address=(f"127.0.0.{2 + i % 4}", 0)))
+        time.sleep(1.0)
+        sockets = sum(t.startswith("socket:") for t in d.fds())
+        assert sockets - base <= 256 + 8, (base, sockets)
+        assert httpx.get(f"http://{d.http}/v2/health/live", timeout=5).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        d.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import shutil
 import signal
 import socket
@@ -34,6 +35,13 @@ from itif.server.ingress_host import FrameServer, IngressPool, Recorder
 from itif.server.service import SERVICE, HealthService, ItifService
 
 log = logging.getLogger("itif.server")
+
+
+def _grpc_connections() -> int:
+    """The gRPC port's connection cap: a quarter of the open-file limit (the HTTP port's cap is
+    at most half of it: ``itif.server.http``), the rest for files and the daemon's own."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 2**31 - 1 if soft == resource.RLIM_INFINITY else max(64, soft // 4)
 
 
 def _credentials(cfg: Config) -> grpc.ServerCredentials | None:
@@ -74,6 +82,10 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
             # refused by gRPC itself (REFUSED_STREAM: UNAVAILABLE, never started, retryable)
             # before they can queue in front of every other caller's
             ("grpc.max_concurrent_streams", cfg.server.max_streams_per_connection),
+            # connections held at once (gRPC closes the ones past it as they come): 21,000
+            # idle TCP connections took every descriptor of a 20,000 open-file limit, and with
+            # them the HTTP port and both health checks; 2,000 cost nothing measurable
+            ("grpc.max_allowed_incoming_connections", _grpc_connections()),
         ],
         maximum_concurrent_rpcs=None,  # the bound is admission's: per tenant, and counted
     )
