@@ -18,7 +18,13 @@ its base tenant where they are (the store shares the slots, nothing is copied) a
 
 Refused with ``InvalidWeights`` naming the field: DoRA, LoRA biases, trained biases
 (``bias != "none"``), ``fan_in_fan_out``, adapters of modules outside the encoder's linears and
-heads, ranks over :data:`MAX_RANK`, and any tensor the backbone has no place for.
+heads, ranks over :data:`MAX_RANK`, and any tensor the backbone has no place for. The config
+and the tensors are cross-checked as PEFT loads them (:func:`load_lora`): a module's tensors
+must have the rank the config gives it (``rank_pattern``, else ``r``) and fit the module, and
+``target_modules`` must select a module of the backbone (all of which PEFT refuses too); a
+tensor of a module the config does not adapt or save, and a module it adapts without tensors,
+are refused as well, since PEFT would leave them unused or at their initial values and itif's
+answers would not be PEFT's.
 """
 
 from __future__ import annotations
