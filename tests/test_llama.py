@@ -182,6 +182,52 @@ def test_the_spec_reads_each_family(variant):
     assert sum(torch.Size(s).numel() for _, s in spec.params()) == n_hf
 
 
+def test_a_full_fine_tune_stored_as_an_int8_delta_generates_as_its_w_hat(variant, tmp_path):
+    """Tenant b stored as base a plus an int8 delta: the report counts the tensors shared with
+    a and the matrices' 1/4 size and measures a small error; the store holds only the two
+    tensors b changed; generation equals HF generate() of b's model holding W_hat; the blob
+    read back gives the same W_hat."""
+    import copy
+
+    from itif.weights import delta
+
+    name, models, eng = variant
+    spec = eng.spec
+    w_hat, report = eng.load_delta(models["b"].state_dict(), "a", "int8")
+    down = f"dec.{spec.dec_layers - 1}.ffn_out.weight"
+    assert report.compress == "int8" and report.base == "a" and report.output == "logits"
+    assert report.shared == len(spec.params()) - 2  # the down projection and the norm differ
+    assert 0.25 <= report.matrix_ratio < 0.25 + 2 / spec.ffn  # int8 codes + a scale per row
+    assert 0 < report.max_abs_error < 1e-2, report
+    exact = models["b"].model.layers[-1].mlp.down_proj.weight.detach()
+    scale = (exact - models["a"].model.layers[-1].mlp.down_proj.weight.detach()).abs().amax(1)
+    err = (w_hat.tensors[down] - exact).abs()
+    assert 0 < float(err.max()) and bool((err <= scale[:, None] / 254 + 1e-7).all())
+    try:
+        eng.add_tenant("b8", models["b"].state_dict(), base="a", compress="int8")
+        total, own = eng.store.tenant_bytes("b8")
+        # W_hat's down projection is its own; the rest is a's, the retrained norm is b's
+        assert own == spec.hidden * spec.ffn * 4 and total > 10 * own
+        b_hat = copy.deepcopy(models["b"])
+        with torch.no_grad():
+            b_hat.model.layers[-1].mlp.down_proj.weight.copy_(w_hat.tensors[down])
+        reqs = [GenerateRequest("b8", r.input_ids, max_new_tokens=r.max_new_tokens,
+                                num_beams=r.num_beams, early_stopping=r.early_stopping,
+                                num_return_sequences=r.num_return_sequences)
+                for r in requests_for(name)[:6]]
+        for r, g in zip(reqs, eng.generate(reqs)):
+            assert g.sequences == hf_generate(b_hat, r)[0], (name, r)
+    finally:
+        eng.remove_tenant("b8")
+    path = tmp_path / "b.delta"
+    path.write_bytes(delta.to_bytes(w_hat))
+    again = eng.load_delta_blob(path, "a")
+    assert again.tensors.keys() == w_hat.tensors.keys()
+    assert all(torch.equal(again.tensors[k], w_hat.tensors[k]) for k in w_hat.tensors)
+    with pytest.raises(InvalidRequest, match="compress"):
+        eng.load_delta(models["b"].state_dict(), "a", "int4")
+
+
 @pytest.mark.parametrize("rope", [
     dict(rope_type="default", rope_theta=10000.0),
     dict(rope_type="linear", rope_theta=10000.0, factor=4.0),

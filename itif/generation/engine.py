@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,11 +41,13 @@ import torch
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import (Busy, InvalidRequest, ItifError, TenantNotFound, Unavailable,
                          is_out_of_memory, shown)
+from itif.generation import deltas
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.running import Admission, RunningBatch
 from itif.generation.spec import PRESET_DEFAULTS, DecoderSpec, defaults_from_dir, load_decoder_spec
+from itif.generation.tickets import GenEvent, Ticket
 from itif.platform import tune_host_malloc
 from itif.runtime import cpu_gemm
 from itif.weights.store import WeightStore
@@ -53,34 +55,6 @@ from itif.weights.store import WeightStore
 log = logging.getLogger("itif.generation")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class GenEvent:
-    """What the loop tells a submitter. ``kind``: "tokens" (``tokens``: new ids of sequence
-    ``sequence``, greedy and sampling), "done" (``generation``) or "error" (``error``)."""
-
-    kind: str
-    tokens: list[int] | None = None
-    sequence: int = 0
-    generation: Generation | None = None
-    error: ItifError | None = None
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One submitted request (hashable by identity)."""
-
-    id: int
-    request: GenerateRequest
-    on_event: Callable[[GenEvent], None] = field(repr=False)
-    params: Any = field(default=None, repr=False)
-    admission: Admission | None = field(default=None, repr=False)
-    history: list[int] = field(default_factory=list, repr=False)
-    stream: bool = False
-    sent: int = 0  # tokens streamed so far
-    cancelled: bool = False
-    done: bool = False
 
 
 def _search():
@@ -140,15 +114,24 @@ class GenEngine:
         """Canonical weights of an HF checkpoint dir, safetensors file or state dict."""
         return load_decoder_weights(self.spec, source)
 
-    def add_tenant(self, tenant: str, source, defaults: GenerationDefaults | None = None) -> None:
+    #: (source, base, compress) -> (W_hat, report): a full fine-tune as stored tenant ``base``
+    #: plus an int8 or sign delta, its error measured (``itif.generation.deltas``)
+    load_delta = deltas.load_delta
+    load_delta_blob = deltas.load_delta_blob  # (blob path, base, base_sha256) -> W_hat
+
+    def add_tenant(self, tenant: str, source, defaults: GenerationDefaults | None = None,
+                   base: str | None = None, compress: str | None = None) -> None:
         """Add (or replace) ``tenant``. Its generation settings: ``defaults``, else the
         checkpoint directory's generation_config.json / config.json, else the backbone's; its
-        tokenizer: the directory's tokenizer.json when there is one.
+        tokenizer: the directory's tokenizer.json when there is one. With ``base`` and
+        ``compress`` ("int8" or "sign"): a full checkpoint stored as that stored tenant plus a
+        compressed delta, served as W_hat (``load_delta``; or pass what it returned).
 
         Replacing a tenant ends its running requests with Unavailable (retryable) between two
         steps, rather than letting them continue on other weights than they started with; its
         waiting requests start on the new weights."""
-        weights = self.load_weights(source)
+        weights = (self.load_weights(source) if compress in (None, "none")
+                   else self.load_delta(source, base, compress)[0])
         d = defaults
         tok = None
         if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():

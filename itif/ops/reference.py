@@ -251,7 +251,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) ->
     a column slice of a wider buffer is fine) become ``x * cos + rotate_half(x) * sin`` with the
     row's ``cos, sin [T, d]`` (float32), where ``rotate_half(x) = [-x[d/2:], x[:d/2]]`` (the
     halves convention of Hugging Face's Llama, not interleaved pairs)."""
-    T = x.shape[0]
     d = cos.shape[1]
     v = x.unflatten(1, (heads, d))
     f = _wide(v, copy=False)
