@@ -42,7 +42,8 @@ from itif.daemon import Daemon, Identity
 from itif.errors import InvalidRequest
 from itif.server.admission import finish_reply
 from itif.server.errors import rpc
-from itif.server.kserve_core import VERSION, KServeCore
+from itif.server.kserve_core import (BOOL, OUTPUT_PARAMS, REQUEST_PARAMS, SEQUENCE_ID, UINT64,
+                                     VERSION, KServeCore, check_params)
 from itif.server.tensors import decode_raw, decode_typed
 from itif.server.service import AuthInterceptor, convert_inputs, reject_malformed
 
@@ -84,10 +85,26 @@ def _decode(t, raw: bytes | None):
                         f"contents.{field}")
 
 
-def _param(p):
-    """An InferParameter's value (None when unset)."""
-    which = p.WhichOneof("parameter_choice")
-    return getattr(p, which) if which else None
+#: The InferParameter fields that may carry each type of ``kserve_core``'s parameters.
+_CHOICES = {UINT64: ("int64_param", "uint64_param"), BOOL: ("bool_param",),
+            SEQUENCE_ID: ("int64_param", "uint64_param", "string_param")}
+
+
+def _params(parameters, kinds: dict[str, str], where: str) -> dict:
+    """A parameters map's values (None where unset); one of ``kinds`` carried by a field its
+    type does not take (a ``timeout`` as ``string_param``) is refused, naming the fields that
+    take it, and so is a value out of its range (a negative ``int64_param`` timeout)."""
+    out = {}
+    for key, p in parameters.items():
+        which = p.WhichOneof("parameter_choice")
+        kind = kinds.get(key)
+        if kind is not None and which not in _CHOICES[kind]:
+            raise InvalidRequest(
+                f"{where}: parameter {key!r} must be {kind} ({' or '.join(_CHOICES[kind])}), "
+                f"got {which or 'no value'}")
+        out[key] = getattr(p, which) if which else None
+    check_params(out, kinds, where)
+    return out
 
 
 def _parse(d: dict, message):
@@ -186,11 +203,13 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                 tensors[t.name] = _decode(t, raw[i] if raw else None)
             return tensors
 
+        params = _params(request.parameters, REQUEST_PARAMS, "the inference request")
+        outputs = [o.name for o in request.outputs]
+        classification = {o.name for o in request.outputs
+                          if _params(o.parameters, OUTPUT_PARAMS,
+                                     f"output {o.name!r}").get("classification")}
         rows = max((t.shape[0] for t in request.inputs if len(t.shape)), default=0)
         tensors = await convert_inputs(self.daemon, who, name, rows, decode)
-        outputs = [o.name for o in request.outputs]
-        classification = {o.name for o in request.outputs if "classification" in o.parameters}
-        params = {k: _param(p) for k, p in request.parameters.items()}
         out = await self.core.infer(who, name, request.model_version, tensors, outputs,
                                     classification, params, context.time_remaining())
         reply = pb.ModelInferResponse(

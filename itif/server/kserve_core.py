@@ -24,7 +24,8 @@ import numpy as np
 import itif
 from itif import daemon_tiers
 from itif.daemon import Daemon, Identity, State, TenantView
-from itif.errors import InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable
+from itif.errors import (InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable,
+                         shown)
 from itif.metrics import TenantCallStats
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server.service import await_tickets, convert_inputs
@@ -40,6 +41,39 @@ STATE = {State.READY: "READY", State.LOADING: "LOADING", State.NO_WEIGHTS: "UNAV
 PADDING_NOTE = ("last_hidden_state rows are zero-padded to the longest row of the call; a row's "
                 "own length is its attention_mask sum (or its token count)")
 _SEQUENCE_PARAMS = ("sequence_id", "sequence_start", "sequence_end")
+
+# ---- parameters -------------------------------------------------------------------------------
+#: The types the protocol gives the parameters itif reads (KServe v2 with Triton's extensions:
+#: schedule policy, sequence, binary tensor data, classification), as the messages name them.
+UINT64 = "a non-negative integer"
+BOOL = "a boolean"
+SEQUENCE_ID = "a non-negative integer or a string"
+#: A call's parameters: ``timeout`` in microseconds (0: none), ``priority`` (type-checked, not
+#: used: itif orders a tenant's calls by arrival), the sequence extension's (refused unless
+#: they ask for no sequence: itif models are not sequence models).
+REQUEST_PARAMS = {"timeout": UINT64, "priority": UINT64, "sequence_id": SEQUENCE_ID,
+                  "sequence_start": BOOL, "sequence_end": BOOL}
+#: An output's: ``classification`` (the number of classes; refused: not supported).
+OUTPUT_PARAMS = {"classification": UINT64}
+
+
+def _of_kind(value: Any, kind: str) -> bool:
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if kind == SEQUENCE_ID and isinstance(value, str):
+        return True
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
+def check_params(params: Mapping[str, Any], kinds: Mapping[str, str], where: str) -> None:
+    """Refuse (INVALID_ARGUMENT) a parameter of ``kinds`` whose value is not of its type,
+    naming it and the type (before: a ``timeout`` given as a string was ignored, and the call
+    ran without one). Parameters itif does not read are left alone (the parameters extension:
+    a client's own)."""
+    for key, kind in kinds.items():
+        if key in params and not _of_kind(params[key], kind):
+            raise InvalidRequest(f"{where}: parameter {key!r} must be {kind}, got "
+                                 f"{shown(params[key])}")
 
 
 def _ints(name: str, a: np.ndarray, ids_shape: tuple[int, ...]) -> np.ndarray:
@@ -361,7 +395,7 @@ class KServeCore:
         """Seconds left: the transport's (a gRPC deadline) and the ``timeout`` parameter (µs),
         whichever is sooner."""
         us = params.get("timeout")
-        if isinstance(us, (int, float)) and not isinstance(us, bool) and us > 0:
+        if us:  # checked (check_params): a non-negative integer
             remaining = us / 1e6 if remaining is None else min(remaining, us / 1e6)
         return remaining
 
@@ -371,6 +405,7 @@ class KServeCore:
                     remaining: float | None = None) -> list[tuple[str, np.ndarray]]:
         """Queue every row of the call at once (all-or-nothing); the output tensors."""
         self.model(who, name, version)  # unknown, invisible or wrong version: refused here
+        check_params(params, REQUEST_PARAMS, "the inference request")
         for key in _SEQUENCE_PARAMS:
             if params.get(key):
                 raise InvalidRequest(f"parameter {key!r}: itif models are not sequence models")
@@ -383,4 +418,5 @@ class KServeCore:
         return gather(results, outs)
 
 
-__all__ = ["KServeCore", "gather", "VERSION", "PLATFORM", "EXTENSIONS", "TEXT"]
+__all__ = ["BOOL", "EXTENSIONS", "OUTPUT_PARAMS", "PLATFORM", "REQUEST_PARAMS", "SEQUENCE_ID",
+           "TEXT", "UINT64", "VERSION", "KServeCore", "check_params", "gather"]

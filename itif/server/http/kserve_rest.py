@@ -36,7 +36,8 @@ from itif.server.http.common import (
     read_body,
 )
 from itif.server.json_procs import ANSWER_NUMBERS, IN_THREAD, JsonProcs, json_bytes, load_infer
-from itif.server.kserve_core import VERSION, KServeCore
+from itif.server.kserve_core import (BOOL, OUTPUT_PARAMS, REQUEST_PARAMS, UINT64, VERSION,
+                                     KServeCore, check_params)
 from itif.server.tensors import decode_raw
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -83,11 +84,12 @@ def _tensors(core: KServeCore, model: str, req: dict, binary: bytes) -> dict:
         if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
             raise InvalidRequest(f"{where}: shape must be a list of integers, got {shape!r:.100}")
         params = field(t, "parameters", dict, where, {})
-        size = field(params, "binary_data_size", int, f"{where} parameters", None)
+        check_params(params, _INPUT_PARAMS, where)
+        size = params.get("binary_data_size")
         if size is not None:
             if "data" in t:
                 raise InvalidRequest(f"{where}: give either 'data' or binary_data_size, not both")
-            if size < 0 or offset + size > len(binary):
+            if offset + size > len(binary):
                 raise InvalidRequest(f"{where}: binary_data_size {size} runs past the binary data "
                                      f"({len(binary) - offset} bytes left)")
             tensors[name] = decode_raw(name, datatype, shape, binary[offset : offset + size])
@@ -104,6 +106,13 @@ def _tensors(core: KServeCore, model: str, req: dict, binary: bytes) -> dict:
     return tensors
 
 
+#: The parameters REST reads besides the protocol-neutral ones (``kserve_core``): of the call,
+#: ``binary_data_output``; of an output, ``binary_data`` (the binary tensor data extension).
+_REQUEST_PARAMS = {**REQUEST_PARAMS, "binary_data_output": BOOL}
+_OUTPUT_PARAMS = {**OUTPUT_PARAMS, "binary_data": BOOL}
+_INPUT_PARAMS = {"binary_data_size": UINT64}
+
+
 def _outputs(req: dict) -> tuple[list[str], set[str], dict[str, bool]]:
     """(names, those asking for classification, binary_data per output that says)."""
     names, classification, binary = [], set(), {}
@@ -112,11 +121,11 @@ def _outputs(req: dict) -> tuple[list[str], set[str], dict[str, bool]]:
             raise InvalidRequest(f"outputs[{i}] must be an object")
         name = field(o, "name", str, f"outputs[{i}]")
         params = field(o, "parameters", dict, f"output {name!r}", {})
+        check_params(params, _OUTPUT_PARAMS, f"output {name!r}")
         if params.get("classification"):
             classification.add(name)
-        wants = field(params, "binary_data", bool, f"output {name!r} parameters", None)
-        if wants is not None:
-            binary[name] = wants
+        if "binary_data" in params:
+            binary[name] = params["binary_data"]
         names.append(name)
     return names, classification, binary
 
@@ -242,10 +251,11 @@ class KServeRest:
                               request.headers.get(HEADER_LENGTH))
         # over OFFLOAD_BYTES parsed, and each input's data decoded, off the loop (procs)
         req = await json_object(head, "the inference request", procs=self.procs, load=load_infer)
+        params = field(req, "parameters", dict, "the inference request", {})
+        check_params(params, _REQUEST_PARAMS, "the inference request")
         tensors = _tensors(self.core, name, req, binary)
         outputs, classification, binary_by_output = _outputs(req)
-        params = field(req, "parameters", dict, "the inference request", {})
-        binary_default = params.get("binary_data_output") is True
+        binary_default = params.get("binary_data_output", False)
         out = await self.core.infer(who, name, version, tensors, outputs, classification, params)
 
         answer: dict[str, Any] = {"model_name": name, "model_version": VERSION}
