@@ -8,8 +8,11 @@ and beam search, prompts of 1-14 tokens), each equal token for token (float32) t
 heads over 2 or 1 key/value heads), the RoPE variants (llama3, linear, dynamic past
 ``max_position_embeddings``, default), tied and untied LM heads, a ``head_dim`` other than
 hidden / heads, Llama's ``attention_bias`` and ``mlp_bias``, Qwen2's Q/K/V bias, and Mistral's
-sliding window shorter than the prompts. Plus: the RoPE frequencies are transformers' bits,
-bad configs and checkpoints are refused by name, and the public API names GenEngine.
+sliding window shorter than the prompts (HF's dynamic RoPE remembers the longest sequence of
+earlier calls: ``hf_generate`` resets it, the fresh model itif matches). Plus: the RoPE
+frequencies are transformers' bits; a fine-tune stored as an int8 delta of its base generates
+as its W_hat does in HF; bad configs and checkpoints are refused by name; the public API names
+GenEngine.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ VARIANTS = {
     "mistral-window": ("mistral", dict(
         num_key_value_heads=2, tie_word_embeddings=False, sliding_window=5)),
 }
-_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
             "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
@@ -120,7 +124,8 @@ def requests_for(variant: str) -> list[GenerateRequest]:
     grid = [  # (tenant, beams, early_stopping, return, max_new)
         ("a", 1, False, 1, 14), ("b", 1, False, 1, 14), ("c", 1, False, 1, 12),
         ("a", 3, True, 2, 10), ("b", 4, "never", 3, 10), ("c", 2, False, 1, 9),
-        ("a", 4, False, 1, 11), ("b", 2, True, 2, 8), ("c", 3, "never", 1, 12), ("b", 1, False, 1, 13),
+        ("a", 4, False, 1, 11), ("b", 2, True, 2, 8), ("c", 3, "never", 1, 12),
+        ("b", 1, False, 1, 13),
     ]
     out = []
     for i, ((t, nb, es, nr, mx), n) in enumerate(zip(grid, lens)):
@@ -286,7 +291,8 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor():
     qwen = hf_model("qwen2-gqa-tied", 3)
     spec = spec_from_hf_config({**hf_config("qwen2-gqa-tied").to_dict(), "model_type": "llama"})
     eng = GenEngine(spec)
-    with pytest.raises(InvalidWeights, match=r"unexpected tensor 'layers\.0\.self_attn\.q_proj\.bias'"):
+    unexpected = r"unexpected tensor 'layers\.0\.self_attn\.q_proj\.bias'"
+    with pytest.raises(InvalidWeights, match=unexpected):
         eng.add_tenant("x", qwen.state_dict())
     sd = dict(qwen.state_dict())
     del sd["model.layers.1.mlp.up_proj.weight"]

@@ -71,7 +71,8 @@ def probe_error(eng: "GenEngine", exact: CanonicalWeights, w_hat: CanonicalWeigh
     g = torch.Generator().manual_seed(PROBE_SEED)
     prompts = [torch.randint(0, spec.vocab_size, (max(1, min(n, spec.max_len - 1)),),
                              generator=g).tolist() for n in PROBE_LENGTHS]
-    items = [Admission((t, i), t, p, 1, 1) for t in ("exact", "delta") for i, p in enumerate(prompts)]
+    items = [Admission((t, i), t, p, 1, 1)
+             for t in ("exact", "delta") for i, p in enumerate(prompts)]
     elem = torch.empty((), dtype=eng.dtype).element_size()
     blocks = sum(-(-len(a.prompt) // 16) + 1 for a in items)  # prompt + one new position each
     kv_bytes = blocks * 16 * spec.dec_layers * 2 * spec.kv_width * elem
