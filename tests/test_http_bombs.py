@@ -300,3 +300,43 @@ def test_a_stream_inflated_as_it_arrives_must_be_whole(chunk):
         with pytest.raises(InvalidRequest, match=why):
             _read(body, "gzip", MIB, chunk)
     assert INFLATED.held == 0
+
+
+def test_the_ray_serve_router_bounds_a_bomb_the_same_way():
+    """The Ray Serve router (``itif.serve_ray.ItifRouter``) inflates a compressed body itself
+    before it forwards it (its replicas get it without Content-Encoding), through the same
+    ``read_body``: a bomb is 413 having allocated under 2 MiB (before: the limit twice over),
+    and a body it forwarded gives its inflated bytes back once the replica has answered. The
+    router is built here without Ray Serve around it: a stand-in replica handle answers."""
+    serve_ray = pytest.importorskip("itif.serve_ray")
+
+    class Handle:
+        class handle:  # noqa: N801 - DeploymentHandle's method, as the router calls it
+            @staticmethod
+            async def remote(*call):
+                return 200, [(b"content-type", b"application/json")], b"{}"
+
+    class Config:
+        class server:  # noqa: N801 - the two settings the router reads
+            max_message_bytes, retry_after_ms = 64 * MIB, 200
+
+        @staticmethod
+        def tenant(name):
+            return None
+
+    router = object.__new__(serve_ray.ItifRouter.func_or_class)  # no Serve, no config file
+    router.replicas, router.config, router.procs = Handle, Config, None
+    tracemalloc.start()
+    try:
+        answer = asyncio.run(router(_request(compressed("gzip", BOMB), "gzip")))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert answer.status_code == 413 and b"max_message_bytes" in answer.body, answer.body
+    assert peak < 2 * MIB, peak
+    from itif.server.http.common import INFLATED  # noqa: PLC0415
+
+    request = _request(compressed("gzip", 1 << 20, b'{"a": 1}'), "gzip")
+    request.scope.update(method="POST", path="/v2/repository/index")
+    assert asyncio.run(router(request)).status_code == 200
+    assert INFLATED.held == 0
