@@ -33,6 +33,7 @@ from itif.config import (
 from itif.daemon import Daemon as InProcess
 from itif.errors import InvalidConfig
 from itif.server._proto.itif.v1 import itif_pb2
+from itif.server.errors import retry_after_ms
 from tests.daemon_harness import ADMIN, Daemon, free_port
 from tests.reliability_util import (
     code_of,
@@ -73,6 +74,8 @@ LIVE = {
     "server.max_inflight_calls": (5, lambda d: _admitted(d, "") == 5),
     "server.max_active_calls": (2, lambda d: _through_gate(d, "a") == 2),
     "server.max_pending_reply_bytes": (4096, lambda d: not _reply_fits(d, 3000, 2000)),
+    # the hint every transient overload's answer carries (itif.server.errors.retry_hint)
+    "server.retry_after_ms": (4321, lambda d: retry_after_ms(d) == 4321),
     # what Daemon.submit_generate checks each request against (tests/test_generate_daemon.py
     # shows a reload refusing and admitting requests on a decoder daemon)
     "server.max_new_tokens": (7, lambda d: d.config.server.max_new_tokens == 7),
