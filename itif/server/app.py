@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import shutil
 import signal
 import socket
@@ -31,17 +30,11 @@ from itif.platform import tune_gc
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server import kserve
 from itif.server.admission import Admission
+from itif.server.ingress import grpc_connection_cap
 from itif.server.ingress_host import FrameServer, IngressPool, Recorder
 from itif.server.service import SERVICE, HealthService, ItifService
 
 log = logging.getLogger("itif.server")
-
-
-def _grpc_connections() -> int:
-    """The gRPC port's connection cap: a quarter of the open-file limit (the HTTP port's cap is
-    at most half of it: ``itif.server.http``), the rest for files and the daemon's own."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return 2**31 - 1 if soft == resource.RLIM_INFINITY else max(64, soft // 4)
 
 
 def _credentials(cfg: Config) -> grpc.ServerCredentials | None:
@@ -85,7 +78,7 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
             # connections held at once (gRPC closes the ones past it as they come): 21,000
             # idle TCP connections took every descriptor of a 20,000 open-file limit, and with
             # them the HTTP port and both health checks; 2,000 cost nothing measurable
-            ("grpc.max_allowed_incoming_connections", _grpc_connections()),
+            ("grpc.max_allowed_incoming_connections", grpc_connection_cap()),
         ],
         maximum_concurrent_rpcs=None,  # the bound is admission's: per tenant, and counted
     )

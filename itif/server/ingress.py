@@ -36,6 +36,7 @@ import json
 import logging
 import pickle
 import queue
+import resource
 import signal
 import struct
 import sys
@@ -398,6 +399,16 @@ def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method
     return grpc.unary_stream_rpc_method_handler(us)
 
 
+def grpc_connection_cap() -> int:
+    """A gRPC port's connection cap (``grpc.max_allowed_incoming_connections``): a quarter of
+    the process's open-file limit (the HTTP port's cap is at most half of it:
+    ``itif.server.http``), the rest for files and the process's own. The daemon's port and each
+    ingress process's use it: 21,000 idle TCP connections took every descriptor of a 20,000
+    limit, and with them the HTTP port and both health checks."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 2**31 - 1 if soft == resource.RLIM_INFINITY else max(64, soft // 4)
+
+
 async def serve(spec: dict) -> int:
     """One ingress process: serve ``spec["listen"]`` until SIGTERM or until the daemon goes."""
     limit = spec["max_message_bytes"]
@@ -410,6 +421,7 @@ async def serve(spec: dict) -> int:
         ("grpc.server.max_pending_requests", spec["max_pending_calls"]),
         ("grpc.server.max_pending_requests_hard_limit", spec["max_pending_calls"]),
         ("grpc.max_concurrent_streams", spec["max_streams_per_connection"]),
+        ("grpc.max_allowed_incoming_connections", grpc_connection_cap()),
     ], maximum_concurrent_rpcs=None)
     server.add_generic_rpc_handlers((Router(link, channel, sync_channel),))
     tls = spec.get("tls")
