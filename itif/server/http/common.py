@@ -119,7 +119,7 @@ class _Inflated:
                     threads, thread_name_prefix=f"itif-inflate-{pool}")
         return asyncio.get_running_loop().run_in_executor(self._pools[pool], fn, *args)
 
-    def count(self, inflate: Any, data: bytes, room: int) -> Awaitable[int]:
+    def count(self, inflate: Any, data: bytes, room: int) -> Awaitable[tuple[int, bool]]:
         """:func:`_count` in a counting thread."""
         return self._run("count", COUNT_THREADS, _count, inflate, data, room)
 
@@ -158,17 +158,24 @@ def release_body(request: Request) -> None:
         INFLATED.give(nbytes)
 
 
-def _count(inflate: Any, data: bytes, room: int) -> int:
+def _count(inflate: Any, data: bytes, room: int, pieces: int | None = None
+           ) -> tuple[int, bool]:
     """Inflate ``data`` (a body's next compressed chunk) in :data:`INFLATE_PIECE` pieces that
-    are counted and dropped; stop once more than ``room`` bytes came. The bytes it inflated."""
+    are counted and dropped, at most ``pieces`` of them (None: all); stop once more than
+    ``room`` bytes came. (The bytes it inflated, whether it is done with ``data``: False when
+    it stopped for ``pieces``, the rest of ``data`` left in ``inflate.unconsumed_tail``.)"""
     n = 0
     while not inflate.eof:
+        if pieces is not None:
+            if pieces == 0:
+                return n, False
+            pieces -= 1
         out = inflate.decompress(data, INFLATE_PIECE)
         n += len(out)
         data = inflate.unconsumed_tail
         if n > room or (not data and len(out) < INFLATE_PIECE):
             break  # (a full piece may leave output inside zlib: asked for again)
-    return n
+    return n, True
 
 
 def _not_whole(encoding: str, after_end: bool) -> InvalidRequest:
@@ -185,8 +192,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     A compressed body is inflated twice, so that one that inflates past ``limit`` never costs
     its inflated size: first as its chunks arrive, in pieces that are only counted (413 the
     moment the count passes ``limit``), then, once whole and within the limit, at once into a
-    buffer of exactly its size, when :data:`INFLATED` can take it (else 429). The caller gives
-    those bytes back with :func:`release_body` once it no longer holds the body."""
+    buffer of exactly its size, when :data:`INFLATED` can take it (else 429). Both in
+    :data:`INFLATED`'s threads, but for a body's first piece and a body of one piece, inflated
+    on the event loop (about as long as a thread's hand-over). The caller gives those bytes
+    back with :func:`release_body` once it no longer holds the body."""
     too_large = BodyTooLarge(f"the request body is over server.max_message_bytes ({limit} bytes)")
     length = request.headers.get("content-length")
     if length is not None:
@@ -212,7 +221,12 @@ async def read_body(request: Request, limit: int) -> bytes:
                 continue
             if inflate.eof:
                 raise _not_whole(encoding, after_end=True)
-            inflated += await INFLATED.count(inflate, chunk, limit - inflated)
+            done = False
+            if not inflated:  # its first piece on the loop: a small body needs no thread
+                inflated, done = _count(inflate, chunk, limit, pieces=1)
+                chunk = inflate.unconsumed_tail
+            if not done:
+                inflated += (await INFLATED.count(inflate, chunk, limit - inflated))[0]
             if inflated > limit:
                 raise too_large
             if inflate.unused_data:
@@ -227,7 +241,10 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise _not_whole(encoding, after_end=False)
     INFLATED.take(inflated, limit)
     request.scope[_HELD] = request.scope.get(_HELD, 0) + inflated
-    out = await INFLATED.whole(body, wbits, inflated)
+    if inflated <= INFLATE_PIECE:  # as cheap as a thread's hand-over
+        out = zlib.decompress(body, wbits, max(1, inflated))
+    else:
+        out = await INFLATED.whole(body, wbits, inflated)
     if len(out) != inflated:  # the same bytes inflated the same way: cannot happen
         raise RuntimeError(f"{encoding} body inflated to {len(out)} bytes, then {inflated}")
     return out
