@@ -21,10 +21,10 @@ CHUNK = 1 << 20  # bytes read at a time while hashing
 UPLOAD_CHUNK = 256 << 10
 
 
-#: gRPC retries these calls when they fail UNAVAILABLE: a stream the server refused before it
-#: started (one connection with more calls at once than the server's
-#: ``max_streams_per_connection``: gRPC's client should queue them, but the two ends count a
-#: finishing stream differently and the server refuses some), or a daemon that is stopping.
+#: gRPC retries these calls when they fail UNAVAILABLE: a daemon that is stopping or
+#: restarting (a connection's calls over the server's ``max_streams_per_connection`` wait in
+#: gRPC's client: the server counts streams as HTTP/2 does, ``itif.server.ingress.
+#: STREAM_LIMIT_OPTIONS``; before, it reset some of them and they failed UNAVAILABLE).
 #: Up to 5 attempts, with a random wait under 20, 60, 180 and 540 ms before each retry. Only
 #: calls that change nothing on the server are retried (not uploads or deletes); a streamed
 #: Generate only before its first token arrives. Other clients can use the same service config

@@ -98,10 +98,10 @@ def test_burst_is_answered_counted_and_confined_to_its_tenant(d, tmp_path, rel):
     """3,000 Infer calls of noisy started at once on one connection while quiet calls every
     50 ms. Before: gRPC itself CANCELLED the calls the event loop had not taken once 1,000
     waited (quiet's too), and those were missing from the metrics. Now: no call of either
-    tenant is CANCELLED; noisy's calls are OK, RESOURCE_EXHAUSTED (admission, its queue) or
-    UNAVAILABLE (streams over max_streams_per_connection, refused by gRPC before they start);
-    every quiet call is OK; and itif_requests_total has exactly the OK and RESOURCE_EXHAUSTED
-    the clients saw (a refused stream never reaches the server)."""
+    tenant is CANCELLED; noisy's calls are OK or RESOURCE_EXHAUSTED (admission, its queue), never
+    UNAVAILABLE (issue 63: the calls over max_streams_per_connection wait in the client; before,
+    gRPC reset some of them before they started); every quiet call is OK; and
+    itif_requests_total has exactly the OK and RESOURCE_EXHAUSTED the clients saw."""
     out = tmp_path / "burst.json"
     with d.client(TOKENS["quiet"]) as c:
         quiet_calls(c, 0.3)
@@ -119,13 +119,12 @@ def test_burst_is_answered_counted_and_confined_to_its_tenant(d, tmp_path, rel):
     noisy = Counter(burst["codes"])
     assert sum(noisy.values()) == 3000, burst
     assert "CANCELLED" not in noisy and "CANCELLED" not in got["codes"], (burst, got["codes"])
-    assert set(noisy) <= {"OK", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}, burst
+    assert set(noisy) <= {"OK", "RESOURCE_EXHAUSTED"}, burst
     assert set(got["codes"]) == {"OK"}, got["codes"]
     time.sleep(0.5)
     after = _infer_counts(d)
     delta = {t: after.get(t, Counter()) - before.get(t, Counter()) for t in ("noisy", "quiet")}
-    assert delta["noisy"] == Counter({k: v for k, v in noisy.items() if k != "UNAVAILABLE"}), (
-        delta, burst)
+    assert delta["noisy"] == noisy, (delta, burst)
     assert delta["quiet"] == Counter(got["codes"]), (delta, got["codes"])
     rel.inputs += 3000 + len(got["lat"])
     rel.notes["burst of 3000 Infer (noisy), codes"] = dict(noisy)

@@ -35,6 +35,7 @@ C = grpc.StatusCode
 TOKENS = make_tokens(["acme"])
 HINT_MS = 1500  # the daemons' server.retry_after_ms: retry-after rounds it up to 2 s
 BURST = 40  # concurrent calls against max_inflight 1: most are refused by admission
+BURST_CALLS = 2000  # the one-connection burst (the review's was 5,000)
 
 
 def test_the_hint_follows_the_kind_of_refusal():
@@ -137,3 +138,30 @@ def test_http_overload_is_429_with_retry_after(d, rel):
     big = httpx.post(url + "/v2/models/acme/infer", content=b"x" * (2 << 20), headers=auth,
                      timeout=60)
     assert big.status_code == 413 and "retry-after" not in big.headers, big.headers
+
+
+@promise(36)
+def test_a_burst_on_one_connection_is_never_unavailable(d, rel):
+    """The review's burst, on one connection at default stream settings (100 per connection),
+    against max_inflight 1: every call is OK or RESOURCE_EXHAUSTED with its hint, none
+    UNAVAILABLE. Before, gRPC refused the streams over the limit itself (REFUSED_STREAM, which
+    clients report as UNAVAILABLE, without trailers): 4,251 of a 5,000-call burst."""
+    req = itif_pb2.InferRequest(
+        tenant="acme", input=itif_pb2.InferInput(input_ids=itif_pb2.TokenIds(ids=[101, 7, 102])))
+    codes: Counter = Counter()
+    auth = (("authorization", f"Bearer {TOKENS['acme']}"),)
+    with grpc.insecure_channel(d.addr) as channel:  # no retry policy: what any client sees
+        plain = channel.unary_unary(
+            "/itif.v1.Itif/Infer", request_serializer=itif_pb2.InferRequest.SerializeToString)
+        futures = [plain.future(req, metadata=auth, timeout=120) for _ in range(BURST_CALLS)]
+        for f in futures:
+            try:
+                f.result()
+                codes["OK"] += 1
+            except grpc.RpcError as e:
+                codes[e.code().name] += 1
+                if e.code() == C.RESOURCE_EXHAUSTED:
+                    assert _trailers(e).get("grpc-retry-pushback-ms") == str(HINT_MS), e
+    rel.inputs += BURST_CALLS
+    rel.notes[f"burst of {BURST_CALLS} Infer on one connection, codes"] = dict(codes)
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"], codes

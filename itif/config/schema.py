@@ -98,9 +98,9 @@ class ServerConfig:
     #: Calls gRPC may hold received but not yet taken by the server (a burst waits there for
     #: the event loop); past it gRPC itself cancels new calls (CANCELLED, not counted).
     max_pending_calls: int = setting(F.integer, 65_536, lo=1, hi=1_000_000)
-    #: Calls (HTTP/2 streams) one connection may have open at once; gRPC refuses the streams
-    #: of a connection beyond it (UNAVAILABLE, never started): a burst on one connection
-    #: cannot queue in front of every other caller's calls.
+    #: Calls (HTTP/2 streams) one connection may have open at once; a connection's calls
+    #: beyond it wait in the client (HTTP/2 flow control): a burst on one connection cannot
+    #: queue in front of every other caller's calls.
     max_streams_per_connection: int = setting(F.integer, 100, lo=1, hi=1_000_000)
     #: The retry hint of a transient overload's answer (RESOURCE_EXHAUSTED's ``retry-after`` and
     #: ``grpc-retry-pushback-ms`` trailers, HTTP 429's ``Retry-After`` in whole seconds).

@@ -30,7 +30,7 @@ from itif.platform import tune_gc
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server import kserve
 from itif.server.admission import Admission
-from itif.server.ingress import grpc_connection_cap
+from itif.server.ingress import STREAM_LIMIT_OPTIONS, grpc_connection_cap
 from itif.server.ingress_host import FrameServer, IngressPool, Recorder
 from itif.server.service import SERVICE, HealthService, ItifService
 
@@ -71,10 +71,11 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
             # caller, uncounted; keep them for admission to answer (RESOURCE_EXHAUSTED, counted)
             ("grpc.server.max_pending_requests", cfg.server.max_pending_calls),
             ("grpc.server.max_pending_requests_hard_limit", cfg.server.max_pending_calls),
-            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: one connection's calls beyond it are
-            # refused by gRPC itself (REFUSED_STREAM: UNAVAILABLE, never started, retryable)
-            # before they can queue in front of every other caller's
+            # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: one connection's calls beyond it wait in
+            # their client (HTTP/2 flow control), so a burst on one connection cannot queue in
+            # front of every other caller's
             ("grpc.max_concurrent_streams", cfg.server.max_streams_per_connection),
+            *STREAM_LIMIT_OPTIONS,
             # connections held at once (gRPC closes the ones past it as they come): 21,000
             # idle TCP connections took every descriptor of a 20,000 open-file limit, and with
             # them the HTTP port and both health checks; 2,000 cost nothing measurable

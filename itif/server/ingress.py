@@ -399,6 +399,16 @@ def _relay_handler(channel: grpc.aio.Channel, sync_channel: grpc.Channel, method
     return grpc.unary_stream_rpc_method_handler(us)
 
 
+#: gRPC server options that make ``grpc.max_concurrent_streams`` flow control, not a refusal.
+#: By default gRPC's C core counts a stream against the limit until the server has freed it
+#: (the Python call object), after the client has seen it end; the client, counting only open
+#: streams, sends more, and the server resets them (REFUSED_STREAM, which clients report as
+#: UNAVAILABLE): 226 of 400 calls on one warm connection with 16 streams and a 50 ms handler.
+#: Counted as HTTP/2 counts them ("overload protection" off), the client holds its calls past
+#: the limit until one ends: 400 of 400 OK, and 3,000 of 3,000 on a cold connection.
+STREAM_LIMIT_OPTIONS = (("grpc.http.overload_protection", 0),)
+
+
 def grpc_connection_cap() -> int:
     """A gRPC port's connection cap (``grpc.max_allowed_incoming_connections``): a quarter of
     the process's open-file limit (the HTTP port's cap is at most half of it:
@@ -421,6 +431,7 @@ async def serve(spec: dict) -> int:
         ("grpc.server.max_pending_requests", spec["max_pending_calls"]),
         ("grpc.server.max_pending_requests_hard_limit", spec["max_pending_calls"]),
         ("grpc.max_concurrent_streams", spec["max_streams_per_connection"]),
+        *STREAM_LIMIT_OPTIONS,
         ("grpc.max_allowed_incoming_connections", grpc_connection_cap()),
     ], maximum_concurrent_rpcs=None)
     server.add_generic_rpc_handlers((Router(link, channel, sync_channel),))
