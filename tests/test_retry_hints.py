@@ -36,6 +36,7 @@ TOKENS = make_tokens(["acme"])
 HINT_MS = 1500  # the daemons' server.retry_after_ms: retry-after rounds it up to 2 s
 BURST = 40  # concurrent calls against max_inflight 1: most are refused by admission
 BURST_CALLS = 2000  # the one-connection burst (the review's was 5,000)
+GENERATE_STREAMS = 600  # Generate streams at once on one connection (the review's: 2,000)
 
 
 def test_the_hint_follows_the_kind_of_refusal():
@@ -164,4 +165,44 @@ def test_a_burst_on_one_connection_is_never_unavailable(d, rel):
                     assert _trailers(e).get("grpc-retry-pushback-ms") == str(HINT_MS), e
     rel.inputs += BURST_CALLS
     rel.notes[f"burst of {BURST_CALLS} Infer on one connection, codes"] = dict(codes)
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"], codes
+
+
+@promise(36)
+def test_generate_streams_over_the_stream_limit_are_never_unavailable(tmp_path, rel):
+    """The review's Generate flood (2,000 streams: 1,631 UNAVAILABLE), smaller: 600 Generate
+    streams at once on one plain channel of a GPT-2 daemon, its tenant at max_inflight 4: each
+    stream ends OK or RESOURCE_EXHAUSTED with the retry hint, none UNAVAILABLE."""
+    from tests.test_generate_daemon import hf_model, weights_bytes, write_backbone  # noqa: PLC0415
+
+    backbone = write_backbone(tmp_path / "backbone")
+    d = Daemon(tmp_path / "d", dict(TOKENS), backbone=str(backbone),
+               backbone_extra={"dtype": "float32", "kv_cache_bytes": "8MiB"},
+               tenant_extra={"acme": {"max_inflight": 4}},
+               server_extra={"retry_after_ms": HINT_MS}).start()
+    try:
+        with d.client(TOKENS["acme"]) as c:
+            upload_bytes(c, "acme", weights_bytes(hf_model(1), tmp_path))
+        req = itif_pb2.GenerateRequest(tenant="acme", input_ids=itif_pb2.TokenIds(ids=[5, 17]),
+                                       max_new_tokens=3)
+        auth = (("authorization", f"Bearer {TOKENS['acme']}"),)
+        codes: Counter = Counter()
+        with grpc.insecure_channel(d.addr) as channel:
+            gen = channel.unary_stream(
+                "/itif.v1.Itif/Generate",
+                request_serializer=itif_pb2.GenerateRequest.SerializeToString)
+            streams = [gen(req, metadata=auth, timeout=120) for _ in range(GENERATE_STREAMS)]
+            for s in streams:
+                try:
+                    for _ in s:
+                        pass
+                    codes["OK"] += 1
+                except grpc.RpcError as e:
+                    codes[e.code().name] += 1
+                    if e.code() == C.RESOURCE_EXHAUSTED:
+                        assert _trailers(e).get("grpc-retry-pushback-ms") == str(HINT_MS), e
+    finally:
+        d.stop()
+    rel.inputs += GENERATE_STREAMS
+    rel.notes[f"{GENERATE_STREAMS} Generate streams on one connection, codes"] = dict(codes)
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"} and codes["OK"], codes
