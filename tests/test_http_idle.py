@@ -23,6 +23,7 @@ import time
 import pytest
 
 from itif.weights.safetensors_io import save_safetensors
+from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 from tests.daemon_harness import Daemon, free_port
 from tests.oracle import make_hf_model
 from tests.test_http_connections import _is_open, _read_to_close
@@ -128,7 +129,8 @@ def _still_open(socks: list[socket.socket]) -> int:
     return sum(_is_open(s) for s in socks)
 
 
-def test_idle_connections_from_other_addresses_do_not_starve_a_client(daemon):
+@promise(39)
+def test_idle_connections_from_other_addresses_do_not_starve_a_client(daemon, rel):
     """2,000 idle connections from 127.0.0.2-9 (250 each: within the per-client cap, over the
     global one): before, the quiet client's new connections were answered 503."""
     d = daemon
@@ -145,12 +147,17 @@ def test_idle_connections_from_other_addresses_do_not_starve_a_client(daemon):
     print(f"p99 new connection: idle {_p99(idle_new) * 1e3:.2f} ms, with {IDLE} idle "
           f"{_p99(busy_new) * 1e3:.2f} ms; kept alive: {_p99(idle_kept) * 1e3:.2f} / "
           f"{_p99(busy_kept) * 1e3:.2f} ms; {still} of the idle ones still open")
+    rel.inputs += 4 * CALLS + IDLE
+    rel.notes[f"p99 ms with {IDLE} idle from other addresses: new connection idle / held, "
+              "kept alive idle / held"] = [round(_p99(x) * 1e3, 2) for x in
+                                           (idle_new, busy_new, idle_kept, busy_kept)]
     assert still <= 1000  # the global cap holds
     for idle, busy in ((idle_new, busy_new), (idle_kept, busy_kept)):
         assert _p99(busy) <= max(2 * _p99(idle), _p99(idle) + 0.010), (_p99(idle), _p99(busy))
 
 
-def test_idle_connections_from_the_clients_own_address_do_not_starve_it(daemon):
+@promise(39)
+def test_idle_connections_from_the_clients_own_address_do_not_starve_it(daemon, rel):
     """The same 2,000 from 127.0.0.1 itself: the per-client cap closes that address's oldest
     idle ones, and the quiet client's calls on the same address are answered."""
     d = daemon
@@ -165,11 +172,15 @@ def test_idle_connections_from_the_clients_own_address_do_not_starve_it(daemon):
             s.close()
     print(f"p99 idle {_p99(idle) * 1e3:.2f} ms, with {IDLE} idle from the same address "
           f"{_p99(busy) * 1e3:.2f} ms; {still} of them still open")
+    rel.inputs += 2 * CALLS + IDLE
+    rel.notes[f"p99 ms with {IDLE} idle from the same address: idle / held"] = [
+        round(_p99(idle) * 1e3, 2), round(_p99(busy) * 1e3, 2)]
     assert still <= 256  # the per-client cap
     assert _p99(busy) <= max(2 * _p99(idle), _p99(idle) + 0.010), (_p99(idle), _p99(busy))
 
 
-def test_health_answers_200_during_and_after_a_connection_storm(daemon):
+@promise(39)
+def test_health_answers_200_during_and_after_a_connection_storm(daemon, rel):
     """2,000 connections opened and closed at once: before, the health endpoint answered 503
     for a moment (the review: 0.3 s)."""
     d = daemon
@@ -198,6 +209,9 @@ def test_health_answers_200_during_and_after_a_connection_storm(daemon):
         t.join()
     bad = [c for c in codes if c != 200]
     print(f"{len(codes)} probes, not 200: {len(bad)} {sorted(set(bad))}")
+    rel.inputs += len(codes) + 2 * IDLE
+    rel.notes["health probes during two storms of 2,000 connections: probes, not 200"] = [
+        len(codes), len(bad)]
     assert len(codes) > 20 and not bad
 
 
@@ -254,7 +268,8 @@ def test_at_a_cap_the_oldest_idle_connection_goes_and_busy_ones_stay(tmp_path):
         d.stop()
 
 
-def test_idle_grpc_connections_cannot_take_every_descriptor(tmp_path):
+@promise(39)
+def test_idle_grpc_connections_cannot_take_every_descriptor(tmp_path, rel):
     """The gRPC port holds at most a quarter of the open-file limit (``itif.server.app``):
     before, 21,000 idle TCP connections took all 20,000 descriptors, and the HTTP port and both
     health checks with them. Here the daemon starts with a limit of 1024 (a cap of 256), and
@@ -278,6 +293,9 @@ def test_idle_grpc_connections_cannot_take_every_descriptor(tmp_path):
                                                  source_address=(f"127.0.0.{2 + i % 4}", 0)))
         time.sleep(1.0)
         sockets = sum(t.startswith("socket:") for t in d.fds())
+        rel.inputs += len(held)
+        rel.notes["600 idle gRPC connections, open-file limit 1024: daemon sockets before / "
+                  "after"] = [base, sockets]
         assert sockets - base <= 256 + 8, (base, sockets)
         assert httpx.get(f"http://{d.http}/v2/health/live", timeout=5).status_code == 200
     finally:

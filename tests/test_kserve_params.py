@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from itif.weights.safetensors_io import save_safetensors
+from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 from tests.daemon_harness import Daemon, free_port
 from tests.oracle import make_hf_model
 
@@ -72,8 +73,10 @@ def _rest(d, parameters=None, outputs=None) -> httpx.Response:
     ({"sequence_id": 1.5}, None, "sequence_id", "a non-negative integer or a string"),
     (None, [{"name": "logits", "parameters": {"classification": "2"}}], "classification", UINT),
 ], ids=lambda v: repr(v)[:40] if not isinstance(v, str) else v)
-def test_rest_parameters_of_the_wrong_type_are_400(daemon, parameters, outputs, name, kind):
+@promise(38)
+def test_rest_parameters_of_the_wrong_type_are_400(daemon, parameters, outputs, name, kind, rel):
     r = _rest(daemon, parameters, outputs)
+    rel.inputs += 1
     assert r.status_code == 400, (r.status_code, r.text)
     msg = r.json()["error"]
     assert f"parameter {name!r} must be {kind}" in msg, msg
@@ -128,10 +131,13 @@ def _grpc(d, parameters=None, output_parameters=None):
     (None, {"classification": _param(bool_param=True)}, "classification",
      "int64_param or uint64_param"),
 ], ids=lambda v: str(v).replace("\n", " ")[:40])
+@promise(38)
 def test_grpc_parameters_of_the_wrong_type_are_invalid_argument(daemon, parameters, outputs,
-                                                                 name, fields):
+                                                                 name, fields, rel):
+    rel.inputs += 1
     with pytest.raises(grpc.RpcError) as e:
         _grpc(daemon, parameters, outputs)
+    rel.saw(e.value.code())
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value
     msg = e.value.details()
     assert f"parameter {name!r} must be" in msg and fields in msg, msg

@@ -27,7 +27,8 @@ from itif.errors import InvalidWeights
 from itif.weights.safetensors_io import load_safetensors, save_safetensors
 from tests.daemon_harness import ADMIN, Daemon
 from tests.oracle import make_hf_model, random_request
-from tests.reliability_util import error_of, upload_bytes, weights_bytes
+from tests.reliability_util import error_of, promise, upload_bytes, weights_bytes
+from tests.reliability_util import rel  # noqa: F401 - the fixture, used by name
 from tests.test_lora import _check, _engine_with_base
 from tests.test_lora_daemon import _adapter, _assert_equal
 
@@ -163,7 +164,8 @@ def test_adapters_selecting_modules_every_peft_way_are_served_as_peft(tmp_path, 
     _check(eng, {"a": model}, [random_request(eng.spec, "a", rng) for _ in range(3)])
 
 
-def test_the_daemon_refuses_each_contradicting_adapter_and_keeps_the_previous(tmp_path):
+@promise(40)
+def test_the_daemon_refuses_each_contradicting_adapter_and_keeps_the_previous(tmp_path, rel):
     """Over gRPC (UploadWeights of a packed adapter, as ``itif upload --adapter`` sends it)
     each bad adapter answers INVALID_ARGUMENT with the loader's message; the LoRA tenant's
     previous adapter keeps answering PEFT's logits and its sha256 does not change."""
@@ -183,6 +185,8 @@ def test_the_daemon_refuses_each_contradicting_adapter_and_keeps_the_previous(tm
             sha = c.get_tenant("la").sha256
             for case, data in packed.items():
                 code, details = error_of(lambda data=data: upload_bytes(c, "la", data))
+                rel.inputs += 1
+                rel.saw(code)
                 assert code == grpc.StatusCode.INVALID_ARGUMENT, (case, code, details)
                 assert re.search(CASES[case][2], details), (case, details)
                 info = c.get_tenant("la")

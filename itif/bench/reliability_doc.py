@@ -74,6 +74,10 @@ PROMISES = {
     34: "Reply over max_message_bytes: refused before it runs, counted, no traceback",
     35: "More calls than a connection's streams: itif's client retries, every call OK",
     36: "Every overload answer says whether to retry: RESOURCE_EXHAUSTED / 429 with a hint",
+    37: "Compressed bodies bounded while they inflate: 16 bombs within 64 MiB of idle RSS",
+    38: "KServe parameters of the wrong type (REST and gRPC) -> 400 / INVALID_ARGUMENT",
+    39: "Idle connections starve nobody: 2,000 idle, another client's p99 within 2x; health 200",
+    40: "LoRA config contradicting its tensors or the backbone -> INVALID_ARGUMENT, old kept",
 }
 
 
