@@ -282,3 +282,23 @@ class Daemon:
     def __exit__(self, *exc) -> None:
         if self.proc is not None:
             self.stop()
+
+
+def http_daemon(root: Path, tokens: dict[str, str], seed: int, **kw) -> Daemon:
+    """A started daemon (under ``root / "d"``) that also serves HTTP on a free port
+    (``d.http``: its host:port), every tenant of ``tokens`` given one bert-tiny
+    BertForSequenceClassification (3 labels, random weights of ``seed``). ``kw``: more
+    :class:`Daemon` fields (``server_extra`` keys join ``http_listen``)."""
+    from itif.weights.safetensors_io import save_safetensors  # noqa: PLC0415
+    from tests.oracle import make_hf_model  # noqa: PLC0415 - torch and transformers, on demand
+
+    path = root / "w.safetensors"
+    save_safetensors({k: v.detach().contiguous() for k, v in
+                      make_hf_model("bert-tiny", 3, seed=seed).state_dict().items()}, path)
+    server = {"http_listen": f"127.0.0.1:{free_port()}", **kw.pop("server_extra", {})}
+    d = Daemon(root / "d", dict(tokens), server_extra=server, **kw).start()
+    for tenant, token in tokens.items():
+        with d.client(token) as c:
+            c.upload(tenant, path)
+    d.http = server["http_listen"]
+    return d

@@ -19,9 +19,7 @@ import time
 
 import pytest
 
-from itif.weights.safetensors_io import save_safetensors
-from tests.daemon_harness import Daemon, free_port
-from tests.oracle import make_hf_model
+from tests.daemon_harness import http_daemon
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -32,17 +30,9 @@ STALL_S = 1.5  # server.http_header_timeout_s of this daemon
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    root = tmp_path_factory.mktemp("http-hostile")
-    path = root / "w.safetensors"
-    save_safetensors({k: v.detach().contiguous() for k, v in
-                      make_hf_model("bert-tiny", 3, seed=5).state_dict().items()}, path)
-    d = Daemon(root / "d", dict(TOKENS), tenant_extra={"one": {"max_inflight": 1}},
-               server_extra={"http_listen": f"127.0.0.1:{free_port()}",
-                             "http_header_timeout_s": STALL_S}).start()
-    for t in TOKENS:
-        with d.client(TOKENS[t]) as c:
-            c.upload(t, path)
-    d.http = d.server_extra["http_listen"]
+    d = http_daemon(tmp_path_factory.mktemp("http-hostile"), TOKENS, seed=5,
+                    tenant_extra={"one": {"max_inflight": 1}},
+                    server_extra={"http_header_timeout_s": STALL_S})
     yield d
     d.stop()
 

@@ -22,10 +22,8 @@ import time
 
 import pytest
 
-from itif.weights.safetensors_io import save_safetensors
 from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
-from tests.daemon_harness import Daemon, free_port
-from tests.oracle import make_hf_model
+from tests.daemon_harness import Daemon, free_port, http_daemon
 from tests.test_http_connections import _is_open, _read_to_close
 
 httpx = pytest.importorskip("httpx")
@@ -39,15 +37,7 @@ CALLS = 200  # sequential calls a quiet client times, idle and under the attack
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """Default caps (1000 connections, 256 per client address)."""
-    root = tmp_path_factory.mktemp("http-idle")
-    path = root / "w.safetensors"
-    save_safetensors({k: v.detach().contiguous() for k, v in
-                      make_hf_model("bert-tiny", 3, seed=5).state_dict().items()}, path)
-    d = Daemon(root / "d", {"acme": TOKEN},
-               server_extra={"http_listen": f"127.0.0.1:{free_port()}"}).start()
-    with d.client(TOKEN) as c:
-        c.upload("acme", path)
-    d.http = d.server_extra["http_listen"]
+    d = http_daemon(tmp_path_factory.mktemp("http-idle"), {"acme": TOKEN}, seed=5)
     yield d
     d.stop()
 

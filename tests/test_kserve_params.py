@@ -18,10 +18,8 @@ import grpc
 import numpy as np
 import pytest
 
-from itif.weights.safetensors_io import save_safetensors
 from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
-from tests.daemon_harness import Daemon, free_port
-from tests.oracle import make_hf_model
+from tests.daemon_harness import http_daemon
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -36,15 +34,7 @@ UINT, BOOL = "a non-negative integer", "a boolean"
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kserve-params")
-    path = root / "w.safetensors"
-    save_safetensors({k: v.detach().contiguous() for k, v in
-                      make_hf_model("bert-tiny", 3, seed=7).state_dict().items()}, path)
-    d = Daemon(root / "d", {"acme": TOKEN},
-               server_extra={"http_listen": f"127.0.0.1:{free_port()}"}).start()
-    with d.client(TOKEN) as c:
-        c.upload("acme", path)
-    d.http = d.server_extra["http_listen"]
+    d = http_daemon(tmp_path_factory.mktemp("kserve-params"), {"acme": TOKEN}, seed=7)
     yield d
     d.stop()
 
