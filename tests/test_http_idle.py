@@ -213,7 +213,8 @@ def test_at_a_cap_the_oldest_idle_connection_goes_and_busy_ones_stay(tmp_path):
     """The rules in detail, with caps of 6 connections and 4 per client address: a newcomer
     closes the oldest idle connection of its own address at that cap, the oldest of all at the
     global one (a kept-alive connection that has just been answered is young again), never one
-    busy with a request; only when all are busy is it answered 503 (and that is logged)."""
+    busy with a request; only when all are busy is it answered 429 with Retry-After (and that
+    is logged)."""
     from tests.reliability_util import weights_file  # noqa: PLC0415
 
     d = Daemon(tmp_path / "d", {"acme": TOKEN}, server_extra={
@@ -246,8 +247,9 @@ def test_at_a_cap_the_oldest_idle_connection_goes_and_busy_ones_stay(tmp_path):
         assert all(_closed(s) for s in [a[1], *a[3:], *b, c1])  # the idle ones made room
         late = conn("127.0.0.7")
         got = _read_to_close(late, 5)
-        assert got is not None and got.startswith(b"HTTP/1.1 503 "), got
-        assert "HTTP: 1 new connections refused 503" in d.logs()
+        assert got is not None and got.startswith(b"HTTP/1.1 429 "), got
+        assert b"\r\nretry-after: 1\r\n" in got, got
+        assert "HTTP: 1 new connections refused 429" in d.logs()
         busy[0].sendall(_INFER_BODY[10:])  # one call ends: its connection is idle again
         assert _answer(busy[0]).startswith(b"HTTP/1.1 200 ")
         assert _is_open(conn("127.0.0.7")) and _closed(busy[0])

@@ -20,8 +20,9 @@ opened and closed at once made the health endpoint answer 503 for 0.3 s):
   progress: nothing sent yet, part of a request line and headers, or kept alive between
   requests) instead of being refused: an idle connection costs its owner a reconnect, a refused
   one a failed call. Only when every connection within the cap is busy with a request is the
-  newcomer answered 503 and closed (before any request is parsed there is no 429 to give; the
-  refusals and the closed idle ones are counted and logged). Checking each idle candidate's
+  newcomer answered 429 with ``Retry-After: 1`` and closed (overload, as every door answers it:
+  docs/reliability.md, "Which status means what"; the refusals and the closed idle ones are
+  counted and logged). Checking each idle candidate's
   socket first (a peek), one whose peer has already gone (its end of file not yet read by the
   loop: the storm's) is dropped for free, and one with a request waiting unread (a probe
   accepted in the same burst) is passed over, not evicted;
@@ -101,11 +102,12 @@ def build_app(daemon, health=None, *, max_body: int, admission=None,
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
-def _closing_answer(status: str, text: str) -> bytes:
+def _closing_answer(status: str, text: str, headers: str = "") -> bytes:
     """A whole plain-text HTTP answer, written straight to a connection that closes after it
-    (below the ASGI app: no request was parsed)."""
+    (below the ASGI app: no request was parsed); ``headers``: more header lines, each ending
+    in CRLF."""
     body = text.encode()
-    return (f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    return (f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\n{headers}"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
@@ -113,7 +115,7 @@ def _closing_answer(status: str, text: str) -> bytes:
 #: default, and gRPC's default metadata limit): more is answered :data:`_TOO_LARGE`
 MAX_HEADER_BYTES = 16 * 1024
 _HEADERS_END = re.compile(rb"\n\r?\n")  # the blank line h11 looks for
-_BUSY = _closing_answer("503 Service Unavailable", "too many connections")
+_BUSY = _closing_answer("429 Too Many Requests", "too many connections", "retry-after: 1\r\n")
 _BODY_STALLED = _closing_answer("408 Request Timeout", "the request body stalled")
 _TOO_LARGE = _closing_answer("431 Request Header Fields Too Large",
                              f"the request line and headers are over {MAX_HEADER_BYTES} bytes")
@@ -244,7 +246,7 @@ class _Conns:
         n = total - self._logged.get(kind, 0)
         self._logged[kind], self._logged_at[kind] = total, time.monotonic()
         if kind == "refused":
-            log.warning("HTTP: %d new connections refused 503, every one within the cap busy "
+            log.warning("HTTP: %d new connections refused 429, every one within the cap busy "
                         "with a request (caps: %d connections, %d per client address)",
                         n, self.cap, self.per_client)
         else:
