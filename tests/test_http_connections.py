@@ -90,8 +90,8 @@ def _live(d: Daemon) -> int:
 def test_connections_past_the_cap_close_the_oldest_idle_ones(tmp_path):
     """Past the cap a new connection closes the oldest idle one, so the descriptors stay
     bounded (before tests/test_http_idle.py's change, the newcomer was answered 503 and closed,
-    and idle sockets starved every other client; the 503, when every connection is busy, is
-    shown there)."""
+    and idle sockets starved every other client; the refusal when every connection is busy, now
+    429 with Retry-After, is shown there)."""
     d = _http_daemon(tmp_path, http_max_connections=CAP, http_header_timeout_s=60)
     held: list[socket.socket] = []
     extra: list[socket.socket] = []
