@@ -56,8 +56,8 @@ from itif.server.ingress import PEER_KEY
 
 log = logging.getLogger("itif.server")
 
-__all__ = ["Admission", "Slot", "estimate_reply_bytes", "finish_reply", "in_admitted_call",
-           "reserve_reply"]
+__all__ = ["Admission", "HeapTrimmer", "Slot", "estimate_reply_bytes", "finish_reply",
+           "in_admitted_call", "reserve_reply"]
 
 _MALFORMED = object()  # what a request message that does not parse becomes
 _SLOT: ContextVar["Slot | None"] = ContextVar("itif_admission_slot", default=None)
@@ -107,7 +107,7 @@ class Admission:
         self.reply_by_peer: dict[str, int] = {}
         self._limits_of: Any = None
         self._limits: dict[str, int] = {}
-        self._trim = _Trimmer()
+        self._trim = HeapTrimmer()
         self.gate = FairGate(lambda: self.daemon.config.server.max_active_calls)
 
     # ---- calls ---------------------------------------------------------------------------
@@ -338,10 +338,11 @@ async def _parsed_stream(raw_messages, parse, context):
         yield msg
 
 
-class _Trimmer:
+class HeapTrimmer:
     """Give freed heap back to the system (glibc ``malloc_trim``) shortly after large replies
-    were released: their buffers are freed, but without a trim the process keeps them, and a
-    client that once made the server hold many replies would leave it large for good."""
+    (or inflated request bodies: ``itif.server.http.common``) were released: their buffers are
+    freed, but without a trim the process keeps them, and a client that once made the server
+    hold many would leave it large for good."""
 
     def __init__(self) -> None:
         self._fn = getattr(libc(), "malloc_trim", None)

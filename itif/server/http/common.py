@@ -36,7 +36,7 @@ from starlette.responses import Response
 
 from itif.errors import Busy, InvalidRequest, ItifError, Overloaded
 from itif.metrics import call_tenant
-from itif.server.admission import _Trimmer  # the one heap trimmer (its docstring says why)
+from itif.server.admission import HeapTrimmer  # the one heap trimmer (its docstring says why)
 from itif.server.errors import (DEFAULT_RETRY_AFTER_MS, http_retry_headers, http_status_of,
                                 retry_after_ms)
 from itif.server.json_procs import IN_THREAD, MAX_LIST, OFFLOAD_BYTES, JsonProcs, json_load
@@ -103,12 +103,12 @@ class _Inflated:
     resident). A body inflated whole always comes from that one thread's arena, whichever it
     is, so what it keeps is at most what was held at once, this budget, and never grows with
     the bodies sent. Releasing a large body asks for a heap trim (the admission's mechanism,
-    ``itif.server.admission._Trimmer``), which gives back whatever came from the main heap."""
+    ``itif.server.admission.HeapTrimmer``), which gives back whatever came from the main heap."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.held = 0
-        self._trim = _Trimmer()
+        self._trim = HeapTrimmer()
         self._pools: dict[str, ThreadPoolExecutor] = {}
 
     def _run(self, pool: str, threads: int, fn: Callable[..., Any], *args: Any
