@@ -16,7 +16,9 @@ SUITE_HELP = ("table: the thesis' Table 5.2 (2-5 tenants, one request each, seq 
               "(Fig. 5.2-5.4); serve: Poisson load through the real daemon; tenants: 100-10,000 "
               "head-only / LoRA / full tenants of one small backbone in one Engine, and LoRA "
               "uploads through a daemon (add time, memory, serving, correctness; not in the "
-              "default suites)")
+              "default suites); peer: issue 65's small BERT classifier on the CPU against vLLM's "
+              "CPU build and Hugging Face, one model and T fine-tunes, interleaved (not in the "
+              "default suites; vLLM rows skipped where vllm is not importable)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", nargs="+", type=int, help="requests per tenant for batch")
     p.add_argument("--seq-len", type=int, help="tokens per text request for table/scale/batch "
                    "(default: 128 for table and scale, 64 for batch; capped by the backbone)")
-    p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve", "tenants"),
+    p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve", "tenants", "peer"),
                    help=SUITE_HELP)
     p.add_argument("--systems", nargs="+",
                    choices=("seq", "multi_stream", "mps", "hf", "hf_compiled", "itif",
@@ -102,6 +104,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="register full tenants up to this count (host memory; default 1000)")
     t.add_argument("--scale-requests", type=int,
                    help="requests per serving point (default 2000; --quick 300)")
+    q = p.add_argument_group("CPU peer (--suites peer; itif/bench/cpu_peer.py)")
+    q.add_argument("--peer-tenants", type=int, default=8,
+                   help="fine-tunes of the second workload: one itif engine, T vLLM engines, "
+                   "T HF models (default 8)")
+    q.add_argument("--peer-requests", type=int, default=256, help="requests (default 256)")
+    q.add_argument("--peer-lengths", default="uniform:2-100",
+                   help="request lengths, uniform:LO-HI or normal:MEAN:VAR (default uniform:2-100)")
+    q.add_argument("--peer-bf16", action="store_true",
+                   help="also itif in bfloat16 (itif_bf16 rows; --dtype stays the others')")
+    q.add_argument("--peer-no-vllm", action="store_true",
+                   help="skip the vLLM rows even where vllm is importable")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="result JSON (default for full runs: bench/results/<name>.json; "
                    "--quick writes nothing unless given)")
@@ -138,6 +151,7 @@ def check_out(out: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.out:
         check_out(args.out)
+    import dataclasses  # noqa: PLC0415
     import json  # noqa: PLC0415
     import logging  # noqa: PLC0415
     import sys  # noqa: PLC0415
@@ -216,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is None and not quick:
         name = args.name or (f"{device.type}-tenants-{_today()[:10]}" if suites == ("tenants",)
+                             else f"cpu-peer-vllm-{_today()[:10]}" if suites == ("peer",)
                              else result_name(device, _today()))
         out = Path("bench/results") / f"{name}.json"
     rows: list[dict] = []
@@ -254,6 +269,20 @@ def run(args: argparse.Namespace) -> int:
         rows += _serve(args, quick, models, strategies, device, dtype_name, blog,
                        lambda part: write(partial=True, more=part))
 
+    if "peer" in suites:
+        from itif.bench import cpu_peer  # noqa: PLC0415
+
+        if device.type != "cpu":
+            raise InvalidRequest("--suites peer is a CPU suite: run it with --device cpu")
+        wl.parse_mix(args.peer_lengths)  # a bad --peer-lengths fails before anything is built
+        peer_cfg = cpu_peer.PeerSettings(
+            tenants=args.peer_tenants, requests=args.peer_requests, lengths=args.peer_lengths,
+            repeats=repeats, seed=args.seed, dtype=dtype_name, bf16=args.peer_bf16,
+            vllm=not args.peer_no_vllm, strategy=args.strategies[0] if args.strategies else None)
+        settings["peer"] = dataclasses.asdict(peer_cfg)
+        settings["peer"]["cpu_bf16"] = cpu_peer.cpu_bf16()
+        rows += cpu_peer.run_suite(peer_cfg)
+
     if "tenants" in suites:
         from itif.bench import tenant_scale  # noqa: PLC0415
 
@@ -274,9 +303,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        other = [r for r in rows if r.get("suite") != "tenants"]
-        if other or "tenants" not in suites:
+        other = [r for r in rows if r.get("suite") not in ("tenants", "peer")]
+        if other or not {"tenants", "peer"} & set(suites):
             _print_table(other)
+        if "peer" in suites:
+            cpu_peer.print_rows(rows)
         if "tenants" in suites:
             tenant_scale.print_rows(rows)
     blog.info("done in %.1f s", time.monotonic() - t_start)
