@@ -186,6 +186,18 @@ def run(args: argparse.Namespace) -> int:
     models = tuple(args.models or (wl.QUICK_MODELS if quick else wl.FULL_MODELS))
     suites = tuple(args.suites or wl.SUITES)
     systems = tuple(args.systems or (offline.QUICK_SYSTEMS if quick else offline.SYSTEMS))
+    if "peer" in suites:  # its flags are checked before anything is measured or built
+        if device.type != "cpu":
+            raise InvalidRequest("--suites peer is a CPU suite: run it with --device cpu")
+        if "+" in args.peer_lengths:
+            raise InvalidRequest(f"--peer-lengths {args.peer_lengths}: lengths only "
+                                 "(uniform:LO-HI or normal:MEAN:VAR), no popularity")
+        try:
+            wl.parse_mix(args.peer_lengths)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"--peer-lengths: {e}") from None
+        if args.peer_tenants < 1 or args.peer_requests < 1:
+            raise InvalidRequest("--peer-tenants and --peer-requests take counts >= 1")
     strategies = list(args.strategies or STRATEGIES)
     for s in strategies:
         if s not in STRATEGIES:
@@ -272,9 +284,6 @@ def run(args: argparse.Namespace) -> int:
     if "peer" in suites:
         from itif.bench import cpu_peer  # noqa: PLC0415
 
-        if device.type != "cpu":
-            raise InvalidRequest("--suites peer is a CPU suite: run it with --device cpu")
-        wl.parse_mix(args.peer_lengths)  # a bad --peer-lengths fails before anything is built
         peer_cfg = cpu_peer.PeerSettings(
             tenants=args.peer_tenants, requests=args.peer_requests, lengths=args.peer_lengths,
             repeats=repeats, seed=args.seed, dtype=dtype_name, bf16=args.peer_bf16,
