@@ -154,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses  # noqa: PLC0415
     import json  # noqa: PLC0415
     import logging  # noqa: PLC0415
+    import os  # noqa: PLC0415
     import sys  # noqa: PLC0415
     import time  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
@@ -290,6 +291,10 @@ def run(args: argparse.Namespace) -> int:
             vllm=not args.peer_no_vllm, strategy=args.strategies[0] if args.strategies else None)
         settings["peer"] = dataclasses.asdict(peer_cfg)
         settings["peer"]["cpu_bf16"] = cpu_peer.cpu_bf16()
+        # vLLM's CPU thread binding comes from its environment (VLLM_CPU_OMP_THREADS_BIND,
+        # VLLM_CPU_NUM_OF_RESERVED_CPU): what this run had is part of what it measured
+        settings["peer"]["vllm_env"] = {k: v for k, v in sorted(os.environ.items())
+                                        if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
         rows += cpu_peer.run_suite(peer_cfg)
 
     if "tenants" in suites:
