@@ -8,11 +8,9 @@ row, ``itif.generation.search``). The iteration loop, each step:
 1. cancelled requests leave (rows and cache blocks freed);
 2. waiting requests join in fair order across tenants (start-time fair queueing over their
    generated-token budgets, weighted by ``tenants[].weight``: ``itif.generation.admission``)
-   while the KV pool has room for their prompt (decoder-only: blocks are taken as rows grow;
-   encoder-decoder: the whole reservation) after the running rows' growth; the next one that
-   does not fit waits for blocks to free, never failing the batch. Preempted requests resume
-   first. When the running rows' next blocks do not fit, the request that joined last is
-   preempted (``_preempt``) until they do: its blocks freed, it waits to be recomputed;
+   while the KV pool has room for their whole reservation (prompt, source and
+   ``max_new_tokens`` positions per row); the next one that does not fit waits for blocks to
+   free, never failing the batch;
 3. one decode forward over all rows already running (every tenant together), and the prefill
    (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests; joining
    requests whose prompts fail together (out of memory: a long prompt) run again one by one, and
@@ -34,7 +32,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -44,7 +41,7 @@ import torch
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import (Busy, InvalidRequest, ItifError, TenantNotFound, Unavailable,
                          is_out_of_memory, shown)
-from itif.generation import deltas, lora
+from itif.generation import deltas
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
@@ -83,8 +80,7 @@ class GenEngine:
         self.kv_cache_bytes = kv_cache_bytes
         self._before_forward: Callable[[set[str]], None] | None = None
         self._rebuild = False  # the batch must be made again before the next step
-        self.lora = lora.LoraBank(self.spec, self.device, self.dtype)  # LoRA tenants' adapters
-        self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes, lora=self.lora)
+        self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes)
         self._sb = None
         self._defaults: dict[str, GenerationDefaults] = {}
         self._tokenizers: dict[str, Any] = {}
@@ -96,8 +92,6 @@ class GenEngine:
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._waiting: FairWaiting[Ticket] = FairWaiting()
-        self._resume: deque[Ticket] = deque()  # preempted requests, resumed before any other
-        self.preemptions = 0  # requests preempted for lack of KV blocks, since the start
         self._running: dict[int, Ticket] = {}
         self._streaming: dict[int, Ticket] = {}  # running requests whose tokens are streamed
         self._cancel: list[Ticket] = []
@@ -124,7 +118,6 @@ class GenEngine:
     #: plus an int8 or sign delta, its error measured (``itif.generation.deltas``)
     load_delta = deltas.load_delta
     load_delta_blob = deltas.load_delta_blob  # (blob path, base, base_sha256) -> W_hat
-    load_lora = lora.load_adapter  # (PEFT adapter, base) -> LoraAdapter, checked, not added
 
     def add_tenant(self, tenant: str, source, defaults: GenerationDefaults | None = None,
                    base: str | None = None, compress: str | None = None) -> None:
@@ -132,23 +125,16 @@ class GenEngine:
         checkpoint directory's generation_config.json / config.json, else the backbone's; its
         tokenizer: the directory's tokenizer.json when there is one. With ``base`` and
         ``compress`` ("int8" or "sign"): a full checkpoint stored as that stored tenant plus a
-        compressed delta, served as W_hat (``load_delta``; or pass what it returned). With
-        ``base`` alone: ``source`` is a PEFT LoRA adapter on that stored tenant
-        (``itif.generation.lora``), which keeps the base's settings and tokenizer.
+        compressed delta, served as W_hat (``load_delta``; or pass what it returned).
 
         Replacing a tenant ends its running requests with Unavailable (retryable) between two
         steps, rather than letting them continue on other weights than they started with; its
         waiting requests start on the new weights."""
-        adapter = None
-        if base is not None and compress in (None, "none"):
-            adapter = self.load_lora(source, base)
-            weights = CanonicalWeights({}, None, False)  # every tensor the base's, shared
-        else:
-            weights = (self.load_weights(source) if compress in (None, "none")
-                       else self.load_delta(source, base, compress)[0])
+        weights = (self.load_weights(source) if compress in (None, "none")
+                   else self.load_delta(source, base, compress)[0])
         d = defaults
         tok = None
-        if adapter is None and isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
             if d is None:
                 d = defaults_from_dir(source)
             tj = Path(source) / "tokenizer.json"
@@ -157,12 +143,8 @@ class GenEngine:
 
                 tok = Tokenizer.from_file(str(tj))
         with self._step_lock:
-            if adapter is not None:  # checked again: the base may have changed meanwhile
-                adapter = self.load_lora(adapter, base)
-                d, tok = d or self.defaults(base), self._tokenizers.get(base)
             replaced = self._take_running(tenant) if tenant in self.store else []
-            self.lora.put(tenant, adapter, lambda: self.store.add(
-                tenant, weights, base=base if adapter is not None else None))
+            self.store.add(tenant, weights)
             self._defaults[tenant] = d or self._base_defaults
             self._tokenizers[tenant] = tok
         self._fail(replaced, Unavailable(f"tenant {shown(tenant)}'s weights were replaced during "
@@ -178,26 +160,21 @@ class GenEngine:
                     self._waiting.remove(t)
             dropped += self._take_running(tenant)
             self.store.remove(tenant)
-            self.lora.unbind(tenant)
             self._defaults.pop(tenant, None)
             self._tokenizers.pop(tenant, None)
         self._fail(dropped, TenantNotFound(f"tenant {shown(tenant)} was removed during its generation"))
 
     def _take_running(self, tenant: str) -> list[Ticket]:
         """(Step lock held.) Take ``tenant``'s running requests out: rows and blocks freed."""
-        with self._cv:
-            held = [t for t in self._resume if t.request.tenant == tenant]
-            for t in held:  # preempted: their cache was on the weights being replaced
-                self._resume.remove(t)
         keys = self._batch.keys_of(tenant)
         if not keys:
-            return held
+            return []
         if self._sb is not None:
             self._sb.remove(keys)
         self._batch.remove(keys)
         for k in keys:
             self._streaming.pop(k, None)
-        return held + [self._running.pop(k) for k in keys]
+        return [self._running.pop(k) for k in keys]
 
     def _fail(self, tickets: list[Ticket], err: ItifError) -> None:
         for t in tickets:
@@ -264,7 +241,7 @@ class GenEngine:
         t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens - 1, source)
         t.history = prompt
         t.stream = params.mode != "beam"
-        need = self._batch.blocks_full(t.admission)
+        need = self._batch.blocks_needed(t.admission)
         if need > self._batch.pool.blocks:  # never fits, however long it waits: not retryable
             field_name = ("max_new_tokens" if params.rows == 1 else
                           "num_beams" if params.mode == "beam" else "num_return_sequences")
@@ -333,10 +310,7 @@ class GenEngine:
                 return
             ticket.cancelled = True
             try:
-                if ticket in self._resume:
-                    self._resume.remove(ticket)
-                else:
-                    self._waiting.remove(ticket)
+                self._waiting.remove(ticket)
                 ticket.done = True
             except ValueError:
                 self._cancel.append(ticket)
@@ -361,9 +335,8 @@ class GenEngine:
         self._thread = None
         with self._step_lock:
             with self._cv:
-                waiting = list(self._resume) + list(self._waiting)
-                self._resume.clear()
-                for t in waiting[len(waiting) - len(self._waiting):]:
+                waiting = list(self._waiting)
+                for t in waiting:
                     self._waiting.remove(t)
             self._fail(waiting, Unavailable("the generation engine stopped"))
             if self._running:  # an emptied batch: the next start begins clean
@@ -372,9 +345,8 @@ class GenEngine:
     def cache_stats(self) -> dict:
         pool = self._batch.pool
         with self._cv:
-            waiting = len(self._waiting) + len(self._resume)
+            waiting = len(self._waiting)
         return {"blocks_total": pool.blocks, "blocks_free": pool.free_blocks,
-                "blocks_cached": pool.cached_blocks, "preemptions": self.preemptions,
                 "blocks_used": pool.blocks - pool.free_blocks, "block_positions": pool.block,
                 "bytes_total": pool.blocks * pool.block_bytes,
                 "bytes_used": (pool.blocks - pool.free_blocks) * pool.block_bytes,
@@ -388,8 +360,7 @@ class GenEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while (not self._stop and not self._waiting and not self._resume
-                       and not self._running and not self._cancel):
+                while not self._stop and not self._waiting and not self._running and not self._cancel:
                     self._cv.wait()
                 if self._stop:
                     return
@@ -421,14 +392,13 @@ class GenEngine:
         with self._cv:
             cancel, self._cancel = self._cancel, []
             joins: list[Ticket] = []
-            free = batch.pool.free_blocks - batch.grow_need()  # the running rows grow first
-            while self._resume or self._waiting:
-                head = self._resume[0] if self._resume else self._waiting.peek()
-                need = batch.blocks_needed(head.admission)
+            free = batch.pool.free_blocks
+            while self._waiting:
+                need = batch.blocks_needed(self._waiting.peek().admission)
                 if need > free:
                     break
                 free -= need
-                joins.append(self._resume.popleft() if self._resume else self._waiting.pop())
+                joins.append(self._waiting.pop())
         for t in [t for t in joins if t.request.tenant not in self.store]:
             # removed between its submit's check and now (the store changes under this lock)
             joins.remove(t)
@@ -450,8 +420,6 @@ class GenEngine:
             return
         parts = []
         if batch.rows:
-            self._preempt(batch, sb)
-            batch.grow()
             logits = self._decode(batch, sb)
             if logits.shape[0]:
                 parts.append(logits)
@@ -477,31 +445,6 @@ class GenEngine:
                 t.done = True
                 if not t.cancelled:
                     self._emit(t, GenEvent("done", generation=self._generation(t, results[k])))
-
-    def _preempt(self, batch: RunningBatch, sb: Any) -> None:
-        """Preempt running requests, the one that joined last first (as vLLM's scheduler),
-        until the blocks the running rows take at the next decode are free: a victim's rows
-        leave the search (their state kept: ``SearchBatch.preempt``) and the batch (its
-        blocks freed), and it waits at the front of the queue to be resumed by recomputing
-        each row's history (``Admission.histories``). A request alone always fits (``_prepare``
-        refuses one whose full length exceeds the pool), so preemption ends."""
-        while batch.grow_need() > batch.pool.free_blocks and batch.requests > 1:
-            key = batch.newest()
-            state, keep = sb.preempt(key)
-            if not torch.equal(keep.to(self.device), batch.remove([key]).to(self.device)):
-                raise ItifError("search and cache disagree on the surviving rows")
-            t = self._running.pop(key)
-            self._streaming.pop(key, None)
-            n = len(state.histories[0])
-            left = len(t.history) + t.request.max_new_tokens - 1 - n  # positions still to come
-            t.admission = replace(t.admission, histories=state.histories,
-                                  max_new_tokens=max(left, 0))
-            t.resume = state
-            self.preemptions += 1
-            log.info("generation request %s (tenant %s) preempted after %d positions: the KV "
-                     "cache is full", key, t.request.tenant, n)
-            with self._cv:
-                self._resume.appendleft(t)  # the earlier joiner resumes first
 
     def _decode(self, batch: RunningBatch, sb: Any) -> torch.Tensor:
         """The running rows' decode forward; their logits. If it fails for all of them together
@@ -575,11 +518,7 @@ class GenEngine:
         """Add ``t``'s rows to the search (before the cache admits it: the rows of both stay in
         the same order). A request the search refuses fails alone; the others go on."""
         try:
-            if t.resume is not None:  # preempted: its search state back as it was
-                sb.resume(t.id, t.resume)
-                t.resume = None
-            else:
-                sb.add(t.id, t.params, t.history)
+            sb.add(t.id, t.params, t.history)
         except Exception as e:  # noqa: BLE001 - one request's parameters must not end the others'
             log.warning("generation request %s refused by the search: %r", t.id, e)
             del self._running[t.id]
@@ -623,7 +562,7 @@ class GenEngine:
 
     def _new_batch(self) -> None:
         self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes,
-                                   before_forward=self._before_forward, lora=self.lora)
+                                   before_forward=self._before_forward)
         self._rebuild = False
 
 def _error(e: Exception, out_of_memory: str, failed: str) -> ItifError:

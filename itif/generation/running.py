@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from itif.generation import llama
-from itif.generation.cache import KVPool, RowTable, prefix_digests
+from itif.generation.cache import KVPool, RowTable
 from itif.generation.model import (CrossGroup, Scratch, SeqGroup, SlotMatrix, TenantParams, decode,
                                    encode, group_rows, prefill, rows_of_requests)
 from itif.generation.spec import DecoderSpec
@@ -44,18 +44,12 @@ class Admission:
     rows: int
     max_new_tokens: int
     source: Sequence[int] | None = None
-    #: a preempted request resuming (decoder-only): each row's history so far (prompt and
-    #: generated tokens, all of one length), recomputed; ``max_new_tokens`` then counts the
-    #: positions still to come
-    histories: Sequence[Sequence[int]] | None = None
 
 
 class RunningBatch:
     def __init__(self, spec: DecoderSpec, store: WeightStore, kv_cache_bytes: int,
-                 block: int = 16, before_forward: Callable[[set[str]], None] | None = None,
-                 lora=None) -> None:
+                 block: int = 16, before_forward: Callable[[set[str]], None] | None = None) -> None:
         self.spec, self.store = spec, store
-        self.lora = lora  # the engine's LoraBank (itif.generation.lora), or None
         # test hook (itif.faults): called with the tenants of each forward before it runs
         self.before_forward = before_forward
         self.device, self.dtype = store.device, store.dtype
@@ -67,9 +61,6 @@ class RunningBatch:
         self.last = torch.zeros(0, dtype=torch.int64, device=self.device)  # each row's next input
         n0 = np.zeros(0, np.int64)
         self.rid, self.tenant, self.nrows, self.length, self.src_len = n0, n0, n0, n0, n0
-        # per request: the first position of its rows' own blocks, the positions they may
-        # fill there, and the own blocks each row holds so far (taken as the rows grow)
-        self.start, self.maxgen, self.own = n0, n0, n0
         self.src_loc = torch.zeros(0, spec.max_position, dtype=torch.int64, device=self.device)
         self._scratch = Scratch()  # the decode step's gather buffers, reused step after step
         self.blocks: dict[int, list[int]] = {}  # request id -> its blocks
@@ -88,60 +79,13 @@ class RunningBatch:
     def requests(self) -> int:
         return int(self.rid.size)
 
-    def blocks_full(self, a: Admission) -> int:
-        """Every block ``a`` may ever hold: what it needs to finish alone in the pool."""
+    def blocks_needed(self, a: Admission) -> int:
         p = self.pool
         src = p.blocks_for(len(a.source)) if a.source is not None else 0
-        hist = (sum(p.blocks_for(len(h)) for h in a.histories) if a.histories
-                else p.blocks_for(len(a.prompt)))
-        return hist + a.rows * p.blocks_for(a.max_new_tokens) + src
-
-    def blocks_needed(self, a: Admission) -> int:
-        """Free blocks ``a`` needs to join: encoder-decoder, all it may ever hold; decoder-only,
-        its prompt's (or resumed histories') and one block per row for its next positions."""
-        if self.spec.encoder_decoder:
-            return self.blocks_full(a)
-        p = self.pool
-        hist = (sum(p.blocks_for(len(h)) for h in a.histories) if a.histories
-                else p.blocks_for(len(a.prompt)))
-        return hist + a.rows * min(1, a.max_new_tokens)
+        return p.blocks_for(len(a.prompt)) + a.rows * p.blocks_for(a.max_new_tokens) + src
 
     def fits(self, a: Admission) -> bool:
         return self.blocks_needed(a) <= self.pool.free_blocks
-
-    def _deficit(self) -> np.ndarray:
-        """Per request: blocks each of its rows must take before the next decode writes
-        position ``length`` (0 unless that position starts a new block of the row's own)."""
-        filled = np.minimum(self.length - self.start + 1, self.maxgen)
-        return np.maximum(-(-filled // self.pool.block) - self.own, 0)
-
-    def grow_need(self) -> int:
-        """Blocks the next decode takes (rows crossing into a new block)."""
-        return int((self._deficit() * self.nrows).sum()) if self.requests else 0
-
-    def grow(self) -> None:
-        """Give each row crossing into a new block that block (``grow_need`` must be free)."""
-        if not self.requests:
-            return
-        d = self._deficit()
-        idx = np.flatnonzero(d)
-        if not idx.size:
-            return
-        B, pool, dev = self.pool.block, self.pool, self.device
-        first_row = np.cumsum(self.nrows) - self.nrows
-        for i in idx.tolist():  # a request crosses a boundary once every B steps
-            k, r = int(d[i]), int(self.nrows[i])
-            blocks = pool.alloc(k * r)
-            self.blocks[int(self.rid[i])].extend(blocks)
-            self.table.fill(torch.arange(first_row[i], first_row[i] + r, device=dev),
-                            torch.full((r,), int(self.start[i] + self.own[i] * B), device=dev),
-                            pool.locations(blocks, k * r * B).view(r, k * B))
-            self.own[i] += k
-
-    def newest(self) -> Hashable:
-        """The key of the request that joined last (the one to preempt)."""
-        rid = int(self.rid.max())
-        return next(k for k, r in self.ids.items() if r == rid)
 
     def keys_of(self, tenant: str) -> list[Hashable]:
         """Keys of the running requests of ``tenant``."""
@@ -159,35 +103,69 @@ class RunningBatch:
     def _slots(self) -> SlotMatrix:
         view = self.store.view
         if self._sm is None or self._sm.version != view.version:
-            self._sm = SlotMatrix(self.spec, view, self._tids, self.lora)
+            self._sm = SlotMatrix(self.spec, view, self._tids)
             self._fwd = None
         return self._sm
 
     # ---- membership ------------------------------------------------------------------------
     def admit(self, items: Sequence[Admission]) -> torch.Tensor:
-        """Take the cache of ``items`` (all must fit: ``blocks_needed``), run their encoder /
-        prompt, append their rows. Returns the logits of the new rows [sum rows, V] (each
-        request's first-step logits, repeated over its rows; a resumed request's, each row's
-        own). If it raises, nothing of ``items`` stays: their blocks are free again and the
-        running rows are as they were."""
+        """Reserve the cache of ``items`` (all must fit), run their encoder / prompt, append
+        their rows. Returns the logits of the new rows [sum rows, V] (each request's first-step
+        logits, repeated over its rows). If it raises, nothing of ``items`` stays: their blocks
+        are free again and the running rows are as they were."""
         spec, pool, dev = self.spec, self.pool, self.device
         sm = self._slots()
         n = len(items)
         tenant = np.array([sm.tenant_index[a.tenant] for a in items], np.int64)
         rows = np.array([a.rows for a in items], np.int64)
-        plen = np.array([len(a.histories[0]) if a.histories else len(a.prompt) for a in items],
-                        np.int64)
+        plen = np.array([len(a.prompt) for a in items], np.int64)
         rids = np.arange(self._next, self._next + n, dtype=np.int64)
         self._next += n
-        made: list[int] = []  # prefix blocks named here (forgotten again if this fails)
+        prompt_locs, own, src_locs = [], [], []
         try:  # a failure (out of memory, most often) leaves the batch as it was
+            for a, rid in zip(items, rids.tolist()):  # admission: once per joining request
+                src = pool.blocks_for(len(a.source)) if a.source is not None else 0
+                pb, gb = pool.blocks_for(len(a.prompt)), pool.blocks_for(a.max_new_tokens)
+                blocks = pool.alloc(pb + a.rows * gb + src)
+                self.blocks[rid] = blocks
+                self.ids[a.key] = rid
+                prompt_locs.append(pool.locations(blocks[:pb], len(a.prompt)))
+                own.append(pool.locations(blocks[pb:pb + a.rows * gb], a.rows * gb * pool.block)
+                           .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
+                src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)) if src else None)
+            order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
+            if self.before_forward is not None:
+                self.before_forward({a.tenant for a in items})
+            P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
             if spec.encoder_decoder:
-                prompt_locs, own, src_locs, logits = self._admit_enc_dec(items, rids, tenant, sm)
+                slen = np.array([len(a.source) for a in items], np.int64)
+                sstart, _ = rows_of_requests(slen[order])
+                tok_tenant = np.repeat(row_tenant, slen[order])
+                Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
+                ids, pos = _packed([items[i].source for i in order], slen[order], dev)
+                sloc = torch.cat([src_locs[i] for i in order])
+                encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
+                # The first step's cross-attention reads only as many source columns as the longest
+                # new source (padding masked, and read at the request's own first source position),
+                # not the table's full width.
+                packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
+                cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
+                                         slen[order])
+                start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
+                loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
+                logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
+                                  loc, cross)
             else:
-                prompt_locs, own, logits = self._admit_decoder(items, rids, tenant, sm, made)
+                slen = np.zeros(n, np.int64)
+                pstart, _ = rows_of_requests(plen[order])
+                tok_tenant = np.repeat(row_tenant, plen[order])
+                Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
+                ids, pos = _packed([items[i].prompt for i in order], plen[order], dev)
+                wloc = torch.cat([prompt_locs[i] for i in order])
+                run = llama.prefill if self._llama else prefill
+                logits_f = run(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
+                               wloc, pstart + plen[order] - 1)
         except BaseException:
-            for b in made:
-                pool.forget(b)
             for a, rid in zip(items, rids.tolist()):
                 blocks = self.blocks.pop(rid, None)
                 if blocks is not None:
@@ -195,68 +173,23 @@ class RunningBatch:
                 if self.ids.get(a.key) == rid:
                     del self.ids[a.key]
             raise
-        for pl, ow in zip(prompt_locs, own):
+        logits = torch.empty_like(logits_f)
+        logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
+        for a, pl, ow in zip(items, prompt_locs, own):
             self.table.add(pl, ow)
         self.last = torch.cat([self.last, torch.zeros(int(rows.sum()), dtype=torch.int64, device=dev)])
         self.rid = np.concatenate([self.rid, rids])
         self.tenant = np.concatenate([self.tenant, tenant])
         self.nrows = np.concatenate([self.nrows, rows])
         self.length = np.concatenate([self.length, plen])
-        self.start = np.concatenate([self.start, plen])
-        self.maxgen = np.concatenate([self.maxgen, [a.max_new_tokens for a in items]]).astype(np.int64)
-        eager = [pool.blocks_for(a.max_new_tokens) if spec.encoder_decoder else 0 for a in items]
-        self.own = np.concatenate([self.own, eager]).astype(np.int64)
+        self.src_len = np.concatenate([self.src_len, slen])
         if spec.encoder_decoder:
-            self.src_len = np.concatenate([self.src_len, [len(a.source) for a in items]]).astype(np.int64)
             new_src = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
             adm = torch.nn.utils.rnn.pad_sequence(src_locs, batch_first=True)  # admission order
             new_src[:, : adm.shape[1]] = adm
             self.src_loc = torch.cat([self.src_loc, new_src])
-        else:
-            self.src_len = np.concatenate([self.src_len, np.zeros(n, np.int64)])
         self._fwd = None
-        return logits
-
-    def _admit_enc_dec(self, items, rids, tenant, sm):
-        """BART, Marian: every block reserved at once (source, start token, ``max_new_tokens``
-        per row: these requests are never preempted); the encoder, then the start token."""
-        spec, pool, dev = self.spec, self.pool, self.device
-        n = len(items)
-        prompt_locs, own, src_locs = [], [], []
-        for a, rid in zip(items, rids.tolist()):  # admission: once per joining request
-            src = pool.blocks_for(len(a.source))
-            pb, gb = pool.blocks_for(len(a.prompt)), pool.blocks_for(a.max_new_tokens)
-            self.ids[a.key] = rid
-            blocks = self.blocks[rid] = pool.alloc(pb + a.rows * gb + src)
-            prompt_locs.append(pool.locations(blocks[:pb], len(a.prompt)))
-            own.append(pool.locations(blocks[pb:pb + a.rows * gb], a.rows * gb * pool.block)
-                       .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
-            src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)))
-        order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
-        if self.before_forward is not None:
-            self.before_forward({a.tenant for a in items})
-        P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
-        slen = np.array([len(a.source) for a in items], np.int64)
-        sstart, _ = rows_of_requests(slen[order])
-        tok_tenant = np.repeat(row_tenant, slen[order])
-        Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
-        ids, pos = _packed([items[i].source for i in order], slen[order], dev)
-        sloc = torch.cat([src_locs[i] for i in order])
-        encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
-        # The first step's cross-attention reads only as many source columns as the longest
-        # new source (padding masked, and read at the request's own first source position),
-        # not the table's full width.
-        packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
-        cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
-                                 slen[order])
-        start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
-        loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
-        logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
-                          loc, cross)
-        logits = torch.empty_like(logits_f)
-        logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
-        reps = torch.as_tensor([a.rows for a in items], device=dev)
-        return prompt_locs, own, src_locs, logits.repeat_interleave(reps, dim=0)
+        return logits.repeat_interleave(torch.as_tensor(rows, device=dev), dim=0)
 
     def remove(self, keys: Sequence[Hashable]) -> torch.Tensor:
         """Drop ``keys``' rows and free their blocks. Returns ``keep``: the surviving rows'
@@ -275,83 +208,8 @@ class RunningBatch:
             self.src_loc = self.src_loc.index_select(0, kr)
         self.rid, self.tenant, self.nrows = self.rid[keep_req], self.tenant[keep_req], self.nrows[keep_req]
         self.length, self.src_len = self.length[keep_req], self.src_len[keep_req]
-        self.start, self.maxgen = self.start[keep_req], self.maxgen[keep_req]
-        self.own = self.own[keep_req]
         self._fwd = None
         return keep
-
-    def _admit_decoder(self, items, rids, tenant, sm, made: list[int]):
-        """Decoder-only: each history's blocks (a fresh request's prompt, shared by its rows; a
-        resumed one's, each row's own history), full blocks found in the tenant's prefix cache
-        or named there (``made``); then the tokens past the cached prefix run. No cached prefix:
-        the packed ``prefill``. Else one ``decode`` call with a row per token to compute: every
-        layer writes all rows' K/V before any row attends, so a token sees the cached prefix and
-        the tokens before it (its history's locations), as a prefill would."""
-        spec, pool, dev, B = self.spec, self.pool, self.device, self.pool.block
-        view = self.store.view
-        hists, hist_of_row, first = [], [], []  # (tokens, locs, computed from), per history
-        for a, rid in zip(items, rids.tolist()):
-            self.ids[a.key] = rid
-            blocks = self.blocks[rid] = []
-            key = (a.tenant, view.tenants[a.tenant].generation)
-            own = [list(h) for h in a.histories] if a.histories else [list(a.prompt)]
-            hist_of_row.extend(len(hists) + (np.arange(a.rows) if a.histories
-                                             else np.zeros(a.rows, np.int64)))
-            for h in own:
-                n, hit, cached = len(h), True, 0
-                for i, d in enumerate(prefix_digests(key, h, B)):
-                    # the block of the last token is computed (its logits are needed)
-                    b = pool.lookup(d) if hit and i < (n - 1) // B else None
-                    if b is None:
-                        hit = False
-                        b = pool.alloc(1)[0]
-                        if not pool.named(d):  # not cached yet: this block will be
-                            pool.register(d, b)
-                            made.append(b)
-                    else:
-                        cached += 1
-                    blocks.append(b)
-                blocks.extend(pool.alloc(pool.blocks_for(n) - n // B))  # the partial block
-                hists.append((h, pool.locations(blocks[-pool.blocks_for(n):], n), cached * B))
-            first.append(len(hists))
-        if self.before_forward is not None:
-            self.before_forward({a.tenant for a in items})
-        htenant = np.repeat(tenant, [len(a.histories) if a.histories else 1 for a in items])
-        hlen = np.array([len(h) for h, _, _ in hists], np.int64)
-        c0 = np.array([c for _, _, c in hists], np.int64)
-        if not c0.any():  # no cached prefix: the prompts' packed prefill
-            order, tenant_ids, row_tenant = group_rows(htenant)
-            pstart, _ = rows_of_requests(hlen[order])
-            Ptok = TenantParams(sm, tenant_ids, np.repeat(row_tenant, hlen[order]), dev, self.dtype)
-            ids, pos = _packed([hists[i][0] for i in order], hlen[order], dev)
-            wloc = torch.cat([hists[i][1] for i in order])
-            run = llama.prefill if self._llama else prefill
-            logits_f = run(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, hlen[order], dev),
-                           wloc, pstart + hlen[order] - 1)
-        else:  # a row per token past the cached prefix; the logits of each history's last
-            cnt = hlen - c0
-            order, tenant_ids, row_tenant = group_rows(np.repeat(htenant, cnt))
-            ids = torch.as_tensor(np.concatenate([h[c:] for h, _, c in hists]), device=dev)
-            pos = torch.as_tensor(np.concatenate([np.arange(c, len(h)) for h, _, c in hists]),
-                                  device=dev)
-            loc = torch.nn.utils.rnn.pad_sequence([l for _, l, _ in hists], batch_first=True)
-            loc = loc.index_select(0, torch.as_tensor(np.repeat(np.arange(len(hists)), cnt),
-                                                      device=dev))
-            P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
-            perm = torch.as_tensor(order, device=dev)
-            run = llama.decode if self._llama else decode
-            out = run(spec, P, pool.kv, ids[perm], pos[perm], loc[perm], None)
-            inv = np.argsort(order)  # token row -> forward row
-            logits_f = out[torch.as_tensor(inv[np.cumsum(cnt) - 1], device=dev)]
-            order = np.arange(len(hists))
-        logits = torch.empty_like(logits_f)
-        logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
-        prompt_locs, own = [], []
-        for a, i, j in zip(items, [0] + first[:-1], first):
-            pl = [l for _, l, _ in hists[i:j]]
-            prompt_locs.append(torch.stack(pl) if a.histories else pl[0])
-            own.append(torch.zeros(a.rows, 0, dtype=torch.int64, device=dev))
-        return prompt_locs, own, logits[torch.as_tensor(hist_of_row, device=dev)]
 
     # ---- one step ----------------------------------------------------------------------------
     def _structure(self, sel: np.ndarray | None = None):

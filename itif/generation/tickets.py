@@ -36,7 +36,6 @@ class Ticket:
     history: list[int] = field(default_factory=list, repr=False)
     stream: bool = False
     sent: int = 0  # tokens streamed so far
-    resume: Any = field(default=None, repr=False)  # preempted: its search state (search.Preempted)
     cancelled: bool = False
     done: bool = False
 
