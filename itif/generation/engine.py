@@ -41,7 +41,7 @@ import torch
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import (Busy, InvalidRequest, ItifError, TenantNotFound, Unavailable,
                          is_out_of_memory, shown)
-from itif.generation import deltas
+from itif.generation import deltas, lora
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
@@ -80,7 +80,8 @@ class GenEngine:
         self.kv_cache_bytes = kv_cache_bytes
         self._before_forward: Callable[[set[str]], None] | None = None
         self._rebuild = False  # the batch must be made again before the next step
-        self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes)
+        self.lora = lora.LoraBank(self.spec, self.device, self.dtype)  # LoRA tenants' adapters
+        self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes, lora=self.lora)
         self._sb = None
         self._defaults: dict[str, GenerationDefaults] = {}
         self._tokenizers: dict[str, Any] = {}
@@ -118,6 +119,7 @@ class GenEngine:
     #: plus an int8 or sign delta, its error measured (``itif.generation.deltas``)
     load_delta = deltas.load_delta
     load_delta_blob = deltas.load_delta_blob  # (blob path, base, base_sha256) -> W_hat
+    load_lora = lora.load_adapter  # (PEFT adapter, base) -> LoraAdapter, checked, not added
 
     def add_tenant(self, tenant: str, source, defaults: GenerationDefaults | None = None,
                    base: str | None = None, compress: str | None = None) -> None:
@@ -125,16 +127,23 @@ class GenEngine:
         checkpoint directory's generation_config.json / config.json, else the backbone's; its
         tokenizer: the directory's tokenizer.json when there is one. With ``base`` and
         ``compress`` ("int8" or "sign"): a full checkpoint stored as that stored tenant plus a
-        compressed delta, served as W_hat (``load_delta``; or pass what it returned).
+        compressed delta, served as W_hat (``load_delta``; or pass what it returned). With
+        ``base`` alone: ``source`` is a PEFT LoRA adapter on that stored tenant
+        (``itif.generation.lora``), which keeps the base's settings and tokenizer.
 
         Replacing a tenant ends its running requests with Unavailable (retryable) between two
         steps, rather than letting them continue on other weights than they started with; its
         waiting requests start on the new weights."""
-        weights = (self.load_weights(source) if compress in (None, "none")
-                   else self.load_delta(source, base, compress)[0])
+        adapter = None
+        if base is not None and compress in (None, "none"):
+            adapter = self.load_lora(source, base)
+            weights = CanonicalWeights({}, None, False)  # every tensor the base's, shared
+        else:
+            weights = (self.load_weights(source) if compress in (None, "none")
+                       else self.load_delta(source, base, compress)[0])
         d = defaults
         tok = None
-        if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        if adapter is None and isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
             if d is None:
                 d = defaults_from_dir(source)
             tj = Path(source) / "tokenizer.json"
@@ -143,8 +152,12 @@ class GenEngine:
 
                 tok = Tokenizer.from_file(str(tj))
         with self._step_lock:
+            if adapter is not None:  # checked again: the base may have changed meanwhile
+                adapter = self.load_lora(adapter, base)
+                d, tok = d or self.defaults(base), self._tokenizers.get(base)
             replaced = self._take_running(tenant) if tenant in self.store else []
-            self.store.add(tenant, weights)
+            self.lora.put(tenant, adapter, lambda: self.store.add(
+                tenant, weights, base=base if adapter is not None else None))
             self._defaults[tenant] = d or self._base_defaults
             self._tokenizers[tenant] = tok
         self._fail(replaced, Unavailable(f"tenant {shown(tenant)}'s weights were replaced during "
@@ -160,6 +173,7 @@ class GenEngine:
                     self._waiting.remove(t)
             dropped += self._take_running(tenant)
             self.store.remove(tenant)
+            self.lora.unbind(tenant)
             self._defaults.pop(tenant, None)
             self._tokenizers.pop(tenant, None)
         self._fail(dropped, TenantNotFound(f"tenant {shown(tenant)} was removed during its generation"))
@@ -562,7 +576,7 @@ class GenEngine:
 
     def _new_batch(self) -> None:
         self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes,
-                                   before_forward=self._before_forward)
+                                   before_forward=self._before_forward, lora=self.lora)
         self._rebuild = False
 
 def _error(e: Exception, out_of_memory: str, failed: str) -> ItifError:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from itif.generation.lora import LoraBank, LoraRows
 from itif.generation.spec import DecoderSpec
 from itif.ops import dispatch as ops
 from itif.ops.reference import RotParam
@@ -45,7 +46,8 @@ class SlotMatrix:
     requests' tenant ids stay valid when other tenants come and go. Rows of ids whose tenant is
     not stored are zeros (no running request refers to them)."""
 
-    def __init__(self, spec: DecoderSpec, view: StoreView, ids: dict[str, int]) -> None:
+    def __init__(self, spec: DecoderSpec, view: StoreView, ids: dict[str, int],
+                 lora: LoraBank | None = None) -> None:
         self.version = view.version
         self.names = [n for n, _ in spec.params()]
         self.col = {n: j for j, n in enumerate(self.names)}
@@ -60,6 +62,9 @@ class SlotMatrix:
                 kinds.setdefault(n, entry.slots[n][0])
         self.kinds = kinds
         self.view = view
+        # LoRA tenants' adapter slots (-1: none), read with the view they were added with
+        self.lora = lora
+        self.lora_slot = None if lora is None else lora.slots_for(ids, len(ids))
 
 
 class TenantParams:
@@ -80,6 +85,11 @@ class TenantParams:
         self._rt = torch.as_tensor(row_tenant, dtype=torch.int64, device=device)
         self._bound: dict[bytes, tuple] = {}
         self._by_name: dict[str, tuple] = {}
+        self.lora: LoraRows | None = None  # the rows of LoRA tenants, one segment set
+        if sm.lora_slot is not None:
+            row_slot = sm.lora_slot[tenant_ids][row_tenant]
+            if (row_slot >= 0).any():
+                self.lora = LoraRows(sm.lora, row_slot, device)
 
     def bind(self, name: str):
         """(buffer, plan, offs, slot_rows) of ``name`` for these rows."""
@@ -104,8 +114,11 @@ class TenantParams:
         return RotParam(buf, slot_rows, plan)
 
     def gemm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x W^T`` of every row with its tenant's ``name``; plus, for the rows of LoRA
+        tenants, their adapters' low-rank products (``itif.generation.lora``)."""
         buf, plan, offs, _ = self.bind(name)
-        return run_gemm(x, buf, plan, offs)
+        y = run_gemm(x, buf, plan, offs)
+        return y if self.lora is None else self.lora.apply(y, x, name)
 
     def linear(self, x: torch.Tensor, name: str, act: str = "none") -> torch.Tensor:
         return ops.bias_act(self.gemm(x, name + ".weight"), self.rot(name + ".bias"), act)

@@ -48,8 +48,10 @@ class Admission:
 
 class RunningBatch:
     def __init__(self, spec: DecoderSpec, store: WeightStore, kv_cache_bytes: int,
-                 block: int = 16, before_forward: Callable[[set[str]], None] | None = None) -> None:
+                 block: int = 16, before_forward: Callable[[set[str]], None] | None = None,
+                 lora=None) -> None:
         self.spec, self.store = spec, store
+        self.lora = lora  # the engine's LoraBank (itif.generation.lora), or None
         # test hook (itif.faults): called with the tenants of each forward before it runs
         self.before_forward = before_forward
         self.device, self.dtype = store.device, store.dtype
@@ -103,7 +105,7 @@ class RunningBatch:
     def _slots(self) -> SlotMatrix:
         view = self.store.view
         if self._sm is None or self._sm.version != view.version:
-            self._sm = SlotMatrix(self.spec, view, self._tids)
+            self._sm = SlotMatrix(self.spec, view, self._tids, self.lora)
             self._fwd = None
         return self._sm
 
