@@ -89,9 +89,11 @@ def backbone_presets() -> frozenset[str]:
 
 #: The decoder presets of ``itif.generation.spec.PRESETS`` (named here: that module loads
 #: torch, the config does not; tests/test_generate_daemon.py checks the two agree).
-GENERATION_PRESETS: tuple[str, ...] = ("gpt2-tiny", "bart-tiny", "marian-tiny", "marian-decoding")
-#: Hugging Face ``model_type`` values of the decoders itif generates with.
-DECODER_MODEL_TYPES: tuple[str, ...] = ("gpt2", "bart", "marian")
+GENERATION_PRESETS: tuple[str, ...] = ("gpt2-tiny", "bart-tiny", "marian-tiny", "llama-tiny",
+                                       "marian-decoding")
+#: Hugging Face ``model_type`` values of the decoders itif generates with (llama, qwen2 and
+#: mistral: the llama family, ``itif.generation.spec.LLAMA_TYPES``).
+DECODER_MODEL_TYPES: tuple[str, ...] = ("gpt2", "bart", "marian", "llama", "qwen2", "mistral")
 
 
 def generation_presets() -> frozenset[str]:

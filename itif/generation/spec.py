@@ -267,6 +267,10 @@ PRESETS: dict[str, DecoderSpec] = {
     "bart-tiny": DecoderSpec("bart", 96, 32, 4, 64, 2, 2, max_position=64, pad_token_id=1),
     "marian-tiny": DecoderSpec("marian", 96, 32, 4, 64, 2, 2, max_position=64, act="silu",
                                scale_embedding=True, pad_token_id=95),
+    # A tiny Llama: grouped-query attention (4 query heads over 2 key/value heads), SwiGLU,
+    # RoPE, an untied head; model_type llama (its config.json: ``llama_hf_config``).
+    "llama-tiny": DecoderSpec("llama", 96, 32, 4, 48, 2, max_position=64, act="silu",
+                              tied_lm_head=False, kv_heads=2, model_type="llama"),
     # The thesis' "Decoding" model (Table 5.1): 6+6 layers, 8 heads, hidden 512, Marian-shaped.
     "marian-decoding": DecoderSpec("marian", 8000, 512, 8, 2048, 6, 6, max_position=512,
                                    act="silu", scale_embedding=True, pad_token_id=7999),
@@ -284,12 +288,14 @@ def _marian_defaults(pad: int) -> GenerationDefaults:
 #: A preset backbone's generation settings (tenants upload weights only, so a preset daemon has
 #: no checkpoint to read them from): each family's own ids, as its Hugging Face config class
 #: sets them. GPT-2's end token is its last id (50256); ``gpt2-tiny`` has none (its vocabulary
-#: is 96): a sequence ends at max_new_tokens or at the request's ``eos_token_id``.
+#: is 96): a sequence ends at max_new_tokens or at the request's ``eos_token_id``. ``llama-tiny``
+#: has LlamaConfig's: begin 1, end 2, no pad.
 PRESET_DEFAULTS: dict[str, GenerationDefaults] = {
     "gpt2-tiny": GenerationDefaults(),
     "bart-tiny": GenerationDefaults(eos_token_ids=(2,), pad_token_id=1, bos_token_id=0,
                                     decoder_start_token_id=2, forced_eos_token_id=2),
     "marian-tiny": _marian_defaults(95),
+    "llama-tiny": GenerationDefaults(eos_token_ids=(2,), bos_token_id=1),  # LlamaConfig's
     "marian-decoding": _marian_defaults(7999),
 }
 
