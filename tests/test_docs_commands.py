@@ -30,7 +30,8 @@ Parsed, not run:
 
 Allow-listed (not runnable here): docs/gpu.md's GPU-machine commands (they need a CUDA device,
 the device runner's ``$OUT`` and its carried wheels); their scripts must exist and pass
-``bash -n``, their Python modules the ``--help`` check above.
+``bash -n``, their Python modules the ``--help`` check above. docs/cpu-peer.md's install block
+for vLLM's CPU build (a separate venv, gigabytes from the registry).
 
 Python blocks are compiled (syntax only).
 """
@@ -65,6 +66,9 @@ def rule(c: Command) -> str | None:
         return "parsed: README install line"
     if c.path == "docs/gpu.md":
         return "allow-listed: needs the GPU machine ($OUT, carried wheels, CUDA)"
+    if c.path == "docs/cpu-peer.md" and (a[0] in (".", "pip") or a[:2] == ("python", "-c")
+                                         or a[:3] == ("python3", "-m", "venv")):
+        return "allow-listed: installs vLLM's CPU build into its own venv (minutes, GBs)"
     if a[0] == "itif":
         if a[1] == "generate":
             return "executed: tests/test_generate_daemon.py (a decoder daemon)"
