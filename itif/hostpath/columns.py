@@ -1,0 +1,254 @@
+"""Requests and results as columns: one bytes buffer a batch, no Python object a request.
+
+A front-end process turns each call into rows; what crosses into the engine process is a batch
+of rows laid out as numpy columns in one contiguous buffer (a slot of ``itif.hostpath.ring``):
+
+    Arrivals   header | call_id i8[n] | offsets i8[n+1] | deadline f8[n] | tenant i4[n]
+                      | ids i4[offsets[n]] | priority i1[n]
+    Results    header | call_id i8[n] | offsets i8[n+1] | values f4[offsets[n]] | status i1[n]
+                      | err_row i4[k] | err_offsets i8[k+1] | err_text u1[...]
+
+Row ``i``'s token ids are ``ids[offsets[i]:offsets[i+1]]``, its outputs
+``values[offsets[i]:offsets[i+1]]``. ``deadline`` is a ``time.monotonic()`` time (``inf``: none;
+every process of one host shares that clock), ``priority`` orders rows within a tenant (higher
+first), ``tenant`` indexes the engine's tenant table of version ``table_version`` (indices are
+never reused, see ``itif.hostpath.colqueue``). ``status`` is an index into :data:`STATUS`, the
+gRPC code names itif's errors carry (``ItifError.code``); the few failed rows have a message in
+the error table (``err_row`` names the row), so a success costs no text at all.
+
+Every column starts on an 8-byte boundary; the header is 32 bytes (magic, row count, element
+count, table version, error count and text bytes). ``unpack`` returns numpy views of the buffer
+(no copy: read them before the ring slot is released, or copy), ``pack_into`` writes straight
+into a ring slot. Both cost a fixed number of numpy calls, whatever the number of rows.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from itif.errors import InvalidRequest
+
+__all__ = ["STATUS", "Arrivals", "Results", "status_code"]
+
+#: Row status codes: the index of the gRPC code name (``ItifError.code``). 0 is success.
+STATUS = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
+          "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "CANCELLED")
+_CODE = {name: i for i, name in enumerate(STATUS)}
+
+_HEAD = struct.Struct("<4sIqqiI")  # magic, n rows, elements, table version, k errors, text bytes
+_ARRIVALS, _RESULTS = b"ITA1", b"ITR1"
+
+
+def status_code(name: str) -> int:
+    """The :data:`STATUS` index of a gRPC code name; unknown names are INTERNAL."""
+    return _CODE.get(name, _CODE["INTERNAL"])
+
+
+def _up8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def _layout(counts: Sequence[tuple[np.dtype, int]]) -> tuple[list[int], int]:
+    """Start of each column after the header, and the total size (8-byte aligned)."""
+    pos, starts = _HEAD.size, []
+    for dtype, n in counts:
+        starts.append(pos)
+        pos = _up8(pos + np.dtype(dtype).itemsize * n)
+    return starts, pos
+
+
+def _views(buf, starts: list[int], counts) -> list[np.ndarray]:
+    return [np.frombuffer(buf, dtype, n, s) for s, (dtype, n) in zip(starts, counts)]
+
+
+def _header(buf, magic: bytes) -> tuple[int, int, int, int, int]:
+    got, n, total, version, k, text = _HEAD.unpack_from(buf, 0)
+    if got != magic:
+        raise InvalidRequest(f"not a {magic.decode()} buffer (magic {got!r})")
+    return n, total, version, k, text
+
+
+def _offsets(offsets, n_rows: int | None, what: str) -> np.ndarray:
+    """``offsets`` as int64, checked: 1-D, starts at 0, never decreases."""
+    off = np.asarray(offsets)
+    if off.ndim != 1 or off.size < 1 or (off.dtype.kind not in "iu"):
+        raise InvalidRequest(f"{what}: offsets must be a 1-D integer array of n+1 entries")
+    off = off.astype(np.int64, copy=False)
+    if n_rows is not None and off.size != n_rows + 1:
+        raise InvalidRequest(f"{what}: offsets has {off.size} entries for {n_rows} rows")
+    if off[0] != 0 or (off.size > 1 and (np.diff(off) < 0).any()):
+        raise InvalidRequest(f"{what}: offsets must start at 0 and never decrease")
+    return off
+
+
+@dataclass
+class Arrivals:
+    """A batch of requests as columns (see the module docstring)."""
+
+    call_id: np.ndarray  # int64 [n]
+    tenant: np.ndarray  # int32 [n]: index into the tenant table
+    offsets: np.ndarray  # int64 [n+1] into ids
+    ids: np.ndarray  # int32 [offsets[n]]
+    deadline: np.ndarray  # float64 [n], monotonic seconds (inf: none)
+    priority: np.ndarray  # int8 [n]
+    table_version: int = 0
+
+    @classmethod
+    def build(cls, call_id, tenant, offsets, ids, deadline=None, priority=None,
+              table_version: int = 0) -> Arrivals:
+        """Columns from array-likes, checked and cast (the producer's side; ``unpack`` trusts
+        the buffer's own layout)."""
+        tenant = np.asarray(tenant, np.int32)
+        n = tenant.size
+        off = _offsets(offsets, n, "arrivals")
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu") or ids.size != off[-1]:
+            raise InvalidRequest(f"arrivals: ids must be 1-D integers, {int(off[-1])} of them")
+        return cls(np.asarray(call_id, np.int64).reshape(n), tenant, off,
+                   ids.astype(np.int32, copy=False),
+                   np.full(n, np.inf) if deadline is None else np.asarray(deadline, np.float64),
+                   np.zeros(n, np.int8) if priority is None else np.asarray(priority, np.int8),
+                   int(table_version))
+
+    def __len__(self) -> int:
+        return self.tenant.size
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def _counts(self) -> list[tuple[np.dtype, int]]:
+        n = len(self)
+        return [(np.int64, n), (np.int64, n + 1), (np.float64, n), (np.int32, n),
+                (np.int32, int(self.offsets[-1])), (np.int8, n)]
+
+    def nbytes(self) -> int:
+        return _layout(self._counts())[1]
+
+    def pack_into(self, buf, offset: int = 0) -> int:
+        """Write into ``buf`` (a writable buffer) at ``offset``; returns the bytes written."""
+        counts = self._counts()
+        starts, size = _layout(counts)
+        view = memoryview(buf)[offset : offset + size]
+        if view.nbytes < size:
+            raise ValueError(f"arrivals need {size} bytes, the buffer has {view.nbytes}")
+        _HEAD.pack_into(view, 0, _ARRIVALS, len(self), int(self.offsets[-1]),
+                        self.table_version, 0, 0)
+        cols = (self.call_id, self.offsets, self.deadline, self.tenant, self.ids, self.priority)
+        for dst, src in zip(_views(view, starts, counts), cols):
+            dst[...] = src
+        return size
+
+    def to_bytes(self) -> bytes:
+        buf = bytearray(self.nbytes())
+        self.pack_into(buf)
+        return bytes(buf)
+
+    @classmethod
+    def unpack(cls, buf) -> Arrivals:
+        """Views of ``buf``'s columns (no copy)."""
+        n, total, version, _, _ = _header(buf, _ARRIVALS)
+        counts = [(np.int64, n), (np.int64, n + 1), (np.float64, n), (np.int32, n),
+                  (np.int32, total), (np.int8, n)]
+        call_id, off, deadline, tenant, ids, prio = _views(buf, _layout(counts)[0], counts)
+        return cls(call_id, tenant, off, ids, deadline, prio, version)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Arrivals]) -> Arrivals:
+        """One batch of several (the ring slots found at one wake-up): a fixed number of numpy
+        calls a column, whatever the number of parts. The newest table version wins."""
+        if len(parts) == 1:
+            return parts[0]
+        sizes = np.fromiter((p.offsets[-1] for p in parts), np.int64, count=len(parts))
+        shift = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        rows = np.fromiter((len(p) for p in parts), np.int64, count=len(parts))
+        off = np.concatenate([p.offsets[:-1] for p in parts]) + np.repeat(shift, rows)
+        off = np.append(off, sizes.sum())
+        return cls(np.concatenate([p.call_id for p in parts]),
+                   np.concatenate([p.tenant for p in parts]), off,
+                   np.concatenate([p.ids for p in parts]),
+                   np.concatenate([p.deadline for p in parts]),
+                   np.concatenate([p.priority for p in parts]),
+                   max(p.table_version for p in parts))
+
+
+@dataclass
+class Results:
+    """A batch of answers as columns: outputs of the rows that ran, a status for every row,
+    a message for each failed one (see the module docstring)."""
+
+    call_id: np.ndarray  # int64 [n]
+    status: np.ndarray  # int8 [n]: index into STATUS
+    offsets: np.ndarray  # int64 [n+1] into values (a failed row's range is empty)
+    values: np.ndarray  # float32 [offsets[n]]
+    err_row: np.ndarray  # int32 [k]: the rows with a message
+    err_offsets: np.ndarray  # int64 [k+1] into err_text
+    err_text: np.ndarray  # uint8: the messages, UTF-8, back to back
+
+    @classmethod
+    def build(cls, call_id, status, offsets, values,
+              errors: dict[int, str] | None = None) -> Results:
+        """From columns and ``{row: message}`` for the failed rows (the only per-row Python,
+        and only for failures)."""
+        call_id = np.asarray(call_id, np.int64)
+        off = _offsets(offsets, call_id.size, "results")
+        values = np.asarray(values, np.float32).reshape(-1)
+        if values.size != off[-1]:
+            raise InvalidRequest(f"results: {values.size} values for offsets ending at {off[-1]}")
+        rows = sorted(errors or ())
+        texts = [errors[r].encode("utf-8", "replace") for r in rows]
+        lens = np.fromiter((len(t) for t in texts), np.int64, count=len(texts))
+        return cls(call_id, np.asarray(status, np.int8).reshape(call_id.size), off, values,
+                   np.asarray(rows, np.int32), np.concatenate(([0], np.cumsum(lens))),
+                   np.frombuffer(b"".join(texts), np.uint8))
+
+    def __len__(self) -> int:
+        return self.call_id.size
+
+    def _counts(self) -> list[tuple[np.dtype, int]]:
+        n, k = len(self), self.err_row.size
+        return [(np.int64, n), (np.int64, n + 1), (np.float32, int(self.offsets[-1])),
+                (np.int8, n), (np.int32, k), (np.int64, k + 1), (np.uint8, self.err_text.size)]
+
+    def nbytes(self) -> int:
+        return _layout(self._counts())[1]
+
+    def pack_into(self, buf, offset: int = 0) -> int:
+        counts = self._counts()
+        starts, size = _layout(counts)
+        view = memoryview(buf)[offset : offset + size]
+        if view.nbytes < size:
+            raise ValueError(f"results need {size} bytes, the buffer has {view.nbytes}")
+        _HEAD.pack_into(view, 0, _RESULTS, len(self), int(self.offsets[-1]), 0,
+                        self.err_row.size, self.err_text.size)
+        cols = (self.call_id, self.offsets, self.values, self.status, self.err_row,
+                self.err_offsets, self.err_text)
+        for dst, src in zip(_views(view, starts, counts), cols):
+            dst[...] = src
+        return size
+
+    def to_bytes(self) -> bytes:
+        buf = bytearray(self.nbytes())
+        self.pack_into(buf)
+        return bytes(buf)
+
+    @classmethod
+    def unpack(cls, buf) -> Results:
+        n, total, _, k, text = _header(buf, _RESULTS)
+        counts = [(np.int64, n), (np.int64, n + 1), (np.float32, total), (np.int8, n),
+                  (np.int32, k), (np.int64, k + 1), (np.uint8, text)]
+        return cls(*(_views(buf, _layout(counts)[0], counts)[i] for i in (0, 3, 1, 2, 4, 5, 6)))
+
+    def errors(self) -> dict[int, str]:
+        """``{row: message}`` of the failed rows."""
+        o = self.err_offsets
+        raw = self.err_text.tobytes()
+        return {int(r): raw[o[j]:o[j + 1]].decode("utf-8", "replace")
+                for j, r in enumerate(self.err_row)}
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
