@@ -8,6 +8,13 @@ is a :class:`DecoderBackend`: the same calls reach the GenEngine's weight store,
 tenants upload, restore and delete exactly as encoder tenants do. What only an encoder does
 (Infer, KServe inference) raises :class:`~itif.errors.Unimplemented` naming Generate instead;
 generation itself goes to ``gen`` (``Daemon.submit_generate``).
+
+LoRA tenants (``base:`` in tenants.yaml, ``itif upload --adapter``) go through the GenEngine's
+own adapter path: :meth:`DecoderBackend.load_lora` reads and checks the adapter with
+``GenEngine.load_lora`` (InvalidWeights naming the field) and wraps it as a
+:class:`DecoderLora`, weights without tensors of their own (the daemon's budget check and store
+see nothing to add: the tenant shares its base's slots); ``add_tenant(base=)`` hands the adapter
+to ``GenEngine.add_tenant(base=)``, which checks it once more against the base it finds then.
 """
 
 from __future__ import annotations
@@ -18,9 +25,19 @@ from typing import Any
 
 import torch
 
-from itif.errors import InvalidWeights, Unimplemented
+from itif.backbones.hf import CanonicalWeights
+from itif.errors import Unimplemented
 
-__all__ = ["DecoderBackend", "DecoderTenantInfo", "build_generator"]
+__all__ = ["DecoderBackend", "DecoderLora", "DecoderTenantInfo", "build_generator"]
+
+
+@dataclass(frozen=True)
+class DecoderLora(CanonicalWeights):
+    """A checked LoRA adapter (``itif.generation.lora.LoraAdapter``) as the daemon's upload,
+    restore and tier paths carry weights: no tensors (its base's are shared, so the budget
+    check charges nothing), no head; ``adapter`` is what ``GenEngine.add_tenant`` installs."""
+
+    adapter: Any = None
 
 
 @dataclass(frozen=True)
@@ -131,9 +148,10 @@ class DecoderBackend:
     def load_weights(self, source: Any) -> Any:
         return self.gen.load_weights(source)
 
-    def load_lora(self, source: Any, base: str) -> Any:
-        raise InvalidWeights("LoRA adapters are served on encoder backbones only; upload the "
-                             "decoder tenant's full fine-tuned weights")
+    def load_lora(self, source: Any, base: str) -> DecoderLora:
+        """A PEFT adapter (directory, packed file) for stored tenant ``base``, checked as the
+        GenEngine checks it (InvalidWeights naming the field); nothing is added."""
+        return DecoderLora({}, None, False, self.gen.load_lora(source, base))
 
     def probe(self, weights: Any, base: str | None = None, digests: Any = None) -> None:
         """The GenEngine validates what it loads (names, shapes, finite values); a forward
@@ -143,9 +161,11 @@ class DecoderBackend:
         """``tag`` is not kept: a generation running when its tenant's weights are replaced
         fails (``GenEngine.add_tenant``), so a Generate result's sha, read as it is sent, is
         another's only if the replacement lands between its last token and its reply."""
-        if base is not None:
-            self.load_lora(weights, base)
-        self.gen.add_tenant(tenant, weights)
+        if base is None:
+            self.gen.add_tenant(tenant, weights)
+            return
+        adapter = weights.adapter if isinstance(weights, DecoderLora) else weights
+        self.gen.add_tenant(tenant, adapter, base=base)
 
     def remove_tenant(self, tenant: str) -> None:
         self.gen.remove_tenant(tenant)

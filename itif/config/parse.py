@@ -275,10 +275,10 @@ def _cross_checks(errs: _Errors, cfg: Config) -> None:
                 f"equals server.admin_token_sha256 (tenant {t.id!r}); "
                 "tenant and admin tokens must differ",
             )
-        if t.base is not None and cfg.backbone.is_decoder:
-            kind = "delta" if t.is_delta else "LoRA"
-            errs.add(f"tenants[{i}].base", f"{kind} tenants are served on encoder backbones only; "
-                                           f"backbone.config {cfg.backbone.config!r} is a decoder")
+        if t.is_delta and cfg.backbone.is_decoder:  # LoRA tenants of a decoder: served
+            errs.add(f"tenants[{i}].compress", "delta tenants are served on encoder backbones "
+                                               f"only; backbone.config {cfg.backbone.config!r} "
+                                               "is a decoder")
         if t.max_seq_len is not None:
             if bb_len is not None and t.max_seq_len > bb_len:
                 errs.add(
