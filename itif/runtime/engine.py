@@ -33,6 +33,7 @@ from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
 from itif.runtime import cpu_gemm, forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
+from itif.runtime.engine_columns import ColumnsMixin
 from itif.runtime.graphs import GraphCache
 from itif.weights import delta
 from itif.weights.delta import DeltaReport, DeltaWeights
@@ -77,7 +78,9 @@ def _known_tenants(view, names) -> tuple[str, ...]:
     return uniq
 
 
-class Engine:
+class Engine(ColumnsMixin):
+    """The fused engine; ``infer_columns`` (rows as numpy columns) is ``ColumnsMixin``'s."""
+
     def __init__(
         self,
         backbone: str | os.PathLike | BackboneSpec,
