@@ -26,13 +26,14 @@ import threading
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 from itif import daemon_config, daemon_state, daemon_tiers, faults
 from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
 from itif.config import Config, ConfigDiff, Tenant, TokenDigests
 from itif.daemon_state import Identity, State, TenantStatus, TenantView
+from itif.daemon_tenants import TenantTable
 from itif.decoder_backend import DecoderBackend, build_generator
 from itif.errors import (
     InvalidRequest,
@@ -42,7 +43,6 @@ from itif.errors import (
     TenantNotFound,
     Unauthenticated,
     Unimplemented,
-    shown,
 )
 from itif.generation.api import GenerateRequest, check_request
 from itif.runtime.engine import Engine, Request, Result
@@ -62,11 +62,11 @@ class Daemon:
         self.engine = engine
         self.blobs = BlobStore(config.server.data_dir / "store",
                                max_upload_bytes=config.server.max_upload_bytes)
-        self.status: dict[str, TenantStatus] = {t.id: TenantStatus() for t in config.tenants}
+        #: each tenant's state, visibility and locks (``itif.daemon_tenants``)
+        self.tenants = TenantTable(t.id for t in config.tenants)
         self.scheduler: Scheduler | None = None
         self.tiers = None  # itif.weights.tiers.TierManager with backbone.device_weight_bytes
         self._lock = threading.Lock()
-        self._tenant_locks: dict[str, threading.Lock] = {}
         self._digests = TokenDigests()
         self.reloads_ok = 0
         self.reloads_failed = 0
@@ -126,6 +126,11 @@ class Daemon:
         from itif.ops import dispatch  # noqa: PLC0415
 
         return dispatch.fallbacks()
+
+    @property
+    def status(self) -> dict[str, TenantStatus]:
+        """Tenant id -> state, of the configured tenants (the tenant table's)."""
+        return self.tenants.status
 
     @property
     def generator(self):
@@ -271,9 +276,8 @@ class Daemon:
         return Identity(found.id, token_sha256=digest)
 
     def _visible(self, who: Identity, tenant: str) -> None:
-        """Unknown tenants and other tenants' names get the same answer."""
-        if tenant not in self.status or not who.may_see(tenant):
-            raise TenantNotFound(f"tenant {shown(tenant)} not found")
+        """Refuse a tenant ``who`` may not see (``TenantTable.check_visible``)."""
+        self.tenants.check_visible(who, tenant)
         self._note_tenant(tenant)
 
     def _note_tenant(self, tenant: str) -> None:
@@ -292,41 +296,12 @@ class Daemon:
         return self.blobs.begin_upload(tenant, sha256, total_size)
 
     def _tenant_lock(self, tenant: str) -> threading.Lock:
-        """Serialises what changes one tenant's weights or existence: an upload's commit and
-        swap, a delete, its removal from (or return to) the config. Each runs whole under it,
-        so an acknowledged outcome is the durable one: the file on disk, the weights served and
-        the state reported always agree."""
-        lock = self._tenant_locks.get(tenant)
-        if lock is None:
-            lock = self._tenant_locks.setdefault(tenant, threading.Lock())
-        return lock
-
-    def _lock_tenant_and_base(self, held: ExitStack, tenant: str, base: str | None) -> None:
-        """Hold ``base``'s lock (so it is neither deleted nor replaced meanwhile), then
-        ``tenant``'s, until ``held`` closes."""
-        if base is not None:
-            held.enter_context(self._tenant_lock(base))
-        held.enter_context(self._tenant_lock(tenant))
-
-    def _still_authorized(self, who: Identity | None) -> None:
-        """Refuse a caller whose token the configuration no longer accepts (rotated or revoked
-        while its upload streamed)."""
-        if who is None or not who.token_sha256:
-            return
-        cfg = self.config
-        if who.admin:
-            ok = hmac.compare_digest(who.token_sha256, cfg.server.admin_token_sha256)
-        else:
-            t = cfg.tenant_by_token_sha256(who.token_sha256)
-            ok = t is not None and t.id == who.tenant
-        if not ok:
-            raise Unauthenticated("the token of this upload was rotated or revoked while it "
-                                  "streamed; nothing was stored")
+        """``TenantTable.lock`` (kept for ``itif.daemon_config`` and subclasses)."""
+        return self.tenants.lock(tenant)
 
     def _base_sha(self, base: str | None) -> str:
         """The sha256 of the weights ``base`` has now ("" for none, or no base)."""
-        st = self.status.get(base) if base is not None else None
-        return st.sha256 if st is not None else ""
+        return self.tenants.sha256(base)
 
     def finish_upload(self, tenant: str, upload: Upload, who: Identity | None = None) -> TenantView:
         """Verify, validate, probe, then commit durably and swap in (module docstring). The
@@ -350,19 +325,21 @@ class Daemon:
             held = ExitStack()
             with held:
                 if self.tiers is not None:
-                    self._lock_tenant_and_base(held, tenant, base)
+                    self.tenants.lock_with_base(held, tenant, base)
                 rides = None if isinstance(weights, delta.DeltaWeights) else base  # LoRA: kept
                 with daemon_tiers.room_for(self, tenant, weights, rides, owner) as digests:
                     if digests is None:
                         digests = self.engine.store.check_budget(weights, owner=owner)
                     self.engine.probe(weights, base, digests)  # keys reused, left for the add
                     if self.tiers is None:
-                        self._lock_tenant_and_base(held, tenant, base)
+                        self.tenants.lock_with_base(held, tenant, base)
                     if tenant not in self.status:
                         raise TenantNotFound(
                             f"tenant {tenant!r} was removed from the configuration during its "
                             "upload; nothing was stored")
-                    self._still_authorized(who)
+                    if who is not None and not who.still_accepted(self.config):
+                        raise Unauthenticated("the token of this upload was rotated or revoked "
+                                              "while it streamed; nothing was stored")
                     if base is not None and self._base_sha(base) != base_sha:
                         raise NoWeights(
                             f"tenant {tenant!r}: its base {base!r} was deleted or replaced "
@@ -418,13 +395,10 @@ class Daemon:
 
     # ---- inference -------------------------------------------------------------------------
     def _ready_tenant(self, who: Identity, tenant: str) -> Tenant:
+        """The config of a tenant ``who`` may see and that serves now: its one visibility
+        check of the call."""
         self._visible(who, tenant)
-        st = self.status.get(tenant)
-        if st is None:  # removed by a config reload a moment ago
-            raise TenantNotFound(f"tenant {shown(tenant)} not found")
-        if st.state is not State.READY:
-            why = f": {st.error}" if st.error else ""
-            raise NoWeights(f"tenant {tenant!r} has no ready weights ({st.state.name}){why}")
+        self.tenants.check_ready(tenant)
         return self.config.tenant(tenant)
 
     def tokenize(self, text: str) -> list[int]:
@@ -433,13 +407,25 @@ class Daemon:
             raise InvalidRequest("this backbone ships no tokenizer: send input_ids")
         return tok.encode(utf8_text(text, "text", self.engine.spec.max_position)).ids
 
-    def submit(self, who: Identity, tenant: str, requests: list[Request],
-               deadline: float | None = None, priority: int = 0) -> list[Ticket]:
-        """Validate (nothing bad reaches the engine) and queue; all-or-nothing."""
+    def admit(self, who: Identity, tenant: str, requests: list[Request], *,
+              deadline: float | None = None, priority: int = 0,
+              reserve: Callable[[list[Request]], None] | None = None) -> list[Ticket]:
+        """The front door of Infer: every server's Infer call (gRPC, KServe, the HTTP APIs)
+        comes in here, all-or-nothing. In order, each step once: a tenant ``who`` may not see
+        is NotFound (unknown and other tenants' alike); a decoder daemon is Unimplemented; a
+        tenant without ready weights is NoWeights (FAILED_PRECONDITION); the requests are
+        validated (InvalidRequest naming the request and field: nothing bad reaches the
+        engine); ``reserve(requests)``, when given, holds the reply's bytes (the server's
+        ``itif.server.admission``: raises to refuse, RESOURCE_EXHAUSTED) before anything is
+        queued; then all are queued (the tenant's quota: Overloaded, RESOURCE_EXHAUSTED).
+        ``deadline``: ``time.monotonic()`` by which the results are wanted. Returns one ticket
+        per request, in order."""
+        self._visible(who, tenant)
         if self.generator is not None:
             raise Unimplemented(f"backbone {self.engine.spec.name!r} is a decoder: call "
                                 "Generate (itif generate); Infer serves encoder backbones")
-        conf = self._ready_tenant(who, tenant)
+        self.tenants.check_ready(tenant)
+        conf = self.config.tenant(tenant)
         requests = [r if r.tenant == tenant else replace(r, tenant=tenant) for r in requests]
         if self.tiers is None:
             self.engine.check(requests)
@@ -452,6 +438,9 @@ class Daemon:
                     raise InvalidRequest(
                         f"request {i}: length {n} exceeds tenant {tenant!r}'s max_seq_len "
                         f"{conf.max_seq_len}")
+        if reserve is not None:
+            reserve(requests)
+
         def queue() -> list[Ticket]:
             return self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
                                               priority=priority)
@@ -462,16 +451,26 @@ class Daemon:
             self.metrics.watch(tenant, tickets)
         return tickets
 
+    def submit(self, who: Identity, tenant: str, requests: list[Request],
+               deadline: float | None = None, priority: int = 0) -> list[Ticket]:
+        """:meth:`admit` without a reply to reserve (in-process callers, tests)."""
+        return self.admit(who, tenant, requests, deadline=deadline, priority=priority)
+
     # ---- generation (a decoder backbone) -------------------------------------------------
     def submit_generate(self, who: Identity, tenant: str, request: GenerateRequest,
-                        on_event, text: str | None = None) -> object:
+                        on_event, text: str | None = None,
+                        reserve: Callable[[GenerateRequest], None] | None = None) -> object:
         """Validate one Generate request of ``tenant`` and hand it to the GenEngine's loop;
         returns its ticket (:meth:`cancel_generate` frees it). ``on_event(GenEvent)`` is
         called from the loop thread ("tokens", then "done" or "error") and must not block.
         Refusals, in order: an encoder daemon (Unimplemented), a tenant the caller may not see
         (NotFound), no weights (NoWeights), bad parameters (InvalidRequest naming the field,
         against the live ``server.max_new_tokens``). ``text``: the input, tokenized with the
-        tenant's tokenizer (its ids replace ``request.input_ids``)."""
+        tenant's tokenizer (its ids replace ``request.input_ids``). The front door of Generate,
+        as :meth:`admit` is Infer's: the tenant's visibility is checked once, and
+        ``reserve(request)``, when given, holds the reply's bytes once every check above passed
+        (the GenEngine's own included: ranges, positions, the whole KV cache), before it is
+        queued (raises to refuse it, RESOURCE_EXHAUSTED)."""
         gen = self.generator
         if gen is None:
             raise Unimplemented(
@@ -489,6 +488,10 @@ class Daemon:
         if conf.max_seq_len is not None and len(request.input_ids) > conf.max_seq_len:
             raise InvalidRequest(f"input_ids: length {len(request.input_ids)} exceeds tenant "
                                  f"{tenant!r}'s max_seq_len {conf.max_seq_len}")
+        if reserve is not None:
+            if tenant in gen.store:  # what submit() refuses, before the reply is held
+                gen.check(request)
+            reserve(request)
         box: list = [None, False]  # the ticket, finished; under _gen_lock (never held while
         # the engine runs: its loop thread calls event())
 

@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from itif.config import Tenant
+    from itif.config import Config, Tenant
     from itif.daemon import Daemon
     from itif.weights.tier_state import TierView
 
@@ -38,6 +39,17 @@ class Identity:
 
     def may_see(self, tenant: str) -> bool:
         return self.admin or self.tenant == tenant
+
+    def still_accepted(self, config: Config) -> bool:
+        """Whether ``config`` still accepts the token this caller came with (False once it was
+        rotated or revoked, e.g. while an upload streamed); in-process callers (no digest) are
+        always accepted."""
+        if not self.token_sha256:
+            return True
+        if self.admin:
+            return hmac.compare_digest(self.token_sha256, config.server.admin_token_sha256)
+        t = config.tenant_by_token_sha256(self.token_sha256)
+        return t is not None and t.id == self.tenant
 
 
 @dataclass

@@ -21,7 +21,7 @@ from itif.backbones.spec import load_spec
 from itif.config import hash_token, parse_config, schema
 from itif.errors import InvalidRequest, TenantNotFound, Unauthenticated
 from itif.requests import Request
-from itif.server import service
+from itif.server import infer_calls
 
 TOKENS = {"a": "token-a", "b": "token-b"}
 
@@ -69,8 +69,8 @@ def test_settler_wakes_the_loop_once_for_a_burst_of_tickets():
             return real(cb, *args)
 
         loop.call_soon_threadsafe = counted
-        settler = service._Settler.of(loop)
-        assert service._Settler.of(loop) is settler
+        settler = infer_calls._Settler.of(loop)
+        assert infer_calls._Settler.of(loop) is settler
         futs = [loop.create_future() for _ in range(200)]
         go = threading.Event()
 
@@ -98,7 +98,7 @@ def test_settler_wakes_the_loop_once_for_a_burst_of_tickets():
 def test_settler_skips_futures_already_cancelled():
     async def main():
         loop = asyncio.get_running_loop()
-        s = service._Settler.of(loop)
+        s = infer_calls._Settler.of(loop)
         f = loop.create_future()
         f.cancel()
         s.push(f, _Done(1))  # the call went away before its ticket finished

@@ -470,7 +470,7 @@ def test_a_large_call_is_sized_up_then_converted_off_the_event_loop():
 
     from itif.config.schema import Tenant
     from itif.errors import InvalidRequest, TenantNotFound
-    from itif.server.service import LARGE_CALL, convert_inputs
+    from itif.server.infer_calls import LARGE_CALL, convert_inputs
 
     seen = []
 
@@ -479,7 +479,7 @@ def test_a_large_call_is_sized_up_then_converted_off_the_event_loop():
             max_queue=LARGE_CALL + 1, weight=Tenant.weight,
             latency_target_ms=Tenant.latency_target_ms, max_seq_len=None))
 
-        def _visible(self, who, tenant):
+        def get_tenant(self, who, tenant):
             seen.append(tenant)
             if tenant != "acme":
                 raise TenantNotFound(f"tenant {tenant!r} not found")

@@ -1,10 +1,11 @@
 """The ``Generate`` RPC: one request of one tenant's decoder, its tokens streamed as decided.
 
 A call is authenticated and admitted like Infer (``itif.server.service.AuthInterceptor`` and
-``itif.server.admission``: counted in per tenant and server-wide before its request is parsed,
-its reply bytes reserved before any work starts). Then :meth:`itif.daemon.Daemon.submit_generate`
+``itif.server.admission``: counted in per tenant and server-wide before its request is parsed).
+Then :meth:`itif.daemon.Daemon.submit_generate`, the daemon's front door for Generate,
 validates it (an encoder daemon: UNIMPLEMENTED; an unknown tenant: NOT_FOUND; bad parameters:
-INVALID_ARGUMENT naming the field) and hands it to the GenEngine's iteration loop, whose thread
+INVALID_ARGUMENT naming the field), reserves its reply bytes through the callback it is given,
+and hands it to the GenEngine's iteration loop, whose thread
 reports each step's new tokens through a callback; the callback only posts them to this call's
 queue on the event loop, and this handler turns them into ``tokens`` messages (greedy search
 and sampling), then one ``result`` message at the end.
@@ -28,7 +29,7 @@ from typing import Any, AsyncIterator
 
 
 from itif.errors import DeadlineExceeded, InvalidRequest, Unavailable
-from itif.generation.api import HF_TOP_K, GenerateRequest, check_request
+from itif.generation.api import HF_TOP_K, GenerateRequest
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.admission import finish_reply, reserve_reply
 
@@ -112,8 +113,9 @@ class GenerationStream:
     """One submitted generation, its events delivered on the event loop: what the gRPC
     ``Generate`` call and the HTTP ``/v1/completions`` route share.
 
-    Constructing it submits the request (:meth:`itif.daemon.Daemon.submit_generate`: its
-    refusals are raised here, before any answer has started); :meth:`events` then yields
+    Constructing it submits the request (:meth:`itif.daemon.Daemon.submit_generate`, with
+    ``reserve``, the reply's reservation: its refusals are raised here, before any answer has
+    started); :meth:`events` then yields
     ``("tokens", [(sequence, ids, text), ...])`` as the GenEngine decides them (greedy search
     and sampling) and ``("done", Generation)`` once at the end, records the generation metrics,
     and raises the engine's error, or DeadlineExceeded past ``deadline`` (``time.monotonic()``).
@@ -122,7 +124,7 @@ class GenerationStream:
     which may be called again (nothing once it finished)."""
 
     def __init__(self, daemon: Any, who: Any, tenant: str, req: GenerateRequest,
-                 text: str | None = None) -> None:
+                 text: str | None = None, reserve: Any = None) -> None:
         loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
 
@@ -132,7 +134,8 @@ class GenerationStream:
         self.daemon, self.tenant = daemon, tenant
         self.start = time.perf_counter()
         self.finished = False
-        self.ticket = daemon.submit_generate(who, tenant, req, on_event, text=text)
+        self.ticket = daemon.submit_generate(who, tenant, req, on_event, text=text,
+                                             reserve=reserve)
         self.words = _Text(daemon.engine.tokenizer_of(tenant))
 
     async def events(self, deadline: float | None = None) -> AsyncIterator[tuple[str, Any]]:
@@ -193,23 +196,17 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
         req = replace(req, max_new_tokens=min(req.max_new_tokens,
                                               daemon.config.server.max_new_tokens))
     tenant = msg.tenant
-    gen = daemon.generator
-    if gen is not None:  # an encoder daemon: submit_generate says so
-        daemon._visible(who, tenant)
-        # the parameters first (a text prompt is checked once tokenized): a reply sized from
-        # out-of-range values must not answer RESOURCE_EXHAUSTED for what is INVALID_ARGUMENT
-        probe = req if req.input_ids else replace(req, input_ids=[0])
-        if tenant in gen.store:  # every check generate() makes: ranges, positions, KV cache
-            gen.check(probe)
-        else:
-            check_request(probe, daemon.config.server.max_new_tokens)
-        reserve_reply(daemon, _reply_bytes(req),  # in an admitted call, before any work
+
+    def reserve(checked: GenerateRequest) -> None:  # in an admitted call, before any work;
+        # called once every check passed: a reply sized from out-of-range values must not
+        # answer RESOURCE_EXHAUSTED for what is INVALID_ARGUMENT
+        reserve_reply(daemon, _reply_bytes(checked),
                       "ask for fewer sequences (num_return_sequences) or fewer new tokens")
+
     remaining = context.time_remaining()
     deadline = None if remaining is None else time.monotonic() + remaining
-    call = GenerationStream(daemon, who, tenant, req, text)
-    st = daemon.status.get(tenant)
-    sha = st.sha256 if st is not None else ""
+    call = GenerationStream(daemon, who, tenant, req, text, reserve)
+    sha = daemon.tenants.sha256(tenant)
     try:
         async for kind, value in call.events(deadline):
             if kind == "tokens":

@@ -28,7 +28,7 @@ from itif.errors import (InvalidRequest, InvalidWeights, NoWeights, TenantNotFou
                          shown)
 from itif.metrics import TenantCallStats
 from itif.runtime.engine import OUTPUTS, Request, Result
-from itif.server.service import await_tickets, convert_inputs
+from itif.server.infer_calls import await_tickets, convert_inputs
 
 VERSION = "1"
 PLATFORM = "itif"

@@ -41,7 +41,7 @@ from itif.server.http.common import (
 )
 from itif.server.json_procs import (ANSWER_NUMBERS, IN_THREAD, JsonProcs, TokenLists, json_bytes,
                                    load_embeddings)
-from itif.server.service import await_tickets, convert_inputs
+from itif.server.infer_calls import await_tickets, convert_inputs
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
