@@ -4,7 +4,10 @@
 - no import cycle among itif's modules (the graph of module-level imports, read with ``ast``;
   imports inside functions and under ``if TYPE_CHECKING:`` are not edges);
 - the scheduler, the request types and the HTTP JSON workers' module load without torch; the
-  daemon loads neither grpc nor the metrics (the server layer wires those up).
+  daemon loads neither grpc nor the metrics (the server layer wires those up);
+- no module reads the daemon's or the engine's private members (``daemon._visible``,
+  ``engine._validate_text``) outside the class's own file, but for an allow-list that may
+  only shrink: the servers go through the daemon's public front door (``Daemon.admit``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -182,3 +186,96 @@ def test_daemon_loads_neither_grpc_nor_metrics():
     assert "itif.metrics" not in loaded
     assert not _has(loaded, "prometheus_client")
     assert not _has(loaded, "itif.server")
+
+
+# ---- private members read from outside their class ----------------------------------------
+#: The classes whose private members stay theirs: file -> class.
+PRIVATE_OWNERS = {"itif/daemon.py": "Daemon", "itif/runtime/engine.py": "Engine"}
+#: Receivers taken for a Daemon or an Engine: these names (``d._x``, ``self.daemon._x``, ...),
+#: and any parameter annotated ``Daemon`` or ``Engine`` whatever its name.
+RECEIVERS = {"daemon", "d", "engine", "eng"}
+#: What still reads them, file -> {expression: times}. It may only shrink: a new read fails the
+#: test, and so does an entry that is no longer read (delete it). 22 reads at 7cd3de2.
+PRIVATE_READS_ALLOWED = {
+    "itif/batching/batchcost.py": {"eng._batch_tenants": 1},
+    "itif/batching/batchmeasure.py": {"engine._batch_tenants": 1, "engine._slot_tables": 1},
+    "itif/batching/report.py": {"engine._batch_tenants": 1, "engine._slot_tables": 1},
+    "itif/daemon_config.py": {"d._lock": 1, "d._tenant_lock": 3, "d._load_stored": 1,
+                              "d._outstanding": 1},
+    "itif/daemon_tiers.py": {"d._base_of": 1, "d._load_weights": 2, "d._base_sha": 1,
+                             "eng._validate_text": 1, "eng._validate_pixels": 1},
+    "itif/server/http/completions.py": {"d._visible": 1},
+}
+
+
+def _private_members(tree: ast.Module, cls: str) -> set[str]:
+    """The private names of class ``cls``: its ``_methods``, class attributes and the
+    ``self._attrs`` it assigns (dunders aside)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and node.name == cls):
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(n.name)
+            elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                  and isinstance(n.value, ast.Name) and n.value.id == "self"):
+                names.add(n.attr)
+            elif isinstance(n, ast.Assign):
+                names.update(t.id for t in n.targets if isinstance(t, ast.Name))
+            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                names.add(n.target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reads(tree: ast.Module, members: set[str]) -> Counter:
+    """Expression -> times, of ``<receiver>.<member>`` in ``tree``: a receiver named as in
+    :data:`RECEIVERS` (or ``<anything>.<such a name>``), or a parameter annotated with one of
+    :data:`PRIVATE_OWNERS`' classes."""
+    owners = set(PRIVATE_OWNERS.values())
+    typed = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg) and a.annotation is not None
+             and ast.unparse(a.annotation).strip("'\"").split("|")[0].strip() in owners}
+    found: Counter = Counter()
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Attribute) and n.attr in members):
+            continue
+        v = n.value
+        if ((isinstance(v, ast.Name) and v.id in RECEIVERS | typed)
+                or (isinstance(v, ast.Attribute) and v.attr in RECEIVERS)):
+            found[ast.unparse(n)] += 1
+    return found
+
+
+def test_private_read_finder_finds_them():
+    members = _private_members(ast.parse(
+        "class Daemon:\n    _k = 1\n    def __init__(self):\n        self._lock = None\n"
+        "    def _visible(self):\n        return self.__class__\n"), "Daemon")
+    assert members == {"_k", "_lock", "_visible"}
+    src = ("def f(d, daemon: 'Daemon', x: Daemon, y):\n"
+           "    d._lock; daemon._visible(); x._k; self.daemon._lock; y._lock; d._other\n"
+           "    d.__class__; d.public\n")
+    assert _private_reads(ast.parse(src), members) == Counter(
+        {"d._lock": 1, "daemon._visible": 1, "x._k": 1, "self.daemon._lock": 1})
+
+
+def test_no_private_daemon_or_engine_reads_outside_their_class():
+    members: set[str] = set()
+    for rel, cls in PRIVATE_OWNERS.items():
+        members |= _private_members(ast.parse((REPO / rel).read_text(encoding="utf-8")), cls)
+    assert "_visible" in members and "_validate_text" in members, "the member finder is broken"
+    found = {}
+    for path in _modules().values():
+        rel = path.relative_to(REPO).as_posix()
+        if _generated(path) or rel in PRIVATE_OWNERS:
+            continue
+        reads = _private_reads(ast.parse(path.read_text(encoding="utf-8")), members)
+        if reads:
+            found[rel] = dict(reads)
+    new = {f: {e: n for e, n in r.items() if n > PRIVATE_READS_ALLOWED.get(f, {}).get(e, 0)}
+           for f, r in found.items()}
+    new = {f: r for f, r in new.items() if r}
+    assert not new, (f"private members of {sorted(PRIVATE_OWNERS.values())} read from outside "
+                     f"their class (use or add a public method): {new}")
+    assert found == PRIVATE_READS_ALLOWED, (
+        "fewer private reads than allowed: shrink PRIVATE_READS_ALLOWED to what is left: "
+        f"{found}")
