@@ -40,7 +40,10 @@ class CanonicalWeights:
 
 
 @dataclass(frozen=True)
-class _Entry:
+class SourceEntry:
+    """One canonical parameter and the Hugging Face tensors it is read from (the bench writes
+    checkpoints back from the same table)."""
+
     canonical: str
     sources: tuple[str, ...]  # Hugging Face names, after the family prefix is stripped
     source_shapes: tuple[tuple[int, ...], ...]
@@ -66,7 +69,7 @@ def _squeeze_lead(ts: list[torch.Tensor]) -> torch.Tensor:
     return t
 
 
-def _layer_sources(spec: BackboneSpec, i: int, scheme: str) -> dict[str, tuple[str, ...]]:
+def layer_sources(spec: BackboneSpec, i: int, scheme: str) -> dict[str, tuple[str, ...]]:
     """Hugging Face names of layer parameter set ``i`` for each canonical layer parameter."""
     if spec.family == "bert":
         p = f"encoder.layer.{i}."
@@ -98,7 +101,7 @@ def _layer_sources(spec: BackboneSpec, i: int, scheme: str) -> dict[str, tuple[s
     return out
 
 
-def _entries(spec: BackboneSpec, scheme: str) -> list[_Entry]:
+def canonical_entries(spec: BackboneSpec, scheme: str) -> list[SourceEntry]:
     """Canonical order, required parameters only (pooler and head are handled apart)."""
     H = spec.hidden
     fixed: dict[str, tuple[tuple[str, ...], tuple[tuple[int, ...], ...], Callable]] = {}
@@ -125,19 +128,19 @@ def _entries(spec: BackboneSpec, scheme: str) -> list[_Entry]:
             "final_ln.weight": (("layernorm.weight",), ((H,),), _one),
             "final_ln.bias": (("layernorm.bias",), ((H,),), _one),
         })
-    out: list[_Entry] = []
+    out: list[SourceEntry] = []
     for p in spec.params(num_labels=None, pooler=False):
         if p.group == "layer":
             i_str, rest = p.name.split(".", 2)[1:]
-            sources = _layer_sources(spec, int(i_str), scheme)[rest]
+            sources = layer_sources(spec, int(i_str), scheme)[rest]
             if rest.startswith("qkv"):
                 shapes = tuple((H, H) if rest.endswith("weight") else (H,) for _ in sources)
-                out.append(_Entry(p.name, sources, shapes, _cat))
+                out.append(SourceEntry(p.name, sources, shapes, _cat))
             else:
-                out.append(_Entry(p.name, sources, (p.shape,), _one))
+                out.append(SourceEntry(p.name, sources, (p.shape,), _one))
         else:
             sources, shapes, combine = fixed[p.name]
-            out.append(_Entry(p.name, sources, shapes, combine))
+            out.append(SourceEntry(p.name, sources, shapes, combine))
     return out
 
 
@@ -189,7 +192,7 @@ def to_canonical(spec: BackboneSpec, tensors: Mapping[str, torch.Tensor]) -> Can
             used.add(n)
         return combine(parts)
 
-    for e in _entries(spec, scheme):
+    for e in canonical_entries(spec, scheme):
         out[e.canonical] = take(e.sources, e.source_shapes, e.combine, e.canonical)
 
     H = spec.hidden

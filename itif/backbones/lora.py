@@ -39,12 +39,25 @@ from typing import Any, Mapping
 import regex
 import torch
 
-from itif.backbones.hf import CanonicalWeights, _layer_sources
+from itif.backbones.hf import CanonicalWeights, layer_sources
 from itif.backbones.spec import BackboneSpec
 from itif.errors import InvalidWeights
 from itif.weights.safetensors_io import load_safetensors, read_metadata, save_safetensors
 
-__all__ = ["CONFIG_KEY", "MAX_RANK", "LINEAR_KINDS", "load_lora", "pack_adapter", "read_adapter"]
+__all__ = [
+    "CONFIG_KEY",
+    "LINEAR_KINDS",
+    "MAX_RANK",
+    "PATTERN_BUDGET_S",
+    "check_config",
+    "load_lora",
+    "module_rank",
+    "module_scale",
+    "pack_adapter",
+    "read_adapter",
+    "selection_fields",
+    "targeted_modules",
+]
 
 MAX_RANK = 64
 #: safetensors metadata key of a packed adapter's adapter_config.json
@@ -97,7 +110,11 @@ def read_adapter(source: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     return config, load_safetensors(w_path)
 
 
-def _check_config(config: Mapping[str, Any]) -> None:
+def check_config(config: Mapping[str, Any]) -> None:
+    """InvalidWeights naming the field when an adapter_config asks for what itif does not
+    serve (DoRA, LoRA biases, trained biases, ...) or holds a field of the wrong type; the
+    checks that need the backbone (which modules, ranks of the tensors) come later. Shared by
+    the encoder's LoRA tenants and the decoder's (``itif.generation.lora``)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise InvalidWeights(f"adapter peft_type {config.get('peft_type')!r}: only LORA is served")
     for key, ok in (("use_dora", False), ("lora_bias", False), ("fan_in_fan_out", False)):
@@ -181,7 +198,10 @@ def _pattern(patterns: Mapping[str, Any], module: str, deadline: float, field: s
     return None
 
 
-def _scale(config: Mapping[str, Any], module: str, rank: int, deadline: float) -> float:
+def module_scale(config: Mapping[str, Any], module: str, rank: int, deadline: float) -> float:
+    """The scale PEFT multiplies ``module``'s LoRA product by: its ``alpha_pattern`` entry,
+    else ``lora_alpha`` (8 when absent, PEFT's default), over ``rank`` (its square root with
+    ``use_rslora``). ``deadline``: the adapter's regex budget (:data:`PATTERN_BUDGET_S`)."""
     patterns = config.get("alpha_pattern") or {}
     key = _pattern(patterns, module, deadline, "alpha_pattern")
     alpha = config.get("lora_alpha", 8) if key is None else patterns[key]
@@ -190,7 +210,8 @@ def _scale(config: Mapping[str, Any], module: str, rank: int, deadline: float) -
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def _rank(config: Mapping[str, Any], module: str, deadline: float) -> tuple[int, str]:
+def module_rank(config: Mapping[str, Any], module: str, deadline: float
+                ) -> tuple[int, str]:
     """(the rank PEFT gives ``module``'s LoRA layer, which field of adapter_config says so):
     its ``rank_pattern`` entry, else ``r`` (``peft.tuners.lora.model``)."""
     patterns = config.get("rank_pattern") or {}
@@ -237,14 +258,15 @@ def _selects(config: Mapping[str, Any], targets, module: str, deadline: float) -
     return index == layers if _is_int(layers) else index in layers
 
 
-def _selection(config: Mapping[str, Any]) -> str:
-    """The adapter_config fields that choose the adapted modules, for messages."""
+def selection_fields(config: Mapping[str, Any]) -> str:
+    """The adapter_config fields that choose the adapted modules (``target_modules=[...],
+    layers_to_transform=[...]``, the ones set), for error messages."""
     keys = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern",
             "modules_to_save")
     return ", ".join(f"{k}={config[k]!r}" for k in keys if config.get(k) not in (None, []))
 
 
-def _targeted(config: Mapping[str, Any], spec: BackboneSpec, known: Mapping[str, str],
+def targeted_modules(config: Mapping[str, Any], spec: BackboneSpec, known: Mapping[str, str],
               deadline: float) -> set[str]:
     """The modules (values of ``known``: full module name -> adapter key) PEFT adapts for this
     config. ``all-linear`` is every linear PEFT would find (the classifier not, for SEQ_CLS).
@@ -258,7 +280,7 @@ def _targeted(config: Mapping[str, Any], spec: BackboneSpec, known: Mapping[str,
     if not out:
         ends = sorted({n.rsplit(".", 1)[-1] for n in known})
         raise InvalidWeights(
-            f"adapter_config {_selection(config)} selects no module of the {spec.family} "
+            f"adapter_config {selection_fields(config)} selects no module of the {spec.family} "
             f"backbone {spec.name!r} (PEFT: not found in the base model); its adaptable modules "
             f"end in {', '.join(ends)}")
     return out
@@ -276,7 +298,7 @@ def _module_map(spec: BackboneSpec, scheme: str) -> dict[str, tuple[str, int]]:
     """Hugging Face module name -> (canonical linear of a layer set, part: 0-2 of qkv, else 0)."""
     out: dict[str, tuple[str, int]] = {}
     for i in range(spec.num_param_layers):
-        src = _layer_sources(spec, i, scheme)
+        src = layer_sources(spec, i, scheme)
         for kind in LINEAR_KINDS:
             for part, name in enumerate(src[f"{kind}.weight"]):
                 out[name.removesuffix(".weight")] = (f"layers.{i}.{kind}", part)
@@ -299,7 +321,7 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
     is refused, and so is what PEFT would silently drop or leave at its initial values (tensors
     of a module the config does not adapt or save, a module it adapts without tensors), since
     serving either would answer otherwise than PEFT's model of the same adapter."""
-    _check_config(config)
+    check_config(config)
     deadline = time.monotonic() + PATTERN_BUDGET_S
     family = spec.family + "."
     src: dict[str, torch.Tensor] = {}
@@ -323,7 +345,7 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
     names = {key: family + key for key in modules}
     names.update((key, key if canon == "head" else family + key) for key, canon in heads.items()
                  if f"{canon}.weight" in base_heads)
-    targeted = _targeted(config, spec, {n: k for k, n in names.items()}, deadline)
+    targeted = targeted_modules(config, spec, {n: k for k, n in names.items()}, deadline)
     parts: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     owned: dict[str, torch.Tensor] = {}
     used: set[str] = set()
@@ -338,14 +360,14 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
         if module not in targeted:
             raise InvalidWeights(
                 f"adapter tensor {given[key]!r}: its adapter_config does not adapt {name!r} "
-                f"({_selection(config)}): PEFT would leave it unused")
+                f"({selection_fields(config)}): PEFT would leave it unused")
         if b is None:
             raise InvalidWeights(f"adapter has {given[key]!r} without its lora_B")
         used.update((key, module + _B))
         if a.dim() != 2 or b.dim() != 2:
             raise InvalidWeights(f"adapter module {name!r}: lora_A {list(a.shape)} and lora_B "
                                  f"{list(b.shape)} are not matrices")
-        rank, field = _rank(config, name, deadline)
+        rank, field = module_rank(config, name, deadline)
         if a.shape[0] != b.shape[1]:
             raise InvalidWeights(
                 f"adapter module {name!r}: lora_A has rank {a.shape[0]} ({list(a.shape)}) but "
@@ -365,7 +387,7 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
                 f"adapter module {name!r}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do "
                 f"not fit its weight [{fan_out}, {fan_in}] (lora_A is [r, in_features], lora_B "
                 "[out_features, r])")
-        s = _scale(config, name, rank, deadline)
+        s = module_scale(config, name, rank, deadline)
         if module in modules:
             canon, part = modules[module]
             parts.setdefault(canon, {})[part] = (a, b * s)
@@ -374,9 +396,9 @@ def load_lora(spec: BackboneSpec, config: Mapping[str, Any], tensors: Mapping[st
     missing = sorted(names[m] for m in targeted if m + _A not in src)
     if missing:
         raise InvalidWeights(
-            f"adapter_config adapts {missing[0]!r} ({_selection(config)}) but the adapter has "
-            f"no lora_A/lora_B for it ({len(missing)} such modules): PEFT would leave them at "
-            "their initial values")
+            f"adapter_config adapts {missing[0]!r} ({selection_fields(config)}) but the adapter "
+            f"has no lora_A/lora_B for it ({len(missing)} such modules): PEFT would leave them "
+            "at their initial values")
     unsaved = []  # saved heads' tensors that modules_to_save does not name (after the shapes)
     for head, canon in heads.items():  # modules_to_save copies (a full head of the tenant)
         for suffix in ("weight", "bias"):

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from itif.backbones.hf import CanonicalWeights, _entries
+from itif.backbones.hf import CanonicalWeights, canonical_entries
 from itif.backbones.spec import BackboneSpec
 from itif.errors import InvalidRequest
 
@@ -101,7 +101,7 @@ def to_hf(spec: BackboneSpec, w: CanonicalWeights, scheme: str = "hub",
     """
     pre = spec.family + "." if prefix else ""
     out: dict[str, torch.Tensor] = {}
-    for e in _entries(spec, scheme):
+    for e in canonical_entries(spec, scheme):
         t = w.tensors[e.canonical]
         if len(e.sources) > 1:  # fused QKV back into query, key, value
             parts = torch.split(t, [s[0] for s in e.source_shapes], 0)

@@ -26,8 +26,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from itif.generation.model import (Scratch, SeqGroup, StepRows, TenantParams, _gather, _head_rows,
-                                   _logits)
+from itif.generation.model import (
+    Scratch,
+    SeqGroup,
+    StepRows,
+    TenantParams,
+    gather_rows,
+    head_rows,
+    lm_logits,
+)
 from itif.generation.rope import Rope
 from itif.generation.spec import DecoderSpec
 from itif.ops import dispatch as ops
@@ -86,7 +93,7 @@ def _cache_attention(spec: DecoderSpec, qkv: torch.Tensor, kv: torch.Tensor, s: 
     R, A = qkv.shape[0], spec.q_width
     L = s.loc.shape[1]
     kv.index_copy_(0, s.write, qkv[:, A:])
-    hist = _gather(kv, s.loc.reshape(-1), scratch, "history").view(R, L, kv.shape[1])
+    hist = gather_rows(kv, s.loc.reshape(-1), scratch, "history").view(R, L, kv.shape[1])
     G, d = spec.kv_width, spec.head_dim
     q = qkv[:, :A].reshape(R, 1, spec.heads, d).transpose(1, 2)
     k = hist[:, :, :G].reshape(R, L, spec.kv_heads_n, d).transpose(1, 2)
@@ -140,7 +147,7 @@ def prefill(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Ten
             return _seq_attention(spec, qkv, seqs)
 
         h = _layers(spec, P, _embed(P, ids), cos, sin, attend)
-        return _head_rows(spec, P, h, last)
+        return head_rows(spec, P, h, last)
 
 
 def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tensor,
@@ -161,7 +168,7 @@ def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             return _cache_attention(spec, qkv, kv[i], rows, mask, scratch)
 
-        return _logits(spec, P, _layers(spec, P, _embed(P, ids), cos, sin, attend))
+        return lm_logits(spec, P, _layers(spec, P, _embed(P, ids), cos, sin, attend))
 
 
 __all__ = ["decode", "prefill", "rope_of"]

@@ -43,8 +43,15 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 import torch
 
-from itif.backbones.lora import (PATTERN_BUDGET_S, _check_config, _rank, _scale,
-                                 _selection, _targeted, read_adapter)
+from itif.backbones.lora import (
+    PATTERN_BUDGET_S,
+    check_config,
+    module_rank,
+    module_scale,
+    read_adapter,
+    selection_fields,
+    targeted_modules,
+)
 from itif.errors import InvalidWeights, TenantNotFound, shown
 from itif.generation.spec import DecoderSpec
 
@@ -123,7 +130,7 @@ def read_lora(spec: DecoderSpec, config: Mapping[str, Any],
     if not isinstance(config, Mapping):
         raise InvalidWeights("adapter_config is not a JSON object")
     cfg = _config_for(spec, config)
-    _check_config(cfg)
+    check_config(cfg)
     deadline = time.monotonic() + PATTERN_BUDGET_S
     modules = adapter_modules(spec)
     src: dict[str, torch.Tensor] = {}
@@ -139,7 +146,7 @@ def read_lora(spec: DecoderSpec, config: Mapping[str, Any],
         if not torch.isfinite(t).all():
             raise InvalidWeights(f"adapter tensor {name!r} holds non-finite values")
         src[key] = t.detach().to("cpu", torch.float32)
-    targeted = _targeted(cfg, spec, {m: m for m in modules}, deadline)
+    targeted = targeted_modules(cfg, spec, {m: m for m in modules}, deadline)
     by_proj: dict[str, list[tuple[_Module, torch.Tensor, torch.Tensor]]] = {}
     used: set[str] = set()
     for key in sorted(k for k in src if k.endswith(_A)):
@@ -152,15 +159,15 @@ def read_lora(spec: DecoderSpec, config: Mapping[str, Any],
                 f"{', '.join(sorted({m.rsplit('.', 1)[-1] for m in modules}))})")
         if module not in targeted:
             raise InvalidWeights(f"adapter tensor {given[key]!r}: its adapter_config does not "
-                                 f"adapt {module!r} ({_selection(cfg)}): PEFT would leave it "
-                                 "unused")
+                                 f"adapt {module!r} ({selection_fields(cfg)}): PEFT would "
+                                 "leave it unused")
         if b is None:
             raise InvalidWeights(f"adapter has {given[key]!r} without its lora_B")
         used.update((key, module + _B))
         if a.dim() != 2 or b.dim() != 2:
             raise InvalidWeights(f"adapter module {module!r}: lora_A {list(a.shape)} and "
                                  f"lora_B {list(b.shape)} are not matrices")
-        rank, field = _rank(cfg, module, deadline)
+        rank, field = module_rank(cfg, module, deadline)
         if a.shape[0] != rank or b.shape[1] != rank:
             raise InvalidWeights(
                 f"adapter module {module!r}: its tensors have rank {a.shape[0]} / {b.shape[1]} "
@@ -172,12 +179,13 @@ def read_lora(spec: DecoderSpec, config: Mapping[str, Any],
                 f"adapter module {module!r}: lora_A {list(a.shape)} and lora_B {list(b.shape)} "
                 f"do not fit its weight [{m.width}, {m.fan_in}] (lora_A is [r, in_features], "
                 "lora_B [out_features, r])")
-        by_proj.setdefault(m.proj, []).append((m, a, b * _scale(cfg, module, rank, deadline)))
+        scale = module_scale(cfg, module, rank, deadline)
+        by_proj.setdefault(m.proj, []).append((m, a, b * scale))
     missing = sorted(m for m in targeted if m + _A not in src)
     if missing:
         raise InvalidWeights(
-            f"adapter_config adapts {missing[0]!r} ({_selection(cfg)}) but the adapter has no "
-            f"lora_A/lora_B for it ({len(missing)} such modules): PEFT would leave them at "
+            f"adapter_config adapts {missing[0]!r} ({selection_fields(cfg)}) but the adapter has "
+            f"no lora_A/lora_B for it ({len(missing)} such modules): PEFT would leave them at "
             "their initial values")
     extra = sorted(set(src) - used)
     if extra:

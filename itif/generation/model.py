@@ -174,7 +174,10 @@ class Scratch:
         return b[:n].view(rows, like.shape[1])
 
 
-def _gather(src: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, name: str) -> torch.Tensor:
+def gather_rows(src: torch.Tensor, index: torch.Tensor, scratch: Scratch | None, name: str
+                ) -> torch.Tensor:
+    """``src``'s rows ``index`` (the K/V cache rows of a step's histories), into
+    ``scratch``'s buffer ``name`` when given (no allocation per step), else a new tensor."""
     if scratch is None:
         return src.index_select(0, index)
     return torch.index_select(src, 0, index, out=scratch.take(name, index.numel(), src))
@@ -254,7 +257,7 @@ def _source_heads(kv: torch.Tensor, c: CrossGroup, layer: int, heads: int,
         return got
     n, S = c.src_loc.shape
     H = kv.shape[1] // 2
-    src = _gather(kv, c.src_loc.reshape(-1), scratch if c.cached is None else None, "source")
+    src = gather_rows(kv, c.src_loc.reshape(-1), scratch if c.cached is None else None, "source")
     src = src.view(n, S, 2 * H)
     kt, v = _heads(src[:, :, :H], n, S, heads).transpose(2, 3), _heads(src[:, :, H:], n, S, heads)
     if c.cached is None:
@@ -316,7 +319,7 @@ def _cache_attention(qkv: torch.Tensor, kv: torch.Tensor, s: StepRows, heads: in
     H = H3 // 3
     L = s.loc.shape[1]
     kv.index_copy_(0, s.write, qkv[:, H:])
-    hist = _gather(kv, s.loc.reshape(-1), scratch, "history").view(R, L, 2 * H)
+    hist = gather_rows(kv, s.loc.reshape(-1), scratch, "history").view(R, L, 2 * H)
     q = _heads(qkv[:, :H], R, 1, heads)
     k, v = _heads(hist[:, :, :H], R, L, heads), _heads(hist[:, :, H:], R, L, heads)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask).transpose(1, 2).reshape(R, H)
@@ -349,7 +352,9 @@ def _sinusoids(spec: DecoderSpec, device, dtype) -> torch.Tensor:
     return t
 
 
-def _logits(spec: DecoderSpec, P: TenantParams, x: torch.Tensor) -> torch.Tensor:
+def lm_logits(spec: DecoderSpec, P: TenantParams, x: torch.Tensor) -> torch.Tensor:
+    """The LM head of each row's tenant over final hidden states ``x``: the word embeddings
+    when the spec ties them, else ``lm_head``, plus Marian's / BART's final logits bias."""
     y = P.gemm(x, "emb.word" if spec.tied_lm_head else "lm_head.weight")
     if spec.encoder_decoder:
         ops.bias_act(y, P.rot("final_logits_bias"))
@@ -393,13 +398,16 @@ def prefill(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Ten
             x = ops.bias_residual(P.gemm(f, p + "ffn_out.weight"), P.rot(p + "ffn_out.bias"), x)
         x = P.ln(x, "final_ln", spec.eps)
         # The head over the last rows only: a row subset has its own tenant runs.
-        return _head_rows(spec, P, x, last)
+        return head_rows(spec, P, x, last)
 
 
-def _head_rows(spec: DecoderSpec, P: TenantParams, x: torch.Tensor, last: np.ndarray) -> torch.Tensor:
+def head_rows(spec: DecoderSpec, P: TenantParams, x: torch.Tensor, last: np.ndarray
+              ) -> torch.Tensor:
+    """:func:`lm_logits` of rows ``last`` of ``x`` only (a prefill's last prompt tokens),
+    each with its own tenant's head."""
     sub = TenantParams(P.sm, P.tenant_ids, P.row_tenant[last], P.device, P.dtype)
     rows = torch.as_tensor(last, dtype=torch.int64, device=x.device)
-    return _logits(spec, sub, x.index_select(0, rows))
+    return lm_logits(spec, sub, x.index_select(0, rows))
 
 
 def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tensor,
@@ -426,7 +434,7 @@ def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
             x = _post_ln_tail(spec, P, p, x)
         if spec.pre_ln:
             x = P.ln(x, "final_ln", spec.eps)
-        return _logits(spec, P, x)
+        return lm_logits(spec, P, x)
 
 
 def group_rows(tenant_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -446,4 +454,4 @@ def rows_of_requests(counts: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np
 
 
 __all__ = ["CrossGroup", "Scratch", "SeqGroup", "SlotMatrix", "StepRows", "TenantParams", "decode", "encode",
-           "group_rows", "prefill", "rows_of_requests"]
+           "gather_rows", "group_rows", "head_rows", "lm_logits", "prefill", "rows_of_requests"]
