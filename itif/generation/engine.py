@@ -8,9 +8,11 @@ row, ``itif.generation.search``). The iteration loop, each step:
 1. cancelled requests leave (rows and cache blocks freed);
 2. waiting requests join in fair order across tenants (start-time fair queueing over their
    generated-token budgets, weighted by ``tenants[].weight``: ``itif.generation.admission``)
-   while the KV pool has room for their whole reservation (prompt, source and
-   ``max_new_tokens`` positions per row); the next one that does not fit waits for blocks to
-   free, never failing the batch;
+   while the KV pool has room for their prompt (decoder-only: blocks are taken as rows grow;
+   encoder-decoder: the whole reservation) after the running rows' growth; the next one that
+   does not fit waits for blocks to free, never failing the batch. Preempted requests resume
+   first. When the running rows' next blocks do not fit, the request that joined last is
+   preempted (``_preempt``) until they do: its blocks freed, it waits to be recomputed;
 3. one decode forward over all rows already running (every tenant together), and the prefill
    (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests; joining
    requests whose prompts fail together (out of memory: a long prompt) run again one by one, and
@@ -32,20 +34,22 @@ import logging
 import os
 import threading
 import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from itif.backbones.hf import CanonicalWeights
-from itif.errors import (Busy, InvalidRequest, ItifError, TenantNotFound, Unavailable,
-                         is_out_of_memory, shown)
+from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
 from itif.generation import deltas, lora
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.running import Admission, RunningBatch
+from itif.generation.scheduling import StepParts, error_for
 from itif.generation.spec import PRESET_DEFAULTS, DecoderSpec, defaults_from_dir, load_decoder_spec
 from itif.generation.tickets import GenEvent, Ticket
 from itif.platform import tune_host_malloc
@@ -63,7 +67,7 @@ def _search():
     return search
 
 
-class GenEngine:
+class GenEngine(StepParts):
     def __init__(self, backbone: str | os.PathLike | DecoderSpec, device="cpu", dtype="float32",
                  kv_cache_bytes: int | None = None, max_new_tokens_limit: int = 512) -> None:
         self.spec = load_decoder_spec(backbone)
@@ -93,6 +97,8 @@ class GenEngine:
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._waiting: FairWaiting[Ticket] = FairWaiting()
+        self._resume: deque[Ticket] = deque()  # preempted requests, resumed before any other
+        self.preemptions = 0  # requests preempted for lack of KV blocks, since the start
         self._running: dict[int, Ticket] = {}
         self._streaming: dict[int, Ticket] = {}  # running requests whose tokens are streamed
         self._cancel: list[Ticket] = []
@@ -180,15 +186,19 @@ class GenEngine:
 
     def _take_running(self, tenant: str) -> list[Ticket]:
         """(Step lock held.) Take ``tenant``'s running requests out: rows and blocks freed."""
+        with self._cv:
+            held = [t for t in self._resume if t.request.tenant == tenant]
+            for t in held:  # preempted: their cache was on the weights being replaced
+                self._resume.remove(t)
         keys = self._batch.keys_of(tenant)
         if not keys:
-            return []
+            return held
         if self._sb is not None:
             self._sb.remove(keys)
         self._batch.remove(keys)
         for k in keys:
             self._streaming.pop(k, None)
-        return [self._running.pop(k) for k in keys]
+        return held + [self._running.pop(k) for k in keys]
 
     def _fail(self, tickets: list[Ticket], err: ItifError) -> None:
         for t in tickets:
@@ -202,7 +212,7 @@ class GenEngine:
         and every other request go on."""
         try:
             t.on_event(ev)
-        except Exception:  # noqa: BLE001 - one caller's failure must not end the others'
+        except Exception:
             log.exception("generation request %s (tenant %s): its event callback raised; the "
                           "request is cancelled", t.id, t.request.tenant)
             self.cancel(t)
@@ -255,7 +265,7 @@ class GenEngine:
         t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens - 1, source)
         t.history = prompt
         t.stream = params.mode != "beam"
-        need = self._batch.blocks_needed(t.admission)
+        need = self._batch.blocks_full(t.admission)
         if need > self._batch.pool.blocks:  # never fits, however long it waits: not retryable
             field_name = ("max_new_tokens" if params.rows == 1 else
                           "num_beams" if params.mode == "beam" else "num_return_sequences")
@@ -324,7 +334,10 @@ class GenEngine:
                 return
             ticket.cancelled = True
             try:
-                self._waiting.remove(ticket)
+                if ticket in self._resume:
+                    self._resume.remove(ticket)
+                else:
+                    self._waiting.remove(ticket)
                 ticket.done = True
             except ValueError:
                 self._cancel.append(ticket)
@@ -349,8 +362,9 @@ class GenEngine:
         self._thread = None
         with self._step_lock:
             with self._cv:
-                waiting = list(self._waiting)
-                for t in waiting:
+                waiting = list(self._resume) + list(self._waiting)
+                self._resume.clear()
+                for t in waiting[len(waiting) - len(self._waiting):]:
                     self._waiting.remove(t)
             self._fail(waiting, Unavailable("the generation engine stopped"))
             if self._running:  # an emptied batch: the next start begins clean
@@ -359,8 +373,9 @@ class GenEngine:
     def cache_stats(self) -> dict:
         pool = self._batch.pool
         with self._cv:
-            waiting = len(self._waiting)
+            waiting = len(self._waiting) + len(self._resume)
         return {"blocks_total": pool.blocks, "blocks_free": pool.free_blocks,
+                "blocks_cached": pool.cached_blocks, "preemptions": self.preemptions,
                 "blocks_used": pool.blocks - pool.free_blocks, "block_positions": pool.block,
                 "bytes_total": pool.blocks * pool.block_bytes,
                 "bytes_used": (pool.blocks - pool.free_blocks) * pool.block_bytes,
@@ -374,13 +389,14 @@ class GenEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._running and not self._cancel:
+                while (not self._stop and not self._waiting and not self._resume
+                       and not self._running and not self._cancel):
                     self._cv.wait()
                 if self._stop:
                     return
             try:
                 self._iterate()
-            except Exception:  # noqa: BLE001 - the loop serves every tenant: it must not end
+            except Exception:
                 log.exception("generation loop error; continuing")
                 time.sleep(0.05)
 
@@ -389,9 +405,9 @@ class GenEngine:
             try:
                 self._step()
                 return
-            except Exception as e:  # noqa: BLE001 - every running request learns of it
+            except Exception as e:
                 log.exception("generation step failed")
-                err = _error(e, "the device ran out of memory running a generation step: "
+                err = error_for(e, "the device ran out of memory running a generation step: "
                                 "retry", "generation step failed")
                 err.__cause__ = None  # logged: its frames (the step's tensors) can go now
             self._fail_all(err)
@@ -406,13 +422,14 @@ class GenEngine:
         with self._cv:
             cancel, self._cancel = self._cancel, []
             joins: list[Ticket] = []
-            free = batch.pool.free_blocks
-            while self._waiting:
-                need = batch.blocks_needed(self._waiting.peek().admission)
+            free = batch.pool.free_blocks - batch.grow_need()  # the running rows grow first
+            while self._resume or self._waiting:
+                head = self._resume[0] if self._resume else self._waiting.peek()
+                need = batch.blocks_needed(head.admission)
                 if need > free:
                     break
                 free -= need
-                joins.append(self._waiting.pop())
+                joins.append(self._resume.popleft() if self._resume else self._waiting.pop())
         for t in [t for t in joins if t.request.tenant not in self.store]:
             # removed between its submit's check and now (the store changes under this lock)
             joins.remove(t)
@@ -434,6 +451,7 @@ class GenEngine:
             return
         parts = []
         if batch.rows:
+            self._preempt(batch, sb)  # room for the rows' next blocks (decode takes them)
             logits = self._decode(batch, sb)
             if logits.shape[0]:
                 parts.append(logits)
@@ -459,87 +477,6 @@ class GenEngine:
                 t.done = True
                 if not t.cancelled:
                     self._emit(t, GenEvent("done", generation=self._generation(t, results[k])))
-
-    def _decode(self, batch: RunningBatch, sb: Any) -> torch.Tensor:
-        """The running rows' decode forward; their logits. If it fails for all of them together
-        (out of memory, most often), the requests run again in halves, halves again
-        (``RunningBatch.decode_apart``), so only a request that fails alone fails; it leaves the
-        batch and the search, and the others go on. Rows of requests joining this step are in
-        the search only, after the running ones: removing running rows leaves them in place."""
-        try:
-            return batch.decode()
-        except Exception as e:  # noqa: BLE001 - the running requests must not all end with it
-            if batch.requests == 1:
-                failed = {next(iter(batch.ids)): e}
-                logits = None
-            else:
-                log.warning("the decode step of %d generation requests failed (%s); they run "
-                            "again in halves", batch.requests, type(e).__name__)
-                logits, failed = batch.decode_apart()
-        if not failed:
-            return logits
-        keys = list(failed)
-        sb.remove(keys)
-        keep = batch.remove(keys)
-        for k, e in failed.items():
-            t = self._running.pop(k)
-            self._streaming.pop(k, None)
-            log.warning("generation request %s (tenant %s) failed in its decode step: %r", k,
-                        t.request.tenant, e)
-            self._fail([t], _error(e, "the device ran out of memory running this generation's "
-                                      "next token: retry, or ask for fewer rows or tokens",
-                                   "generation failed"))
-        if logits is None:
-            return keep.new_empty(0, 0, dtype=batch.dtype)
-        return logits.index_select(0, keep)
-
-    def _admit(self, batch: RunningBatch, sb: Any, joins: list[Ticket],
-               parts: list[torch.Tensor]) -> list[Ticket]:
-        """Admit ``joins`` (their prompts run, their first logits appended to ``parts``); the
-        ones admitted. If their prompts fail together (out of memory, most often: one long
-        prompt), each runs again alone, in order, so only those that still fail fail; a failed
-        admission leaves the batch as it was (``RunningBatch.admit``), and the running rows go
-        on."""
-        try:
-            parts.append(batch.admit([t.admission for t in joins]))
-            return joins
-        except Exception as e:  # noqa: BLE001 - the running rows must not end with them
-            if len(joins) == 1:
-                self._refuse_join(sb, joins[0], e)
-                return []
-            log.warning("%d generation requests failed to start together (%s); each again alone",
-                        len(joins), type(e).__name__)
-        admitted = []
-        for t in joins:  # in join order: the search holds their rows in this order
-            try:
-                parts.append(batch.admit([t.admission]))
-                admitted.append(t)
-            except Exception as e:  # noqa: BLE001
-                self._refuse_join(sb, t, e)
-        return admitted
-
-    def _refuse_join(self, sb: Any, t: Ticket, e: Exception) -> None:
-        """Fail a request whose prompt could not run: out of the search and the running set."""
-        log.warning("generation request %s (tenant %s) could not start: %r", t.id,
-                    t.request.tenant, e)
-        sb.remove([t.id])
-        del self._running[t.id]
-        self._fail([t], _error(e, "the device ran out of memory running this generation's "
-                                  "prompt: retry, or send a shorter prompt or fewer rows",
-                               "generation could not start"))
-
-    def _join_search(self, sb: Any, t: Ticket) -> bool:
-        """Add ``t``'s rows to the search (before the cache admits it: the rows of both stay in
-        the same order). A request the search refuses fails alone; the others go on."""
-        try:
-            sb.add(t.id, t.params, t.history)
-        except Exception as e:  # noqa: BLE001 - one request's parameters must not end the others'
-            log.warning("generation request %s refused by the search: %r", t.id, e)
-            del self._running[t.id]
-            self._fail([t], e if isinstance(e, ItifError)
-                       else ItifError(f"generation could not start: {e!r}"))
-            return False
-        return True
 
     def _stream(self) -> None:
         """New tokens of streaming (greedy, sampling) requests, one event per request."""
@@ -569,7 +506,7 @@ class GenEngine:
         try:
             self._batch.remove(list(self._batch.ids))
             return
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("the running batch could not be emptied; a new one is made")
         self._rebuild = True
         self._new_batch()
@@ -578,16 +515,5 @@ class GenEngine:
         self._batch = RunningBatch(self.spec, self.store, self.kv_cache_bytes,
                                    before_forward=self._before_forward, lora=self.lora)
         self._rebuild = False
-
-def _error(e: Exception, out_of_memory: str, failed: str) -> ItifError:
-    """What a request that failed with ``e`` is told: ``e`` itself if it is an ItifError,
-    Busy (RESOURCE_EXHAUSTED, retry later) with ``out_of_memory`` for the device's out-of-memory error,
-    else ``failed`` and the exception's type (its text may name another request's data)."""
-    if isinstance(e, ItifError):
-        return e
-    err = Busy(out_of_memory) if is_out_of_memory(e) else ItifError(f"{failed}: {type(e).__name__}")
-    err.__cause__ = e
-    return err
-
 
 __all__ = ["GenEngine", "GenEvent", "Ticket"]

@@ -16,16 +16,26 @@ locations) sits in a ``[requests, S]`` table compacted like the row table.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
 
 from itif.generation import llama
-from itif.generation.cache import KVPool, RowTable
-from itif.generation.model import (CrossGroup, Scratch, SeqGroup, SlotMatrix, TenantParams, decode,
-                                   encode, group_rows, prefill, rows_of_requests)
+from itif.generation.cache import KVPool, RowTable, prefix_digests
+from itif.generation.model import (
+    CrossGroup,
+    Scratch,
+    SeqGroup,
+    SlotMatrix,
+    TenantParams,
+    decode,
+    encode,
+    group_rows,
+    prefill,
+    rows_of_requests,
+)
 from itif.generation.spec import DecoderSpec
 from itif.weights.store import WeightStore
 
@@ -44,6 +54,9 @@ class Admission:
     rows: int
     max_new_tokens: int
     source: Sequence[int] | None = None
+    #: a preempted request resuming (decoder-only): each row's history so far (``prompt`` and
+    #: its generated tokens, all of one length), recomputed into the blocks it held before
+    histories: Sequence[Sequence[int]] | None = None
 
 
 class RunningBatch:
@@ -63,6 +76,9 @@ class RunningBatch:
         self.last = torch.zeros(0, dtype=torch.int64, device=self.device)  # each row's next input
         n0 = np.zeros(0, np.int64)
         self.rid, self.tenant, self.nrows, self.length, self.src_len = n0, n0, n0, n0, n0
+        # per request: the first position of its rows' own blocks, the positions they may
+        # fill there, and the own blocks each row holds so far (taken as the rows grow)
+        self.start, self.maxgen, self.own = n0, n0, n0
         self.src_loc = torch.zeros(0, spec.max_position, dtype=torch.int64, device=self.device)
         self._scratch = Scratch()  # the decode step's gather buffers, reused step after step
         self.blocks: dict[int, list[int]] = {}  # request id -> its blocks
@@ -81,13 +97,59 @@ class RunningBatch:
     def requests(self) -> int:
         return int(self.rid.size)
 
-    def blocks_needed(self, a: Admission) -> int:
+    def blocks_full(self, a: Admission) -> int:
+        """Every block ``a`` may ever hold: what it needs to finish alone in the pool."""
         p = self.pool
         src = p.blocks_for(len(a.source)) if a.source is not None else 0
         return p.blocks_for(len(a.prompt)) + a.rows * p.blocks_for(a.max_new_tokens) + src
 
+    def blocks_needed(self, a: Admission) -> int:
+        """Free blocks ``a`` needs to join: encoder-decoder, all it may ever hold; decoder-only,
+        its prompt's and, per row, those of its next position (a resumed request: and of the
+        tokens it had generated)."""
+        if self.spec.encoder_decoder:
+            return self.blocks_full(a)
+        p = self.pool
+        gen = len(a.histories[0]) - len(a.prompt) if a.histories else 0
+        return p.blocks_for(len(a.prompt)) + a.rows * min(p.blocks_for(gen + 1),
+                                                          p.blocks_for(a.max_new_tokens))
+
     def fits(self, a: Admission) -> bool:
         return self.blocks_needed(a) <= self.pool.free_blocks
+
+    def _deficit(self) -> np.ndarray:
+        """Per request: blocks each of its rows must take before the next decode writes
+        position ``length`` (0 unless that position starts a new block of the row's own)."""
+        filled = np.minimum(self.length - self.start + 1, self.maxgen)
+        return np.maximum(-(-filled // self.pool.block) - self.own, 0)
+
+    def grow_need(self) -> int:
+        """Blocks the next decode takes (rows crossing into a new block)."""
+        return int((self._deficit() * self.nrows).sum()) if self.requests else 0
+
+    def grow(self) -> None:
+        """Give each row crossing into a new block that block (``grow_need`` must be free)."""
+        if not self.requests:
+            return
+        d = self._deficit()
+        idx = np.flatnonzero(d)
+        if not idx.size:
+            return
+        B, pool, dev = self.pool.block, self.pool, self.device
+        first_row = np.cumsum(self.nrows) - self.nrows
+        for i in idx.tolist():  # a request crosses a boundary once every B steps
+            k, r = int(d[i]), int(self.nrows[i])
+            blocks = pool.alloc(k * r)
+            self.blocks[int(self.rid[i])].extend(blocks)
+            self.table.fill(torch.arange(first_row[i], first_row[i] + r, device=dev),
+                            torch.full((r,), int(self.start[i] + self.own[i] * B), device=dev),
+                            pool.locations(blocks, k * r * B).view(r, k * B))
+            self.own[i] += k
+
+    def newest(self) -> Hashable:
+        """The key of the request that joined last (the one to preempt)."""
+        rid = int(self.rid.max())
+        return next(k for k, r in self.ids.items() if r == rid)
 
     def keys_of(self, tenant: str) -> list[Hashable]:
         """Keys of the running requests of ``tenant``."""
@@ -111,10 +173,11 @@ class RunningBatch:
 
     # ---- membership ------------------------------------------------------------------------
     def admit(self, items: Sequence[Admission]) -> torch.Tensor:
-        """Reserve the cache of ``items`` (all must fit), run their encoder / prompt, append
-        their rows. Returns the logits of the new rows [sum rows, V] (each request's first-step
-        logits, repeated over its rows). If it raises, nothing of ``items`` stays: their blocks
-        are free again and the running rows are as they were."""
+        """Take the cache of ``items`` (all must fit: ``blocks_needed``), run their encoder /
+        prompt, append their rows. Returns the logits of the new rows [sum rows, V] (each
+        request's first-step logits, repeated over its rows; a resumed request's, each row's
+        own). If it raises, nothing of ``items`` stays: their blocks are free again and the
+        running rows are as they were."""
         spec, pool, dev = self.spec, self.pool, self.device
         sm = self._slots()
         n = len(items)
@@ -123,51 +186,16 @@ class RunningBatch:
         plen = np.array([len(a.prompt) for a in items], np.int64)
         rids = np.arange(self._next, self._next + n, dtype=np.int64)
         self._next += n
-        prompt_locs, own, src_locs = [], [], []
+        made: list[int] = []  # prefix blocks named here (forgotten again if this fails)
         try:  # a failure (out of memory, most often) leaves the batch as it was
-            for a, rid in zip(items, rids.tolist()):  # admission: once per joining request
-                src = pool.blocks_for(len(a.source)) if a.source is not None else 0
-                pb, gb = pool.blocks_for(len(a.prompt)), pool.blocks_for(a.max_new_tokens)
-                blocks = pool.alloc(pb + a.rows * gb + src)
-                self.blocks[rid] = blocks
-                self.ids[a.key] = rid
-                prompt_locs.append(pool.locations(blocks[:pb], len(a.prompt)))
-                own.append(pool.locations(blocks[pb:pb + a.rows * gb], a.rows * gb * pool.block)
-                           .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
-                src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)) if src else None)
-            order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
-            if self.before_forward is not None:
-                self.before_forward({a.tenant for a in items})
-            P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
             if spec.encoder_decoder:
-                slen = np.array([len(a.source) for a in items], np.int64)
-                sstart, _ = rows_of_requests(slen[order])
-                tok_tenant = np.repeat(row_tenant, slen[order])
-                Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
-                ids, pos = _packed([items[i].source for i in order], slen[order], dev)
-                sloc = torch.cat([src_locs[i] for i in order])
-                encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
-                # The first step's cross-attention reads only as many source columns as the longest
-                # new source (padding masked, and read at the request's own first source position),
-                # not the table's full width.
-                packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
-                cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
-                                         slen[order])
-                start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
-                loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
-                logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
-                                  loc, cross)
+                prompt_locs, own, src_locs, logits = self._admit_enc_dec(items, rids, tenant, sm)
+                length = plen
             else:
-                slen = np.zeros(n, np.int64)
-                pstart, _ = rows_of_requests(plen[order])
-                tok_tenant = np.repeat(row_tenant, plen[order])
-                Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
-                ids, pos = _packed([items[i].prompt for i in order], plen[order], dev)
-                wloc = torch.cat([prompt_locs[i] for i in order])
-                run = llama.prefill if self._llama else prefill
-                logits_f = run(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, plen[order], dev),
-                               wloc, pstart + plen[order] - 1)
+                prompt_locs, own, length, logits = self._admit_decoder(items, rids, tenant, sm, made)
         except BaseException:
+            for b in made:
+                pool.forget(b)
             for a, rid in zip(items, rids.tolist()):
                 blocks = self.blocks.pop(rid, None)
                 if blocks is not None:
@@ -175,23 +203,69 @@ class RunningBatch:
                 if self.ids.get(a.key) == rid:
                     del self.ids[a.key]
             raise
-        logits = torch.empty_like(logits_f)
-        logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
-        for a, pl, ow in zip(items, prompt_locs, own):
-            self.table.add(pl, ow)
+        for pl, ow, m in zip(prompt_locs, own, length):
+            self.table.add(pl, ow, m)
         self.last = torch.cat([self.last, torch.zeros(int(rows.sum()), dtype=torch.int64, device=dev)])
         self.rid = np.concatenate([self.rid, rids])
         self.tenant = np.concatenate([self.tenant, tenant])
         self.nrows = np.concatenate([self.nrows, rows])
-        self.length = np.concatenate([self.length, plen])
-        self.src_len = np.concatenate([self.src_len, slen])
+        self.length = np.concatenate([self.length, length]).astype(np.int64)
+        self.start = np.concatenate([self.start, plen])
+        self.maxgen = np.concatenate([self.maxgen, [a.max_new_tokens for a in items]]).astype(np.int64)
+        held = [o.shape[1] // pool.block if not spec.encoder_decoder
+                else pool.blocks_for(a.max_new_tokens) for a, o in zip(items, own)]
+        self.own = np.concatenate([self.own, held]).astype(np.int64)
         if spec.encoder_decoder:
+            self.src_len = np.concatenate([self.src_len, [len(a.source) for a in items]]).astype(np.int64)
             new_src = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
             adm = torch.nn.utils.rnn.pad_sequence(src_locs, batch_first=True)  # admission order
             new_src[:, : adm.shape[1]] = adm
             self.src_loc = torch.cat([self.src_loc, new_src])
+        else:
+            self.src_len = np.concatenate([self.src_len, np.zeros(n, np.int64)])
         self._fwd = None
-        return logits.repeat_interleave(torch.as_tensor(rows, device=dev), dim=0)
+        return logits
+
+    def _admit_enc_dec(self, items, rids, tenant, sm):
+        """BART, Marian: every block reserved at once (source, start token, ``max_new_tokens``
+        per row: these requests are never preempted); the encoder, then the start token."""
+        spec, pool, dev = self.spec, self.pool, self.device
+        n = len(items)
+        prompt_locs, own, src_locs = [], [], []
+        for a, rid in zip(items, rids.tolist()):  # admission: once per joining request
+            src = pool.blocks_for(len(a.source))
+            pb, gb = pool.blocks_for(len(a.prompt)), pool.blocks_for(a.max_new_tokens)
+            self.ids[a.key] = rid
+            blocks = self.blocks[rid] = pool.alloc(pb + a.rows * gb + src)
+            prompt_locs.append(pool.locations(blocks[:pb], len(a.prompt)))
+            own.append(pool.locations(blocks[pb:pb + a.rows * gb], a.rows * gb * pool.block)
+                       .view(a.rows, gb * pool.block)[:, :a.max_new_tokens])
+            src_locs.append(pool.locations(blocks[pb + a.rows * gb:], len(a.source)))
+        order, tenant_ids, row_tenant = group_rows(tenant)  # new requests in forward order
+        if self.before_forward is not None:
+            self.before_forward({a.tenant for a in items})
+        P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
+        slen = np.array([len(a.source) for a in items], np.int64)
+        sstart, _ = rows_of_requests(slen[order])
+        tok_tenant = np.repeat(row_tenant, slen[order])
+        Ptok = TenantParams(sm, tenant_ids, tok_tenant, dev, self.dtype)
+        ids, pos = _packed([items[i].source for i in order], slen[order], dev)
+        sloc = torch.cat([src_locs[i] for i in order])
+        encode(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(sstart, slen[order], dev), sloc)
+        # The first step's cross-attention reads only as many source columns as the longest
+        # new source (padding masked, and read at the request's own first source position),
+        # not the table's full width.
+        packed = torch.nn.utils.rnn.pad_sequence([src_locs[i] for i in order], batch_first=True)
+        cross = CrossGroup.build(SeqGroup.build(np.arange(n), np.ones(n, np.int64), dev), packed,
+                                 slen[order])
+        start = torch.tensor([items[i].prompt[0] for i in order], device=dev)
+        loc = torch.stack([prompt_locs[i] for i in order])  # [n, 1]
+        logits_f = decode(spec, P, pool.kv, start, torch.zeros(n, dtype=torch.int64, device=dev),
+                          loc, cross)
+        logits = torch.empty_like(logits_f)
+        logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
+        reps = torch.as_tensor([a.rows for a in items], device=dev)
+        return prompt_locs, own, src_locs, logits.repeat_interleave(reps, dim=0)
 
     def remove(self, keys: Sequence[Hashable]) -> torch.Tensor:
         """Drop ``keys``' rows and free their blocks. Returns ``keep``: the surviving rows'
@@ -210,8 +284,91 @@ class RunningBatch:
             self.src_loc = self.src_loc.index_select(0, kr)
         self.rid, self.tenant, self.nrows = self.rid[keep_req], self.tenant[keep_req], self.nrows[keep_req]
         self.length, self.src_len = self.length[keep_req], self.src_len[keep_req]
+        self.start, self.maxgen = self.start[keep_req], self.maxgen[keep_req]
+        self.own = self.own[keep_req]
         self._fwd = None
         return keep
+
+    def _admit_decoder(self, items, rids, tenant, sm, made: list[int]):
+        """Decoder-only: the prompt's blocks (shared by the request's rows), full blocks found
+        in the tenant's prefix cache or named there (``made``); a resumed request's rows also
+        take their own blocks for the tokens they had generated (as they held them before).
+        Then the tokens past the cached prefix run. None cached: the packed ``prefill``. Else
+        one ``decode`` call with a row per token to compute: every layer writes all rows' K/V
+        before any row attends, so a token sees the cached prefix and the tokens before it
+        (through its sequence's locations), as a prefill would."""
+        spec, pool, dev, B = self.spec, self.pool, self.device, self.pool.block
+        view = self.store.view
+        segs = []  # (tokens, first position computed, locations, tenant) of each sequence
+        pick, prompt_locs, own, lengths = [], [], [], []  # pick: each new row's logits' segment
+        for a, rid, tid in zip(items, rids.tolist(), tenant.tolist()):
+            self.ids[a.key] = rid
+            blocks = self.blocks[rid] = []
+            h, n = list(a.prompt), len(a.prompt)
+            key, hit, cached = (a.tenant, view.tenants[a.tenant].generation), True, 0
+            for i, d in enumerate(prefix_digests(key, h, B)):
+                # the block of the last token is computed (its logits are needed)
+                b = pool.lookup(d) if hit and i < (n - 1) // B else None
+                if b is None:
+                    hit = False
+                    b = pool.alloc(1)[0]
+                    if pool.find(d) is None:  # not cached yet: this block will be
+                        pool.register(d, b)
+                        made.append(b)
+                else:
+                    cached += 1
+                blocks.append(b)
+            blocks.extend(pool.alloc(pool.blocks_for(n) - n // B))  # the partial block
+            pl = pool.locations(blocks, n)
+            prompt_locs.append(pl)
+            segs.append((h, cached * B, pl, tid))
+            if not a.histories:  # every row starts from the prompt's last logits
+                pick.extend([len(segs) - 1] * a.rows)
+                own.append(torch.zeros(a.rows, 0, dtype=torch.int64, device=dev))
+                lengths.append(n)
+                continue
+            m = len(a.histories[0])  # resumed: each row's generated tokens in its own blocks
+            k = pool.blocks_for(m - n)
+            ob = pool.alloc(a.rows * k)
+            blocks.extend(ob)
+            ol = pool.locations(ob, a.rows * k * B).view(a.rows, k * B)
+            own.append(ol)
+            lengths.append(m)
+            for r, hr in enumerate(a.histories):
+                pick.append(len(segs))
+                segs.append((list(hr), n, torch.cat([pl, ol[r, :m - n]]), tid))
+        if self.before_forward is not None:
+            self.before_forward({a.tenant for a in items})
+        stenant = np.array([t for _, _, _, t in segs], np.int64)
+        slen = np.array([len(h) for h, _, _, _ in segs], np.int64)
+        c0 = np.array([c for _, c, _, _ in segs], np.int64)
+        if not c0.any():  # fresh prompts, none cached: their packed prefill
+            order, tenant_ids, row_tenant = group_rows(stenant)
+            pstart, _ = rows_of_requests(slen[order])
+            Ptok = TenantParams(sm, tenant_ids, np.repeat(row_tenant, slen[order]), dev, self.dtype)
+            ids, pos = _packed([segs[i][0] for i in order], slen[order], dev)
+            wloc = torch.cat([segs[i][2] for i in order])
+            run = llama.prefill if self._llama else prefill
+            logits_f = run(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, slen[order], dev),
+                           wloc, pstart + slen[order] - 1)
+            logits = torch.empty_like(logits_f)
+            logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
+        else:  # a row per token past the cached prefix; the logits of each sequence's last
+            cnt = slen - c0
+            order, tenant_ids, row_tenant = group_rows(np.repeat(stenant, cnt))
+            ids = torch.as_tensor(np.concatenate([h[c:] for h, c, _, _ in segs]), device=dev)
+            pos = torch.as_tensor(np.concatenate([np.arange(c, len(h)) for h, c, _, _ in segs]),
+                                  device=dev)
+            loc = torch.nn.utils.rnn.pad_sequence([l for _, _, l, _ in segs], batch_first=True)
+            loc = loc.index_select(0, torch.as_tensor(np.repeat(np.arange(len(segs)), cnt),
+                                                      device=dev))
+            P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
+            perm = torch.as_tensor(order, device=dev)
+            run = llama.decode if self._llama else decode
+            out = run(spec, P, pool.kv, ids[perm], pos[perm], loc[perm], None)
+            inv = np.argsort(order)  # token row -> forward row
+            logits = out[torch.as_tensor(inv[np.cumsum(cnt) - 1], device=dev)]
+        return prompt_locs, own, lengths, logits[torch.as_tensor(pick, device=dev)]
 
     # ---- one step ----------------------------------------------------------------------------
     def _structure(self, sel: np.ndarray | None = None):
@@ -262,7 +419,9 @@ class RunningBatch:
     def decode(self) -> torch.Tensor:
         """Run every row's input token (``last``) at its next position. Returns logits [rows, V]
         in row order, and advances the rows. If it raises, nothing has advanced (a K/V written
-        at the next position is written again by the next try)."""
+        at the next position is written again by the next try). Rows crossing into a new block
+        take it first (``grow``: Overloaded if the pool has not room, as ``grow_need`` says)."""
+        self.grow()
         fwd = self._structure()
         logits_f = self._forward(fwd, int(self.length.max()) + 1)
         logits = torch.empty_like(logits_f)
@@ -276,6 +435,7 @@ class RunningBatch:
         the logits [rows, V] in row order (a failed request's rows undefined) and each failed
         request's key and error; every row is advanced, so the caller removes the failed ones
         (``remove``) before the next step."""
+        self.grow()
         logits: torch.Tensor | None = None
         failed: dict[int, Exception] = {}
         todo = np.array_split(np.arange(self.requests), 2)

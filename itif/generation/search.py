@@ -30,17 +30,23 @@ A request whose search ended keeps its rows (they step as no-ops) until ``remove
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence
 
 import torch
 
 from itif.errors import InvalidRequest
 from itif.generation.api import EarlyStopping, GenerateRequest, Generation, GenerationDefaults
-from itif.generation.processors import (ban_bad_words, ban_early_eos, ban_repeated_ngrams, force_tokens,
-                                        sample_tokens, warp)
+from itif.generation.processors import (
+    ban_bad_words,
+    ban_early_eos,
+    ban_repeated_ngrams,
+    force_tokens,
+    sample_tokens,
+    warp,
+)
 
-__all__ = ["SearchParams", "search_params", "SearchBatch", "StepResult", "SearchResult"]
+__all__ = ["Preempted", "SearchBatch", "SearchParams", "SearchResult", "StepResult", "search_params"]
 
 GREEDY, SAMPLE, BEAM = 0, 1, 2
 _MODES = {"greedy": GREEDY, "sample": SAMPLE, "beam": BEAM}
@@ -165,6 +171,17 @@ def _pad_tail(t: torch.Tensor, shape: Sequence[int], fill, left: bool) -> torch.
 
 
 @dataclass
+class Preempted:
+    """A request taken out of the batch by ``SearchBatch.preempt``: its parameters, its rows'
+    state, and each row's decoder history so far (prompt and generated tokens, one length:
+    what a resumed request recomputes; the last token's logits decide its next step)."""
+
+    params: SearchParams
+    state: dict[str, torch.Tensor]
+    histories: list[list[int]]
+
+
+@dataclass
 class _Req:
     id: int
     params: SearchParams
@@ -268,8 +285,12 @@ class SearchBatch:
         pre = [[-1] * (plen_max - len(w) + 1) + list(w[:-1]) for w in words]
         new["bw_pre"] = torch.tensor([pre] * n, dtype=torch.int64, device=dev).view(n, len(words), plen_max)
         new["lpt"] = torch.tensor([lpt] * n, dtype=torch.float64, device=dev).float()
+        return self._join(key, rid, params, new)
+
+    def _join(self, key: Hashable, rid: int, params: SearchParams, new: dict[str, torch.Tensor]) -> slice:
+        """Append the rows ``new`` (every field) of request ``rid``; returns them."""
         width = params.prompt_len + params.max_new_tokens
-        start = self.rows
+        start, n = self.rows, int(new["req"].shape[0])
         grown = {}
         for name, (_, fill, left) in _FIELDS.items():
             old, add = self._t[name], new[name]
@@ -282,6 +303,37 @@ class SearchBatch:
         self._keys[rid] = key
         self._count(params, +1)
         return slice(start, start + n)
+
+    def preempt(self, key: Hashable) -> tuple[Preempted, torch.Tensor]:
+        """Take ``key``'s rows out with their whole state (histories, beam scores, kept
+        hypotheses, the sampling seed and step: ``resume`` continues exactly where it stopped).
+        Returns that state and ``keep``, as ``remove`` does."""
+        req = self._reqs[key]
+        t = self._t
+        gone = t["req"] == req.id
+        rows = torch.nonzero(gone).view(-1)
+        state = {name: t[name][rows].clone() for name in t}
+        self._reqs.pop(key)
+        del self._keys[req.id]
+        self._count(req.params, -1)
+        keep = torch.nonzero(~gone).view(-1)
+        for name in t:
+            t[name] = t[name][keep]
+        plen, gen = state["plen"].tolist(), state["gen"].tolist()
+        n = plen[0] + max(gen)  # done rows (sampling) are padded: their tokens are never read
+        pad = int(state["pad"][0])
+        hist = [h[:p + g] + [pad] * (n - p - g) for h, p, g in zip(state["hist"].tolist(), plen, gen)]
+        return Preempted(req.params, state, hist), keep
+
+    def resume(self, key: Hashable, p: Preempted) -> slice:
+        """Append the rows ``preempt`` took out, as they were (under a new internal id)."""
+        if key in self._reqs:
+            raise InvalidRequest(f"key: {key!r} is already in the batch")
+        rid = self._next_id
+        self._next_id += 1
+        new = dict(p.state)
+        new["req"] = torch.full_like(new["req"], rid)
+        return self._join(key, rid, p.params, new)
 
     def _count(self, p: SearchParams, sign: int) -> None:
         for counter, k in ((self._ngrams, p.no_repeat_ngram_size), (self._modes, _MODES[p.mode])):

@@ -4,8 +4,9 @@ and ``Ticket`` (a submitted request and its state in the loop). Kept apart from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from itif.errors import ItifError
 from itif.generation.api import GenerateRequest, Generation
@@ -36,6 +37,7 @@ class Ticket:
     history: list[int] = field(default_factory=list, repr=False)
     stream: bool = False
     sent: int = 0  # tokens streamed so far
+    resume: Any = field(default=None, repr=False)  # preempted: its search state (search.Preempted)
     cancelled: bool = False
     done: bool = False
 
