@@ -27,6 +27,7 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import Unimplemented
+from itif.generation.chat_template import read_chat_config
 
 __all__ = ["DecoderBackend", "DecoderLora", "DecoderTenantInfo", "build_generator"]
 
@@ -105,11 +106,22 @@ class DecoderBackend:
         self.gen = gen
         self.strategy = None  # a reload sets it (scheduler.strategy); nothing reads it here
         self._backbone_tokenizer = _dir_tokenizer(getattr(gen.spec, "source_dir", None))
+        self._chat: tuple[str | None, dict[str, str]] | None = None  # read on first use
 
     def tokenizer_of(self, tenant: str) -> Any:
         """The tenant's tokenizer: its own checkpoint's (``gen.tokenizer``), else the one the
         backbone's checkpoint directory ships (a tenant uploads weights only), else None."""
         return self.gen.tokenizer(tenant) or self._backbone_tokenizer
+
+    def chat_template_of(self, tenant: str) -> tuple[str | None, dict[str, str]]:
+        """(chat template, named special tokens) ``tenant``'s chat messages are rendered with
+        (``itif.generation.chat_template``): those of the backbone's checkpoint directory
+        (tokenizer_config.json, chat_template.jinja), as its tokenizer is the directory's (a
+        tenant uploads weights, a LoRA tenant an adapter: neither carries a tokenizer). Read
+        once; (None, {}) for a preset backbone."""
+        if self._chat is None:
+            self._chat = read_chat_config(getattr(self.gen.spec, "source_dir", None))
+        return self._chat
 
     # ---- what the daemon reads ------------------------------------------------------------
     @property

@@ -64,7 +64,7 @@ import re
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -81,7 +81,7 @@ from itif.server.json_procs import IN_THREAD, JsonProcs
 from itif.server.http.openai import _is_int
 from itif.server.http.openai import error as openai_error
 
-__all__ = ["CompletionsApi"]
+__all__ = ["CompletionsApi", "EventStream", "error", "until_done_or_gone"]
 
 #: OpenAI's default ``max_tokens`` for completions.
 DEFAULT_MAX_TOKENS = 16
@@ -267,19 +267,23 @@ class CompletionsApi:
         return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
     async def _events(self, call: GenerationStream, head: dict, prompt: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        """The server-sent events of a streamed completion."""
+                      include_usage: bool, shape: Callable[[dict], dict] | None = None
+                      ) -> AsyncIterator[bytes]:
+        """The server-sent events of a streamed completion; ``shape``: each chunk's choice as
+        another API sends it (``itif.server.http.chat``: a chat ``delta``)."""
         sent: dict[int, tuple[str, int]] = {}
+        shape = shape or (lambda choice: choice)
         try:
             async for kind, value in call.events():
                 if kind == "tokens":
                     for seq, ids, text in value:
                         done_text, done_ids = sent.get(seq, ("", 0))
                         sent[seq] = (done_text + text, done_ids + len(ids))
-                        yield _sse({**head, "choices": [self._choice(seq, text, ids, None)]})
+                        choice = shape(self._choice(seq, text, ids, None))
+                        yield _sse({**head, "choices": [choice]})
                     continue
                 for choice in self._choices(value, call.words, sent):
-                    yield _sse({**head, "choices": [choice]})
+                    yield _sse({**head, "choices": [shape(choice)]})
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": self._usage(prompt, value)})
                 yield b"data: [DONE]\n\n"
@@ -288,8 +292,9 @@ class CompletionsApi:
             body = json.loads(error(status, code, msg).body)
             yield _sse(body)
 
-    @endpoint("openai", "completions", error)
-    async def completions(self, request: Request) -> Response:
+    async def open_call(self, request: Request, path: str) -> tuple[Any, dict, str]:
+        """(the caller, the JSON body, its model) of a call to ``path``: the daemon ready, the
+        token known, the model visible to it (404 otherwise) and served by a decoder."""
         d = self.daemon
         if not d.ready:
             raise Unavailable("the daemon is starting or shutting down")
@@ -302,43 +307,61 @@ class CompletionsApi:
         if d.generator is None:
             raise InvalidRequest(
                 f"model: {model!r} is served by an encoder backbone "
-                f"({d.config.backbone.config}): /v1/completions needs a decoder backbone "
-                "(GPT-2, BART, Marian); use /v1/embeddings")
-        if "prompt" not in body:
-            raise InvalidRequest("prompt: is required")
+                f"({d.config.backbone.config}): {path} needs a decoder backbone "
+                "(GPT-2, BART, Marian, Llama); use /v1/embeddings")
+        return who, body, model
+
+    @staticmethod
+    def streaming(body: dict) -> tuple[bool, bool]:
+        """(``stream``, ``stream_options.include_usage``) of a request."""
         stream = bool(_get(body, "stream"))
         options = _get(body, "stream_options") or {}
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool) or set(options) - {"include_usage"}:
             raise InvalidRequest("stream_options: only include_usage (a boolean) is supported")
+        return stream, include_usage
+
+    def capped(self, req: GenerateRequest, body: dict) -> GenerateRequest:
+        """Without ``max_tokens`` its default, never over the server's limit."""
+        if body.get("max_tokens") is not None:
+            return req
+        cap = self.daemon.config.server.max_new_tokens
+        return replace(req, max_new_tokens=min(req.max_new_tokens, cap))
+
+    @endpoint("openai", "completions", error)
+    async def completions(self, request: Request) -> Response:
+        who, body, model = await self.open_call(request, "/v1/completions")
+        if "prompt" not in body:
+            raise InvalidRequest("prompt: is required")
+        stream, include_usage = self.streaming(body)
         try:
             ids = self._prompt(model, _get(body, "prompt"))
-            req = self._request(model, ids, body)
-            if body.get("max_tokens") is None:  # the default never over the server's limit
-                cap = self.daemon.config.server.max_new_tokens
-                req = replace(req, max_new_tokens=min(req.max_new_tokens, cap))
+            req = self.capped(self._request(model, ids, body), body)
         except InvalidRequest as e:
             raise _renamed(e) from None
         call = self._start(who, model, req)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
         if stream:
-            return _EventStream(self._events(call, head, len(ids), include_usage), call)
-        g = await _until_done_or_gone(call, request)
+            return EventStream(self._events(call, head, len(ids), include_usage), call)
+        g = await until_done_or_gone(call, request)
         if g is None:  # the client went away: nobody reads this
             return Response(status_code=499)
         return JSONResponse({**head, "choices": self._choices(g, call.words),
                              "usage": self._usage(len(ids), g)})
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/completions", self.completions, methods=["POST"])]
+        from itif.server.http.chat import ChatApi  # noqa: PLC0415 - it builds on this module
+
+        return [Route("/v1/completions", self.completions, methods=["POST"]),
+                *ChatApi(self).routes()]
 
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """Starlette's streaming response of server-sent events; the generation is cancelled once
     the response ends, whatever ended it (Starlette cancels the stream when the client
     disconnects; this also covers a stream never started)."""
@@ -356,7 +379,7 @@ class _EventStream(StreamingResponse):
             self.call.close()
 
 
-async def _until_done_or_gone(call: GenerationStream, request: Request) -> Any:
+async def until_done_or_gone(call: GenerationStream, request: Request) -> Any:
     """The finished Generation, or None when the client disconnects first (the generation is
     then cancelled)."""
 
