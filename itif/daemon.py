@@ -492,6 +492,7 @@ class Daemon:
             if tenant in gen.store:  # what submit() refuses, before the reply is held
                 gen.check(request)
             reserve(request)
+        on_event = daemon_tiers.generating(self, tenant, request, on_event)  # tiers: resident
         box: list = [None, False]  # the ticket, finished; under _gen_lock (never held while
         # the engine runs: its loop thread calls event())
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("itif.daemon")
 
-__all__ = ["build", "device_budget", "queue", "register", "restore", "room_for", "tenant_info"]
+__all__ = ["build", "device_budget", "generating", "queue", "register", "restore", "room_for",
+           "tenant_info"]
 
 
 def device_budget(backbone) -> int | None:
@@ -51,6 +52,8 @@ def build(d: Daemon) -> TierManager | None:
         elif st is not None and isinstance(exc, NoWeights):  # its base has none: not transient
             st.state, st.error = State.FAILED, str(exc)
 
+    if d.generator is not None:  # the GenEngine's store is made without a budget: the tiers'
+        d.engine.store.max_bytes = device_budget(d.config.backbone)
     tiers = TierManager(d.engine, d.scheduler, host_bytes=d.config.backbone.host_weight_bytes,
                         load=load, on_failed=failed, busy=lambda: d.scheduler.in_batch,
                         tag_of=lambda t: d.status[t].sha256 if t in d.status else "")
@@ -162,6 +165,40 @@ def queue(d: Daemon, tenant: str, n: int, submit: Callable[[], list]) -> list:
             d.scheduler.fail_parked(tenant, NoWeights(  # it; before, it waited for ever
                 f"tenant {tenant!r} has no ready weights{why}"))
     return tickets
+
+
+def generating(d: Daemon, tenant: str, request, on_event: Callable):
+    """Generate with tiers (``Daemon.submit_generate``, just before the GenEngine queues
+    ``request``): ``tenant`` is held busy (never evicted) until its generation ends, and
+    loaded now when it is on the host tier or disk (on the calling thread: the GenEngine
+    refuses a tenant its store does not hold); ``request`` is then checked by the GenEngine.
+    Returns ``on_event`` wrapped to let the tenant go at its "done" or "error" event. A tenant
+    that cannot be loaded: NoWeights (FAILED_PRECONDITION) with the reason. Without tiers:
+    ``on_event`` as it is."""
+    tiers = d.tiers
+    if tiers is None:
+        return on_event
+    tiers.acquire(tenant)
+    try:
+        if tenant not in d.engine.store:
+            tiers.promote(tenant)  # its base first, for a LoRA tenant
+        if tenant not in d.engine.store:
+            st = d.status.get(tenant)
+            why = f": {st.error}" if st is not None and st.error else ""
+            raise NoWeights(f"tenant {tenant!r}: its weights could not be loaded{why}")
+        d.generator.check(request)
+    except BaseException:
+        tiers.release(tenant)
+        raise
+    done = [False]
+
+    def event(ev) -> None:
+        if ev.kind in ("done", "error") and not done[0]:
+            done[0] = True
+            tiers.release(tenant)
+        on_event(ev)
+
+    return event
 
 
 def room_for(d: Daemon, tenant: str, weights, base: str | None = None,

@@ -107,6 +107,7 @@ class DecoderBackend:
         self.strategy = None  # a reload sets it (scheduler.strategy); nothing reads it here
         self._backbone_tokenizer = _dir_tokenizer(getattr(gen.spec, "source_dir", None))
         self._chat: tuple[str | None, dict[str, str]] | None = None  # read on first use
+        self._adapters: dict[str, DecoderLora] = {}  # LoRA tenant -> its adapter, last added
 
     def tokenizer_of(self, tenant: str) -> Any:
         """The tenant's tokenizer: its own checkpoint's (``gen.tokenizer``), else the one the
@@ -176,6 +177,12 @@ class DecoderBackend:
         if base is None:
             self.gen.add_tenant(tenant, weights)
             return
+        if isinstance(weights, DecoderLora):
+            self._adapters[tenant] = weights
+        elif isinstance(weights, CanonicalWeights) and not weights.tensors:
+            # the weight tiers' host copy of a LoRA tenant: its own tensors, none; the
+            # adapter is the one it had (kept here while it is evicted: a few MiB at most)
+            weights = self._adapters.get(tenant, weights)
         adapter = weights.adapter if isinstance(weights, DecoderLora) else weights
         self.gen.add_tenant(tenant, adapter, base=base)
 

@@ -690,16 +690,18 @@ def test_itif_generate_streams_drains_and_a_decoder_tenant_survives_restart(tmp_
         d.stop()
 
 
-def test_decoder_config_refuses_lora_tenants_and_weight_tiers(tmp_path):
-    text = config_text(write_backbone(tmp_path / "bb")) + "    base: acme\n"
+def test_decoder_config_takes_lora_tenants_and_weight_tiers_not_delta_tenants(tmp_path):
+    """Issue 62: LoRA tenants and weight tiers are served on decoder daemons
+    (tests/test_llama_lora_daemon.py); delta tenants are not (refused naming compress)."""
     from itif.errors import InvalidConfig
 
-    with pytest.raises(InvalidConfig, match=r"tenants\[2\]\.base: LoRA tenants"):
-        parse_config(text, tmp_path)
+    text = config_text(write_backbone(tmp_path / "bb")) + "    base: acme\n"
+    assert parse_config(text, tmp_path).tenant("empty").base == "acme"
+    with pytest.raises(InvalidConfig, match=r"tenants\[2\]\.compress: delta tenants"):
+        parse_config(text + "    compress: int8\n", tmp_path)
     tiers = config_text(tmp_path / "bb").replace("  kv_cache_bytes:",
                                                  "  device_weight_bytes: 1MiB\n  kv_cache_bytes:")
-    with pytest.raises(InvalidConfig, match=r"backbone\.device_weight_bytes: weight tiers"):
-        parse_config(tiers, tmp_path)
+    assert parse_config(tiers, tmp_path).backbone.device_weight_bytes == 1 << 20
 
 
 def test_streamed_text_of_byte_level_tokens_adds_up_to_the_decoded_text():

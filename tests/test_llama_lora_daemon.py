@@ -87,7 +87,7 @@ def write_backbone(root: Path, template: str = LLAMA3) -> Path:
     return root
 
 
-def config_text(backbone: Path, http: str) -> str:
+def config_text(backbone: Path, http: str, backbone_extra: str = "") -> str:
     tenants = ""
     for t, tok in TOKENS.items():
         tenants += f"  - id: {t}\n    token_sha256: {hash_token(tok)}\n"
@@ -96,7 +96,7 @@ def config_text(backbone: Path, http: str) -> str:
     return (f"server:\n  listen: 127.0.0.1:0\n  http_listen: {http}\n  data_dir: ./data\n"
             f"  admin_token_sha256: {hash_token(ADMIN)}\n  max_new_tokens: 64\n"
             f"backbone:\n  config: {backbone}\n  device: cpu\n  dtype: float32\n"
-            f"  kv_cache_bytes: 8MiB\ntenants:\n{tenants}")
+            f"  kv_cache_bytes: 8MiB\n{backbone_extra}tenants:\n{tenants}")
 
 
 def weights_bytes(model, tmp: Path) -> bytes:
@@ -273,3 +273,61 @@ def test_a_restart_restores_adapters_on_their_base(tmp_path):
         assert [g.sequences[0] for g in got] == [hf_generate(lora, ids, 10) for ids in PROMPTS]
     finally:
         d.stop(0)
+
+
+def test_tiers_hold_decoder_tenants_full_and_lora(tmp_path):
+    """Room on the device for one full tenant (and its adapters), on the host for one more:
+    each Generate loads its tenant from the host tier or disk, evicting the idle others (a
+    base stays while its LoRA tenant is resident), and the answers are unchanged."""
+    backbone = write_backbone(tmp_path / "backbone")
+    models = {"base": base_model(1), "full": base_model(2)}
+    models["lora"] = peft_adapter(models["base"], tmp_path / "lora", 10)
+    per = len(weights_bytes(models["base"], tmp_path))
+    extra = (f"  device_weight_bytes: {int(per * 1.5)}\n"
+             f"  host_weight_bytes: {int(per * 1.2)}\n")
+    text = config_text(backbone, f"127.0.0.1:{free_port()}", extra)
+    d = InProcess(parse_config(text, tmp_path))
+    d.start()
+    try:
+        upload(d, "base", weights_bytes(models["base"], tmp_path))
+        upload(d, "lora", packed(tmp_path / "lora"))
+        upload(d, "full", weights_bytes(models["full"], tmp_path))  # base and lora evicted
+        admin = Identity(None, admin=True)
+        want = {(t, i): hf_generate(models[t], ids, 8)
+                for t in models for i, ids in enumerate(PROMPTS)}
+        order = ["lora", "full", "base", "full", "lora", "lora", "base", "full"]
+        on_host = 0
+        for step, t in enumerate(order):
+            on_host = max(on_host, d.tiers.totals()["host_tenants"])
+            i = step % len(PROMPTS)
+            got = _submit(d, admin, t, PROMPTS[i])
+            assert got == want[t, i], (step, t)
+            assert t in d.engine.store
+            resident = {u for u in models if u in d.engine.store}
+            assert not {"base", "full"} <= resident  # never both: the budget holds one
+        views = {t: d.tiers.view(t) for t in models}
+        assert views["full"].evictions >= 2 and views["base"].evictions >= 2, views
+        assert views["lora"].promotions >= 2, views
+        assert on_host >= 1  # an evicted full tenant waited on the host tier
+        assert d.engine.store.weight_bytes <= per * 1.5
+    finally:
+        d.stop(0)
+
+
+def _submit(d: InProcess, who, tenant: str, ids: list[int]) -> list[int]:
+    """One Generate through the daemon's front door, waited for (tokens dropped)."""
+    import threading
+
+    box: dict = {}
+    done = threading.Event()
+
+    def on_event(ev) -> None:
+        if ev.kind in ("done", "error"):
+            box["ev"] = ev
+            done.set()
+
+    d.submit_generate(who, tenant, GenerateRequest(tenant, ids, max_new_tokens=8), on_event)
+    assert done.wait(60)
+    ev = box["ev"]
+    assert ev.kind == "done", ev
+    return ev.generation.sequences[0]

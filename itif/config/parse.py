@@ -257,9 +257,6 @@ def _cross_checks(errs: _Errors, cfg: Config) -> None:
             "a full-length sequence could never be scheduled",
         )
     admin = cfg.server.admin_token_sha256
-    if cfg.backbone.is_decoder and cfg.backbone.device_weight_bytes is not None:
-        errs.add("backbone.device_weight_bytes", "weight tiers serve encoder backbones only; "
-                                                  f"backbone.config {cfg.backbone.config!r} is a decoder")
     tiers = cfg.backbone.device_weight_bytes is not None
     if cfg.backbone.host_weight_bytes and not tiers:
         errs.add("backbone.host_weight_bytes", "only applies with backbone.device_weight_bytes "
