@@ -1,12 +1,16 @@
 """The KV cache allocates on demand (issue 62 item 3), against Hugging Face generate().
 
-(a) A pool too small for every request's full length at once, but enough for each alone: every
-request finishes, token for token equal to ``generate()`` (GPT-2 and a tiny llama; greedy, beam
-and seeded sampling, the latter equal to the same engine with a pool that never preempts), and
-the engine counts its preemptions. (b) The blocks in use grow with the sequence, one block per
-16 positions. (c) Two requests of one tenant with a common two-block prefix hold those blocks
-once (reference count 2), equal to ``generate()``; another tenant's identical prompt does not
-share them; a later request finds the prefix cached after its users finished.
+(a) A pool too small for every request's full length at once, but enough for each alone: more
+requests run together than their full reservations would allow, every request finishes, token
+for token equal to ``generate()`` (GPT-2 and a tiny llama; greedy, beam and seeded sampling,
+the latter equal to the same engine with a pool that never preempts), and the engine counts its
+preemptions. (b) The blocks in use grow with the sequence, one block per 16 positions. (c) Two
+requests of one tenant with a common two-block prefix hold those blocks once (reference count
+2) and compute its positions once (counted in the forward calls), equal to ``generate()``;
+another tenant's identical prompt shares nothing; the reference counts are back at zero and no
+block is in use when they are done; a later request finds the prefix cached and computes none
+of it. (d) PEFT LoRA tenants on a llama base (``test_llama_lora``'s adapters), greedy and beam,
+under preemption equal PEFT's ``generate()``.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from itif.generation import llama, running
 from itif.generation.api import GenerateRequest
-from itif.generation.cache import prefix_digests
-from itif.generation.spec import PRESETS
+from itif.generation.spec import PRESETS, load_decoder_spec
 
 transformers = pytest.importorskip("transformers")
 
 from itif.generation.engine import GenEngine
-from tests import test_generate, test_llama
+from tests import test_generate, test_llama, test_llama_lora
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -74,6 +78,31 @@ def hf_generate(m, r: GenerateRequest) -> list[list[int]]:
     return seqs
 
 
+def full_blocks(eng: GenEngine, r: GenerateRequest) -> int:
+    """Blocks ``r`` holds if it reserves its full length at join: the prompt's, and per row
+    those of its ``max_new_tokens`` - 1 fed-back tokens."""
+    blocks = eng._batch.pool.blocks_for
+    rows = max(r.num_beams, r.num_return_sequences)
+    return blocks(len(r.input_ids)) + rows * blocks(r.max_new_tokens - 1)
+
+
+@pytest.fixture
+def positions_computed(monkeypatch):
+    """Every position the decoder forward calls compute (prefill and decode, both families'),
+    as a list the test reads: the calls' ``pos`` argument."""
+    seen: list[int] = []
+    for mod in (running, llama):
+        for name in ("prefill", "decode"):
+            fn = getattr(mod, name)
+
+            def counted(spec, P, kv, ids, pos, *rest, _fn=fn):
+                seen.extend(pos.tolist())
+                return _fn(spec, P, kv, ids, pos, *rest)
+
+            monkeypatch.setattr(mod, name, counted)
+    return seen
+
+
 def prompt(i: int, n: int) -> list[int]:
     return [(11 * i + 5 * j) % 80 + 10 for j in range(n)]
 
@@ -88,9 +117,14 @@ def test_a_pool_too_small_for_all_preempts_and_every_output_equals_hf(models):
             GenerateRequest("a", prompt(4, 12), max_new_tokens=36, eos_token_id=STOP)]
     # each alone needs at most 1 + 3 x 2 = 7 blocks (the beam request); all at once 23
     eng = engine(8)
-    assert sum(eng._batch.blocks_full(eng._prepare(r).admission) for r in reqs) > 8
+    assert sum(full_blocks(eng, r) for r in reqs) > 8
+    held: list[int] = []  # the full reservations of the requests running at each forward
+    eng.before_forward = lambda tenants: held.append(
+        sum(full_blocks(eng, t.request) for t in eng._running.values()))
     out = eng.generate(reqs)
-    assert eng.preemptions > 0 and eng.cache_stats()["preemptions"] == eng.preemptions
+    assert max(held) > 8, "on demand, more requests run at once than full reservations allow"
+    assert eng.cache_stats().get("preemptions", 0) > 0
+    assert eng.cache_stats()["preemptions"] == eng.preemptions
     for r, g in zip(reqs, out):
         assert g.sequences == hf_generate(hf[r.tenant], r), r
     stats = eng.cache_stats()
@@ -101,7 +135,7 @@ def test_a_pool_too_small_for_all_preempts_and_every_output_equals_hf(models):
             for i, t in enumerate("abab")]
     small = engine(8)
     got = small.generate(samp)
-    assert small.preemptions > 0
+    assert small.cache_stats().get("preemptions", 0) > 0
     assert [g.sequences for g in got] == [g.sequences for g in engine(64).generate(samp)]
 
 
@@ -121,7 +155,9 @@ def test_blocks_in_use_grow_with_the_sequence(models):
     assert eng.cache_stats()["blocks_used"] == 0
 
 
-def test_a_tenants_common_prefix_is_shared_and_never_across_tenants(models):
+def test_a_tenants_common_prefix_is_shared_and_never_across_tenants(models, positions_computed):
+    from itif.generation.cache import prefix_digests
+
     engine, hf = models
     eng = engine(32)
     common = prompt(6, 2 * B)
@@ -144,18 +180,53 @@ def test_a_tenants_common_prefix_is_shared_and_never_across_tenants(models):
     out = eng.generate(reqs)
     for r, g in zip(reqs, out):
         assert g.sequences == hf_generate(hf[r.tenant], r)
+    # the common prefix's 32 positions computed once for a's two requests, once for b's
+    assert sum(p < 2 * B for p in positions_computed) == 2 * 2 * B
     blocks, refs, used = seen[1]  # the first decode: all three running
     assert None not in blocks["a"] and None not in blocks["b"]
     assert not set(blocks["a"]) & set(blocks["b"])
     assert refs == [2, 2, 1, 1]
     # a: 2 shared + 2 suffix blocks; b: 3; one block of its own per row
     assert used == 4 + 3 + 3
-    # finished: the prefix blocks are unused but cached (counted free), found by a later request
+    # finished: nobody references a block; the prefix blocks are unused but cached (counted
+    # free), found by a later request
     stats = eng.cache_stats()
-    assert stats["blocks_free"] == stats["blocks_total"] and stats["blocks_cached"] >= 4
+    assert [pool.refcount(b) for b in blocks["a"] + blocks["b"]] == [0, 0, 0, 0]
+    assert stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"]
+    assert stats["blocks_cached"] >= 4
     seen.clear()
+    positions_computed.clear()
     later = GenerateRequest("a", common + [50], max_new_tokens=8, eos_token_id=STOP)
     (g,) = eng.generate([later])
     assert g.sequences == hf_generate(hf["a"], later)
     blocks, refs, used = seen[0]
     assert refs[:2] == [1, 1] and used == 2 + 1  # the prefix found, one block computed
+    assert min(positions_computed) == 2 * B  # none of the prefix computed again
+    assert eng.cache_stats()["blocks_used"] == 0
+
+
+def test_lora_tenants_and_beams_under_preemption_equal_peft(tmp_path):
+    """test_llama_lora's base ``a`` and two of its adapters (Q/V only; every projection with
+    a rank pattern and rsLoRA) in a pool of 8 blocks: preempted and resumed, each request
+    equals PEFT's generate() of its adapter (or the base's HF model), greedy and beam."""
+    lm = test_llama_lora
+    base = lm.base_model(1)
+    base.save_pretrained(tmp_path / "a")
+    oracles = {"a": base}
+    spec = load_decoder_spec(tmp_path / "a")
+    eng = GenEngine(tmp_path / "a", kv_cache_bytes=8 * spec.dec_layers * B * 2 * spec.kv_width * 4)
+    assert eng.cache_stats()["blocks_total"] == 8
+    eng.add_tenant("a", tmp_path / "a")
+    for i, t in enumerate(("qv4", "all2")):
+        oracles[t] = lm.peft_model(base, lm.ADAPTERS[t][1], 10 + i)
+        oracles[t].save_pretrained(tmp_path / t)
+        eng.add_tenant(t, tmp_path / t, base="a")
+    reqs = [GenerateRequest(t, [(7 * i + 3 * j) % 80 + 5 for j in range(3 + 4 * i)],
+                            max_new_tokens=30 + 2 * i, num_beams=2 if i in (2, 5) else 1)
+            for i, t in enumerate(["qv4", "all2", "a", "all2", "qv4", "qv4"])]
+    assert max(full_blocks(eng, r) for r in reqs) == 8 < sum(full_blocks(eng, r) for r in reqs)
+    out = eng.generate(reqs)
+    assert eng.cache_stats().get("preemptions", 0) > 0
+    for r, g in zip(reqs, out):
+        assert g.sequences == lm.hf_generate(oracles[r.tenant], r), r
+    assert eng.cache_stats()["blocks_used"] == 0
