@@ -18,7 +18,9 @@ SUITE_HELP = ("table: the thesis' Table 5.2 (2-5 tenants, one request each, seq 
               "uploads through a daemon (add time, memory, serving, correctness; not in the "
               "default suites); peer: issue 65's small BERT classifier on the CPU against vLLM's "
               "CPU build and Hugging Face, one model and T fine-tunes, interleaved (not in the "
-              "default suites; vLLM rows skipped where vllm is not importable)")
+              "default suites; vLLM rows skipped where vllm is not importable); decoder: issue "
+              "62's small random Llama with LoRA adapters and full fine-tunes, generating, "
+              "itif against HF + PEFT and vLLM's CPU build (not in the default suites)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", nargs="+", type=int, help="requests per tenant for batch")
     p.add_argument("--seq-len", type=int, help="tokens per text request for table/scale/batch "
                    "(default: 128 for table and scale, 64 for batch; capped by the backbone)")
-    p.add_argument("--suites", nargs="+", choices=("table", "scale", "batch", "serve", "tenants", "peer"),
+    p.add_argument("--suites", nargs="+",
+                   choices=("table", "scale", "batch", "serve", "tenants", "peer", "decoder"),
                    help=SUITE_HELP)
     p.add_argument("--systems", nargs="+",
                    choices=("seq", "multi_stream", "mps", "hf", "hf_compiled", "itif",
@@ -115,6 +118,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also itif in bfloat16 (itif_bf16 rows; --dtype stays the others')")
     q.add_argument("--peer-no-vllm", action="store_true",
                    help="skip the vLLM rows even where vllm is importable")
+    d = p.add_argument_group("decoder (--suites decoder; itif/bench/decoder_peer.py)")
+    d.add_argument("--dec-adapters", type=int,
+                   help="PEFT LoRA adapters on the base (default 8; --quick 2)")
+    d.add_argument("--dec-full", type=int, help="full fine-tunes (default 2; --quick 1)")
+    d.add_argument("--dec-prompts", type=int,
+                   help="prompts of 16-64 tokens, prompt i to tenant i mod tenants "
+                   "(default 64; --quick 6)")
+    d.add_argument("--dec-new-tokens", type=int,
+                   help="new tokens of every prompt, exactly (default 32; --quick 4)")
+    d.add_argument("--dec-no-vllm", action="store_true",
+                   help="skip the vLLM rows even where vllm is importable")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="result JSON (default for full runs: bench/results/<name>.json; "
                    "--quick writes nothing unless given)")
@@ -154,7 +168,6 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses  # noqa: PLC0415
     import json  # noqa: PLC0415
     import logging  # noqa: PLC0415
-    import os  # noqa: PLC0415
     import sys  # noqa: PLC0415
     import time  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
@@ -199,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"--peer-lengths: {e}") from None
         if args.peer_tenants < 1 or args.peer_requests < 1:
             raise InvalidRequest("--peer-tenants and --peer-requests take counts >= 1")
+    dec_cfg = None
+    if "decoder" in suites:  # checked before anything is measured or built
+        if device.type != "cpu":
+            raise InvalidRequest("--suites decoder is a CPU suite: run it with --device cpu")
+        from itif.bench import decoder_peer  # noqa: PLC0415
+
+        dec_cfg = decoder_peer.settings_from_args(args, quick)
+        dec_cfg.check()
     strategies = list(args.strategies or STRATEGIES)
     for s in strategies:
         if s not in STRATEGIES:
@@ -244,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     if out is None and not quick:
         name = args.name or (f"{device.type}-tenants-{_today()[:10]}" if suites == ("tenants",)
                              else f"cpu-peer-vllm-{_today()[:10]}" if suites == ("peer",)
+                             else f"cpu-decoder-{_today()[:10]}" if suites == ("decoder",)
                              else result_name(device, _today()))
         out = Path("bench/results") / f"{name}.json"
     rows: list[dict] = []
@@ -293,9 +315,15 @@ def run(args: argparse.Namespace) -> int:
         settings["peer"]["cpu_bf16"] = cpu_peer.cpu_bf16()
         # vLLM's CPU thread binding comes from its environment (VLLM_CPU_OMP_THREADS_BIND,
         # VLLM_CPU_NUM_OF_RESERVED_CPU): what this run had is part of what it measured
-        settings["peer"]["vllm_env"] = {k: v for k, v in sorted(os.environ.items())
-                                        if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
+        settings["peer"]["vllm_env"] = cpu_peer.vllm_env()
         rows += cpu_peer.run_suite(peer_cfg)
+
+    if dec_cfg is not None:
+        from itif.bench import cpu_peer, decoder_peer  # noqa: PLC0415
+
+        settings["decoder"] = dict(decoder_peer.settings_dict(dec_cfg),
+                                   vllm_env=cpu_peer.vllm_env())
+        rows += decoder_peer.run_suite(dec_cfg)
 
     if "tenants" in suites:
         from itif.bench import tenant_scale  # noqa: PLC0415
@@ -317,11 +345,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
-        other = [r for r in rows if r.get("suite") not in ("tenants", "peer")]
-        if other or not {"tenants", "peer"} & set(suites):
+        mine = ("tenants", "peer", "decoder")  # suites that print their own tables
+        other = [r for r in rows if r.get("suite") not in mine]
+        if other or not set(mine) & set(suites):
             _print_table(other)
         if "peer" in suites:
             cpu_peer.print_rows(rows)
+        if dec_cfg is not None:
+            decoder_peer.print_rows(rows)
         if "tenants" in suites:
             tenant_scale.print_rows(rows)
     blog.info("done in %.1f s", time.monotonic() - t_start)

