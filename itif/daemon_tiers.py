@@ -23,8 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("itif.daemon")
 
-__all__ = ["build", "device_budget", "generating", "queue", "register", "restore", "room_for",
-           "tenant_info"]
+__all__ = ["build", "device_budget", "generating", "preload", "queue", "register", "restore",
+           "room_for", "tenant_info"]
 
 
 def device_budget(backbone) -> int | None:
@@ -199,6 +199,24 @@ def generating(d: Daemon, tenant: str, request, on_event: Callable):
         on_event(ev)
 
     return event
+
+
+def preload(d: Daemon, tenant: str) -> None:
+    """Load ``tenant`` now if the tiers hold it on the host or disk: what an async caller runs
+    on a worker thread before it submits a Generate, so that :func:`generating`, on the event
+    loop's thread, finds it resident (unless it is evicted again meanwhile: then it loads it
+    there). Failures are left for the submission to report."""
+    tiers = d.tiers
+    if tiers is None or tenant in d.engine.store:
+        return
+    try:
+        tiers.acquire(tenant)
+    except TenantNotFound:  # not registered: the submission answers
+        return
+    try:
+        tiers.promote(tenant)
+    finally:
+        tiers.release(tenant)
 
 
 def room_for(d: Daemon, tenant: str, weights, base: str | None = None,

@@ -310,8 +310,36 @@ def test_tiers_hold_decoder_tenants_full_and_lora(tmp_path):
         assert views["lora"].promotions >= 2, views
         assert on_host >= 1  # an evicted full tenant waited on the host tier
         assert d.engine.store.weight_bytes <= per * 1.5
+        with servers(d):  # HTTP: an evicted tenant is loaded off the event loop's thread
+            _chat_loads_off_the_loop(d, tmp_path / "backbone")
     finally:
         d.stop(0)
+
+
+def _chat_loads_off_the_loop(d: InProcess, backbone: Path) -> None:
+    import threading
+
+    import httpx
+
+    assert "lora" not in d.engine.store and "base" not in d.engine.store
+    threads: list[str] = []
+    promote = d.tiers.promote
+
+    def recording(tenant: str) -> None:
+        threads.append(threading.current_thread().name)
+        promote(tenant)
+
+    d.tiers.promote = recording
+    messages = [{"role": "user", "content": "hello there"}]
+    r = httpx.post(f"http://{d.config.server.http_listen}/v1/chat/completions", timeout=60,
+                   headers={"authorization": f"Bearer {TOKENS['lora']}"},
+                   json={"model": "lora", "messages": messages, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(backbone))
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    want = d.generator.generate([GenerateRequest("lora", ids, max_new_tokens=8)])[0]
+    assert r.json()["choices"][0]["token_ids"] == want.sequences[0]
+    assert threads and all(n.startswith("asyncio_") for n in threads), threads
 
 
 def _submit(d: InProcess, who, tenant: str, ids: list[int]) -> list[int]:

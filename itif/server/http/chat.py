@@ -178,7 +178,7 @@ class ChatApi:
         try:
             ids = self._prompt(model, body)
             req = api.capped(api._request(model, ids, rest), rest)
-            call = api._start(who, model, req)
+            call = await api.start(who, model, req)
         except InvalidRequest as e:
             raise InvalidRequest(_renamed(str(e), field)) from None
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),

@@ -227,9 +227,16 @@ class CompletionsApi:
             kw["early_stopping"] = early
         return GenerateRequest(model, ids, **kw)
 
-    def _start(self, who: Any, model: str, req: GenerateRequest) -> GenerationStream:
+    async def start(self, who: Any, model: str, req: GenerateRequest) -> GenerationStream:
+        """Submit ``req``. A tenant the weight tiers evicted is loaded first on a worker
+        thread, so that the event loop (every other call's) does not wait for its weights."""
+        d = self.daemon
+        if d.tiers is not None and model not in d.engine.store:
+            from itif import daemon_tiers  # noqa: PLC0415 - only with weight tiers
+
+            await asyncio.to_thread(daemon_tiers.preload, d, model)
         try:
-            return GenerationStream(self.daemon, who, model, req)
+            return GenerationStream(d, who, model, req)
         except InvalidRequest as e:
             raise _renamed(e) from None
 
@@ -339,7 +346,7 @@ class CompletionsApi:
             req = self.capped(self._request(model, ids, body), body)
         except InvalidRequest as e:
             raise _renamed(e) from None
-        call = self._start(who, model, req)
+        call = await self.start(who, model, req)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
         if stream:
