@@ -278,7 +278,8 @@ class Daemon:
     def _visible(self, who: Identity, tenant: str) -> None:
         """Refuse a tenant ``who`` may not see (``TenantTable.check_visible``)."""
         self.tenants.check_visible(who, tenant)
-        self._note_tenant(tenant)
+        if self.metrics is not None:  # _note_tenant, inline: once per call
+            self.metrics.note_tenant(tenant)
 
     def _note_tenant(self, tenant: str) -> None:
         if self.metrics is not None:
