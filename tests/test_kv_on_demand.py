@@ -205,10 +205,13 @@ def test_a_tenants_common_prefix_is_shared_and_never_across_tenants(models, posi
     assert eng.cache_stats()["blocks_used"] == 0
 
 
-def test_lora_tenants_and_beams_under_preemption_equal_peft(tmp_path):
+def test_lora_tenants_and_beams_under_preemption_equal_peft(tmp_path, monkeypatch):
     """test_llama_lora's base ``a`` and two of its adapters (Q/V only; every projection with
     a rank pattern and rsLoRA) in a pool of 8 blocks: preempted and resumed, each request
-    equals PEFT's generate() of its adapter (or the base's HF model), greedy and beam."""
+    equals PEFT's generate() of its adapter (or the base's HF model), greedy and beam. The
+    resumed rows' tokens are recomputed in chunks of one token (``RECOMPUTE_BYTES``: the
+    smallest chunk), each reading what the chunks before it wrote."""
+    monkeypatch.setattr(running, "RECOMPUTE_BYTES", 1)
     lm = test_llama_lora
     base = lm.base_model(1)
     base.save_pretrained(tmp_path / "a")
@@ -230,3 +233,41 @@ def test_lora_tenants_and_beams_under_preemption_equal_peft(tmp_path):
     for r, g in zip(reqs, out):
         assert g.sequences == lm.hf_generate(oracles[r.tenant], r), r
     assert eng.cache_stats()["blocks_used"] == 0
+
+
+def test_a_decode_step_costs_the_same_whatever_is_shared_or_cached(models):
+    """One decode step of four requests runs as many aten operations (the same kernels on the
+    same shapes) when they share a two-block prefix and 40 more prefix blocks sit cached as
+    when nothing is shared or cached: rows read their history through their own location rows,
+    and the step never visits the cache's blocks."""
+    engine, _ = models
+    counts = {}
+    for case in ("alone", "shared"):
+        eng = engine(96)
+        if case == "shared":  # 20 finished requests leave 2 prefix blocks each, unused
+            eng.generate([GenerateRequest("a", prompt(20 + k, 2 * B + 1), max_new_tokens=2,
+                                          eos_token_id=STOP) for k in range(20)])
+            assert eng.cache_stats().get("blocks_cached", 0) == 40
+            prompts = [prompt(6, 2 * B) + [10 + k] for k in range(4)]
+        else:
+            prompts = [prompt(k, 2 * B + 1) for k in range(4)]
+        batch, steps = eng._batch, []
+        real = batch.decode
+
+        def decode(real=real, steps=steps, case=case, batch=batch):
+            steps.append(None)
+            if len(steps) != 2:  # the second decode: no row crosses a block boundary
+                return real()
+            out = []
+            batch._scratch = type(batch._scratch)()  # its buffers allocated alike in both cases
+            counts[case] = (batch.rows, test_llama_lora._count_ops(lambda: out.append(real())))
+            return out[0]
+
+        batch.decode = decode
+        eng.generate([GenerateRequest("a", p, max_new_tokens=6, eos_token_id=STOP)
+                      for p in prompts])
+        assert len(steps) >= 2
+        if case == "shared":
+            assert eng.cache_stats()["blocks_cached"] == 42
+    assert counts["alone"][0] == counts["shared"][0] == 4  # every request still running
+    assert counts["alone"][1] == counts["shared"][1] > 0

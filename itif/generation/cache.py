@@ -54,7 +54,8 @@ class KVPool:
                                 f"(one block is {self.block_bytes} bytes)")
         self.kv = torch.zeros(layers, self.blocks * block, 2 * hidden, dtype=dtype, device=device)
         self._free = list(range(self.blocks - 1, -1, -1))
-        self._ref = [0] * self.blocks
+        self._ref = np.zeros(self.blocks, np.int64)
+        self._prefix = np.zeros(self.blocks, bool)  # block -> named by a digest
         self._digest_of: dict[int, bytes] = {}  # prefix block -> its digest
         self._by_digest: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unused prefix blocks, oldest first
@@ -73,7 +74,8 @@ class KVPool:
         return -(-positions // self.block)
 
     def refcount(self, block: int) -> int:
-        return self._ref[block]
+        """The requests holding ``block`` (0: free, or a cached prefix block nobody uses)."""
+        return int(self._ref[block])
 
     def alloc(self, n: int) -> list[int]:
         """``n`` block ids, each referenced once; unused prefix blocks are evicted (least
@@ -83,24 +85,27 @@ class KVPool:
             raise Overloaded(f"the KV cache has {self.free_blocks} free blocks, {n} needed")
         out = self._free[len(self._free) - min(n, len(self._free)):] if n else []
         del self._free[len(self._free) - len(out):]
-        while len(out) < n:
+        while len(out) < n:  # a cached prefix block's last user left long ago: its K/V go
             b, _ = self._lru.popitem(last=False)
             del self._by_digest[self._digest_of.pop(b)]
+            self._prefix[b] = False
             out.append(b)
-        for b in out:
-            self._ref[b] = 1
+        self._ref[out] = 1
         return out
 
-    def release(self, blocks: list[int]) -> None:
-        """One reference fewer to each of ``blocks``; one left unused is free again (a prefix
-        block: cached, evictable)."""
-        for b in blocks:
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                if b in self._digest_of:
-                    self._lru[b] = None
-                else:
-                    self._free.append(b)
+    def release(self, blocks) -> None:
+        """One reference fewer to each of ``blocks`` (a list or an int array; a block shared by
+        several of the requests leaving appears once per request); one left unused is free
+        again (a prefix block: cached, evictable)."""
+        idx = np.asarray(blocks, np.int64)
+        if not idx.size:
+            return
+        np.subtract.at(self._ref, idx, 1)
+        unused = np.unique(idx[self._ref[idx] == 0])
+        named = self._prefix[unused]
+        for b in unused[named].tolist():  # prompt blocks only: a few per request
+            self._lru[b] = None
+        self._free.extend(unused[~named].tolist())
 
     def lookup(self, digest: bytes) -> int | None:
         """The prefix block named ``digest``, referenced once more; None if not cached."""
@@ -118,12 +123,14 @@ class KVPool:
         """``block`` (referenced, its K/V about to be written) is the prefix block ``digest``."""
         self._by_digest[digest] = block
         self._digest_of[block] = digest
+        self._prefix[block] = True
 
     def forget(self, block: int) -> None:
         """``block`` is no prefix block any more (its K/V were never written)."""
         d = self._digest_of.pop(block, None)
         if d is not None:
             del self._by_digest[d]
+            self._prefix[block] = False
             self._lru.pop(block, None)
             if self._ref[block] == 0:
                 self._free.append(block)
@@ -171,15 +178,19 @@ class RowTable:
         new[:, :p] = prompt_locs
         new[:, p:p + g] = own_locs
         self.loc = torch.cat([self.loc, new])
-        self.length = torch.cat([self.length, torch.full((n,), int(length), dtype=torch.int64, device=self.device)])
+        self.length = torch.cat([self.length, torch.full((n,), int(length), dtype=torch.int64,
+                                                         device=self.device)])
 
-    def fill(self, rows: torch.Tensor, start: torch.Tensor, locs: torch.Tensor) -> None:
-        """Row ``rows[i]``'s positions ``start[i] + j`` get ``locs[i, j]`` (one new block each;
-        positions past the table's width are dropped: never written)."""
-        cols = start[:, None] + torch.arange(locs.shape[1], device=self.device)[None, :]
+    def fill(self, rows: np.ndarray, start: np.ndarray, blocks: np.ndarray, block: int) -> None:
+        """Row ``rows[i]``'s positions ``start[i] : start[i] + block`` are block ``blocks[i]``'s
+        (host arrays: one new block each, all written at once; positions past the table's width
+        are dropped: never written)."""
+        cols = start[:, None] + np.arange(block)[None, :]
         ok = cols < self.width
-        r = rows[:, None].expand_as(cols)
-        self.loc[r[ok], cols[ok]] = locs[ok]
+        r = np.broadcast_to(rows[:, None], cols.shape)[ok]
+        locs = (blocks[:, None] * block + np.arange(block)[None, :])[ok]
+        t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=self.device)
+        self.loc[t(r), t(cols[ok])] = t(locs)
 
     def advance(self) -> None:
         """Every row's input token has been written at position ``length``."""

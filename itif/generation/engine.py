@@ -421,6 +421,21 @@ class GenEngine(StepParts):
         sb = self._sb
         with self._cv:
             cancel, self._cancel = self._cancel, []
+            for t in cancel:  # preempted after its cancel came: it waits no more
+                if t in self._resume:
+                    self._resume.remove(t)
+                    t.done = True
+        gone = [t for t in cancel if t.id in self._running]
+        if gone:
+            keys = [t.id for t in gone]
+            sb.remove(keys)
+            batch.remove(keys)
+            for t in gone:
+                del self._running[t.id]
+                self._streaming.pop(t.id, None)
+                t.done = True
+        self._preempt(batch, sb)  # room for the running rows' next blocks (decode takes them)
+        with self._cv:
             joins: list[Ticket] = []
             free = batch.pool.free_blocks - batch.grow_need()  # the running rows grow first
             while self._resume or self._waiting:
@@ -437,21 +452,11 @@ class GenEngine(StepParts):
                                            "before its generation started"))
         for t in joins:  # running from here: a failing step below reports to them too
             self._running[t.id] = t
-        gone = [t for t in cancel if t.id in self._running]
-        if gone:
-            keys = [t.id for t in gone]
-            sb.remove(keys)
-            batch.remove(keys)
-            for t in gone:
-                del self._running[t.id]
-                self._streaming.pop(t.id, None)
-                t.done = True
         joins = [t for t in joins if self._join_search(sb, t)]
         if not batch.rows and not joins:
             return
         parts = []
         if batch.rows:
-            self._preempt(batch, sb)  # room for the rows' next blocks (decode takes them)
             logits = self._decode(batch, sb)
             if logits.shape[0]:
                 parts.append(logits)

@@ -10,8 +10,16 @@ cross-attention groups) is rebuilt only when requests join or leave; a plain dec
 three device tables and launches the forward.
 
 Per request the host keeps a few numbers in parallel numpy arrays (tenant, rows, positions
-filled, source length) and its cache blocks; per-request device data (its source's pool
-locations) sits in a ``[requests, S]`` table compacted like the row table.
+filled, source length, where its rows' own blocks start and how many each holds) and its cache
+blocks; per-request device data (its source's pool locations) sits in a ``[requests, S]`` table
+compacted like the row table.
+
+The cache is taken on demand (decoder-only): a request joins with its prompt's blocks, full
+ones found in or added to its tenant's prefix cache (``cache.prefix_digests``), and each row
+takes a block whenever it crosses into one (``grow``, before the decode that writes there, all
+rows at once); ``grow_need`` tells the engine how many the next decode takes, so it can preempt
+first. A resumed request (``Admission.histories``) recomputes its rows' histories at admission.
+Encoder-decoder requests reserve everything at join, as before.
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ from itif.generation.model import (
 )
 from itif.generation.spec import DecoderSpec
 from itif.weights.store import WeightStore
+
+#: Bytes one layer's gathered history may take while tokens past a cached prefix (or a resumed
+#: request's generated tokens) are computed a row per token (``RunningBatch._compute``): each
+#: row gathers its sequence's K/V, so the rows run in chunks that keep it under this.
+RECOMPUTE_BYTES = 64 << 20
 
 
 @dataclass
@@ -81,7 +94,8 @@ class RunningBatch:
         self.start, self.maxgen, self.own = n0, n0, n0
         self.src_loc = torch.zeros(0, spec.max_position, dtype=torch.int64, device=self.device)
         self._scratch = Scratch()  # the decode step's gather buffers, reused step after step
-        self.blocks: dict[int, list[int]] = {}  # request id -> its blocks
+        self.blocks: dict[int, list[int]] = {}  # request id -> the blocks it joined with
+        self._grown, self._grown_rid = n0, n0  # blocks taken as rows grew, and their requests
         self.ids: dict[Hashable, int] = {}  # key -> request id
         self._next = 0
         self._sm: SlotMatrix | None = None
@@ -128,23 +142,21 @@ class RunningBatch:
         return int((self._deficit() * self.nrows).sum()) if self.requests else 0
 
     def grow(self) -> None:
-        """Give each row crossing into a new block that block (``grow_need`` must be free)."""
-        if not self.requests:
+        """Give each row crossing into a new block that block (``grow_need`` must be free): one
+        allocation and one row-table write for all of them, no loop over the requests."""
+        d = self._deficit() if self.requests else np.zeros(0, np.int64)
+        if not d.any():
             return
-        d = self._deficit()
-        idx = np.flatnonzero(d)
-        if not idx.size:
-            return
-        B, pool, dev = self.pool.block, self.pool, self.device
-        first_row = np.cumsum(self.nrows) - self.nrows
-        for i in idx.tolist():  # a request crosses a boundary once every B steps
-            k, r = int(d[i]), int(self.nrows[i])
-            blocks = pool.alloc(k * r)
-            self.blocks[int(self.rid[i])].extend(blocks)
-            self.table.fill(torch.arange(first_row[i], first_row[i] + r, device=dev),
-                            torch.full((r,), int(self.start[i] + self.own[i] * B), device=dev),
-                            pool.locations(blocks, k * r * B).view(r, k * B))
-            self.own[i] += k
+        row_d = np.repeat(d, self.nrows)  # blocks each row takes now
+        rows = np.repeat(np.arange(row_d.size), row_d)  # one entry per new block
+        req = np.repeat(np.arange(self.requests), self.nrows)[rows]
+        nth = np.arange(rows.size) - np.repeat(np.cumsum(row_d) - row_d, row_d)
+        blocks = np.asarray(self.pool.alloc(int(rows.size)), np.int64)
+        self.table.fill(rows, self.start[req] + (self.own[req] + nth) * self.pool.block, blocks,
+                        self.pool.block)
+        self._grown_rid = np.concatenate([self._grown_rid, self.rid[req]])
+        self._grown = np.concatenate([self._grown, blocks])
+        self.own = self.own + d
 
     def newest(self) -> Hashable:
         """The key of the request that joined last (the one to preempt)."""
@@ -192,7 +204,8 @@ class RunningBatch:
                 prompt_locs, own, src_locs, logits = self._admit_enc_dec(items, rids, tenant, sm)
                 length = plen
             else:
-                prompt_locs, own, length, logits = self._admit_decoder(items, rids, tenant, sm, made)
+                prompt_locs, own, length, logits = self._admit_decoder(items, rids, tenant, sm,
+                                                                       made)
         except BaseException:
             for b in made:
                 pool.forget(b)
@@ -211,12 +224,14 @@ class RunningBatch:
         self.nrows = np.concatenate([self.nrows, rows])
         self.length = np.concatenate([self.length, length]).astype(np.int64)
         self.start = np.concatenate([self.start, plen])
-        self.maxgen = np.concatenate([self.maxgen, [a.max_new_tokens for a in items]]).astype(np.int64)
+        self.maxgen = np.concatenate([self.maxgen, [a.max_new_tokens for a in items]]
+                                     ).astype(np.int64)
         held = [o.shape[1] // pool.block if not spec.encoder_decoder
                 else pool.blocks_for(a.max_new_tokens) for a, o in zip(items, own)]
         self.own = np.concatenate([self.own, held]).astype(np.int64)
         if spec.encoder_decoder:
-            self.src_len = np.concatenate([self.src_len, [len(a.source) for a in items]]).astype(np.int64)
+            self.src_len = np.concatenate([self.src_len, [len(a.source) for a in items]]
+                                          ).astype(np.int64)
             new_src = torch.zeros(n, self.src_loc.shape[1], dtype=torch.int64, device=dev)
             adm = torch.nn.utils.rnn.pad_sequence(src_locs, batch_first=True)  # admission order
             new_src[:, : adm.shape[1]] = adm
@@ -274,6 +289,10 @@ class RunningBatch:
         drop = np.isin(self.rid, gone)
         for rid in gone.tolist():
             self.pool.release(self.blocks.pop(rid))
+        if self._grown.size:
+            mine = np.isin(self._grown_rid, gone)
+            self.pool.release(self._grown[mine])
+            self._grown, self._grown_rid = self._grown[~mine], self._grown_rid[~mine]
         keep_req = np.flatnonzero(~drop)
         keep = torch.as_tensor(np.flatnonzero(np.repeat(~drop, self.nrows)), dtype=torch.int64,
                                device=self.device)
@@ -293,11 +312,10 @@ class RunningBatch:
         """Decoder-only: the prompt's blocks (shared by the request's rows), full blocks found
         in the tenant's prefix cache or named there (``made``); a resumed request's rows also
         take their own blocks for the tokens they had generated (as they held them before).
-        Then the tokens past the cached prefix run. None cached: the packed ``prefill``. Else
-        one ``decode`` call with a row per token to compute: every layer writes all rows' K/V
-        before any row attends, so a token sees the cached prefix and the tokens before it
-        (through its sequence's locations), as a prefill would."""
-        spec, pool, dev, B = self.spec, self.pool, self.device, self.pool.block
+        Then the tokens past the cached prefix run (``_compute``): the prompt, and a resumed
+        request's rows' generated tokens. The block of the prompt's last token is always
+        computed (its logits start the request)."""
+        pool, dev, B = self.pool, self.device, self.pool.block
         view = self.store.view
         segs = []  # (tokens, first position computed, locations, tenant) of each sequence
         pick, prompt_locs, own, lengths = [], [], [], []  # pick: each new row's logits' segment
@@ -339,36 +357,63 @@ class RunningBatch:
                 segs.append((list(hr), n, torch.cat([pl, ol[r, :m - n]]), tid))
         if self.before_forward is not None:
             self.before_forward({a.tenant for a in items})
-        stenant = np.array([t for _, _, _, t in segs], np.int64)
-        slen = np.array([len(h) for h, _, _, _ in segs], np.int64)
-        c0 = np.array([c for _, c, _, _ in segs], np.int64)
-        if not c0.any():  # fresh prompts, none cached: their packed prefill
-            order, tenant_ids, row_tenant = group_rows(stenant)
-            pstart, _ = rows_of_requests(slen[order])
-            Ptok = TenantParams(sm, tenant_ids, np.repeat(row_tenant, slen[order]), dev, self.dtype)
-            ids, pos = _packed([segs[i][0] for i in order], slen[order], dev)
-            wloc = torch.cat([segs[i][2] for i in order])
-            run = llama.prefill if self._llama else prefill
-            logits_f = run(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, slen[order], dev),
-                           wloc, pstart + slen[order] - 1)
-            logits = torch.empty_like(logits_f)
-            logits[torch.as_tensor(order, device=dev)] = logits_f  # back to admission order
-        else:  # a row per token past the cached prefix; the logits of each sequence's last
-            cnt = slen - c0
-            order, tenant_ids, row_tenant = group_rows(np.repeat(stenant, cnt))
-            ids = torch.as_tensor(np.concatenate([h[c:] for h, c, _, _ in segs]), device=dev)
-            pos = torch.as_tensor(np.concatenate([np.arange(c, len(h)) for h, c, _, _ in segs]),
-                                  device=dev)
-            loc = torch.nn.utils.rnn.pad_sequence([l for _, _, l, _ in segs], batch_first=True)
-            loc = loc.index_select(0, torch.as_tensor(np.repeat(np.arange(len(segs)), cnt),
-                                                      device=dev))
-            P = TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype)
-            perm = torch.as_tensor(order, device=dev)
-            run = llama.decode if self._llama else decode
-            out = run(spec, P, pool.kv, ids[perm], pos[perm], loc[perm], None)
-            inv = np.argsort(order)  # token row -> forward row
-            logits = out[torch.as_tensor(inv[np.cumsum(cnt) - 1], device=dev)]
+        logits = self._compute(segs, sm)
         return prompt_locs, own, lengths, logits[torch.as_tensor(pick, device=dev)]
+
+    def _compute(self, segs, sm) -> torch.Tensor:
+        """The K/V of each sequence ``(tokens, c, locations, tenant)`` of ``segs`` from its
+        position ``c`` on, and the logits of its last token [sequences, V]. First the ones with
+        nothing cached (``c`` = 0), in one packed ``prefill``; then the others in ``decode``
+        calls, a row per token, every layer writing all rows' K/V before any row attends, so a
+        token sees the cached positions and the tokens before it (through its sequence's
+        locations) as in a prefill. Their tokens go in sequence order, in chunks whose gathered
+        history stays under ``RECOMPUTE_BYTES`` a layer: a chunk reads only what it or earlier
+        chunks (or the prefill) wrote."""
+        spec, pool, dev = self.spec, self.pool, self.device
+        t = lambda a: torch.as_tensor(np.asarray(a, np.int64), device=dev)
+        stenant = np.array([q[3] for q in segs], np.int64)
+        slen = np.array([len(q[0]) for q in segs], np.int64)
+        c0 = np.array([q[1] for q in segs], np.int64)
+        out: torch.Tensor | None = None
+        fresh = np.flatnonzero(c0 == 0)
+        if fresh.size:  # nothing cached: their packed prefill
+            order, tenant_ids, row_tenant = group_rows(stenant[fresh])
+            f = fresh[order]
+            pstart, _ = rows_of_requests(slen[f])
+            Ptok = TenantParams(sm, tenant_ids, np.repeat(row_tenant, slen[f]), dev, self.dtype)
+            ids, pos = _packed([segs[i][0] for i in f], slen[f], dev)
+            wloc = torch.cat([segs[i][2] for i in f])
+            run = llama.prefill if self._llama else prefill
+            lf = run(spec, Ptok, pool.kv, ids, pos, SeqGroup.build(pstart, slen[f], dev), wloc,
+                     pstart + slen[f] - 1)
+            out = lf.new_empty(len(segs), lf.shape[1])
+            out[t(f)] = lf
+        rest = np.flatnonzero(c0 > 0)
+        if not rest.size:
+            return out
+        cnt = slen[rest] - c0[rest]
+        seg = np.repeat(rest, cnt)  # each token row's sequence
+        ids = np.concatenate([segs[i][0][c0[i]:] for i in rest])
+        pos = np.concatenate([np.arange(c0[i], slen[i]) for i in rest])
+        is_last = np.zeros(seg.size, bool)
+        is_last[np.cumsum(cnt) - 1] = True
+        loc = torch.nn.utils.rnn.pad_sequence([segs[i][2] for i in rest], batch_first=True)
+        row = np.zeros(len(segs), np.int64)
+        row[rest] = np.arange(rest.size)  # sequence -> its row of ``loc``
+        per = max(1, RECOMPUTE_BYTES // (loc.shape[1] * pool.kv.shape[2] * pool.kv.element_size()))
+        run = llama.decode if self._llama else decode
+        for a in range(0, seg.size, per):
+            order, tenant_ids, row_tenant = group_rows(stenant[seg[a:a + per]])
+            k = a + order  # this chunk's token rows, in forward order
+            L = int(pos[k].max()) + 1
+            lk = run(spec, TenantParams(sm, tenant_ids, row_tenant, dev, self.dtype), pool.kv,
+                     t(ids[k]), t(pos[k]), loc[t(row[seg[k]]), :L], None)
+            if out is None:
+                out = lk.new_empty(len(segs), lk.shape[1])
+            done = np.flatnonzero(is_last[k])
+            if done.size:
+                out[t(seg[k[done]])] = lk[t(done)]
+        return out
 
     # ---- one step ----------------------------------------------------------------------------
     def _structure(self, sel: np.ndarray | None = None):
