@@ -332,9 +332,14 @@ def _rows(engine, n, seed):
     return names, ids, off
 
 
-@pytest.mark.parametrize("output", [None, "pooled", "last_hidden_state"])
+@pytest.mark.parametrize("output", [None, "pooled", "last_hidden_state", "logits", "heads"])
 def test_infer_columns_equals_infer_bit_for_bit(engine, output):
+    """Every output; None: each tenant's default (a mix of logits and pooled rows), "heads":
+    the default of tenants that all have heads (2, 5 and 3 labels)."""
     names, ids, off = _rows(engine, 23, seed=3)
+    if output in ("logits", "heads"):
+        names = [t if t != "c2" else "c1" for t in names]  # c2 has no head
+        output = None if output == "heads" else output
     reqs = [Request(t, input_ids=ids[off[i]:off[i + 1]],
                     outputs=None if output is None else (output,)) for i, t in enumerate(names)]
     want = engine.infer(reqs)

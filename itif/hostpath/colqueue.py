@@ -54,8 +54,10 @@ OK, INVALID, NOT_FOUND, EXHAUSTED, EXPIRED = (STATUS.index(c) for c in (
 
 _ROW_COLS = (("call_id", np.int64), ("tenant", np.int32), ("start", np.int64),
              ("length", np.int64), ("deadline", np.float64), ("priority", np.int8),
-             ("seq", np.int64), ("enqueued", np.float64), ("alive", np.bool_))
-_TENANT_COLS = (("weight", np.float64), ("max_queue", np.int64), ("max_seq_len", np.int64), ("_limit", np.int64),
+             ("seq", np.int64), ("enqueued", np.float64), ("alive", np.bool_),
+             ("key", np.int64))
+_TENANT_COLS = (("weight", np.float64), ("max_queue", np.int64), ("max_seq_len", np.int64),
+                ("_limit", np.int64),
                 ("target_s", np.float64), ("tag", np.float64), ("depth", np.int64),
                 ("live", np.bool_), ("parked", np.bool_), ("submitted", np.int64),
                 ("rejected", np.int64), ("expired", np.int64), ("taken", np.int64),
@@ -111,6 +113,8 @@ class ColumnQueue:
         self.names: list[str] = []
         self.version = 0
         self.vtime = 0.0
+        self._next_deadline = math.inf
+        self._parked_n = 0
         self._n = 0  # rows used in the row columns (alive or dead)
         self._live_rows = 0
         self._next_seq = 0
@@ -141,13 +145,19 @@ class ColumnQueue:
         self._limit[i] = min(quota.max_seq_len or 1 << 62, self.max_len or 1 << 62)
         self.target_s[i] = quota.latency_target_ms / 1000.0
         self.live[i] = True
-        self.version += 1
+        self._limits()
         return i
+
+    def _limits(self) -> None:
+        """The longest row each tenant takes, -1 for a removed one, and -1 at index T for an
+        index outside the table: ``push`` checks a row with one gather."""
+        self._row_limit = np.append(np.where(self.live, self._limit, -1), -1)
+        self.version += 1
 
     def remove_tenant(self, name: str) -> None:
         """Refuse the tenant's new rows (NOT_FOUND); what is queued still runs."""
         self.live[self.names.index(name)] = False
-        self.version += 1
+        self._limits()
 
     def park(self, name: str, parked: bool = True) -> None:
         """Hold a tenant's rows out of batches (``parked``) or let them back in at the
@@ -155,6 +165,7 @@ class ColumnQueue:
         i = self.names.index(name)
         if self.parked[i] and not parked:
             self.tag[i] = max(self.tag[i], self.vtime)
+        self._parked_n += int(parked) - int(self.parked[i])
         self.parked[i] = parked
 
     @property
@@ -169,20 +180,20 @@ class ColumnQueue:
         if n == 0 or T == 0:
             return np.full(n, NOT_FOUND, np.int8)
         t = a.tenant
-        known = (t >= 0) & (t < T)
-        if not known.all():
-            t = np.where(known, t, 0)
-        lengths = np.diff(a.offsets)
-        good = known & self.live[t] & (lengths >= 1) & (lengths <= self._limit[t])
-        good &= a.deadline > now
+        slot = np.minimum(t.view(np.uint32), T)  # a negative index wraps past T
+        lengths = a.offsets[1:] - a.offsets[:-1]
+        good = (lengths >= 1) & (lengths <= self._row_limit[slot]) & (a.deadline > now)
         ids_ok = (not a.ids.size or self.vocab is None
                   or (a.ids.min() >= 0 and a.ids.max() < self.vocab))
-        if good.all() and ids_ok:  # the common case: a few numpy calls for the whole batch
+        if ids_ok and good.all():  # the common case: a few numpy calls for the whole batch
             got = np.bincount(t, minlength=T)
             if (got <= self.max_queue - self.depth).all():
                 self.submitted += got
                 self._append(a, None, t, lengths, now, got)
                 return np.zeros(n, np.int8)
+        known = slot < T
+        if not known.all():
+            t = np.where(known, t, 0)
         return self._push_slow(a, t, known, lengths, ids_ok, now)
 
     def _push_slow(self, a: Arrivals, t: np.ndarray, known: np.ndarray, lengths: np.ndarray,
@@ -246,9 +257,18 @@ class ColumnQueue:
         self._arena_used = need
         self._tenant[s] = t
         self._length[s] = lengths
-        self._seq[s] = np.arange(self._next_seq, self._next_seq + k)
+        seq = self._seq[s]
+        seq[:] = np.arange(self._next_seq, self._next_seq + k)
+        # the queue order as one sort key: tenant, then priority (higher first), then arrival
+        key = self._key[s]
+        np.left_shift(t, 48, out=key, dtype=np.int64, casting="unsafe")
+        key |= (127 - self._priority[s].astype(np.int64)) << 40
+        key |= seq & ((1 << 40) - 1)
         self._enqueued[s] = now
         self._alive[s] = True
+        self._next_deadline = min(self._next_deadline, float(a.deadline[rows].min()
+                                                             if rows is not None
+                                                             else a.deadline.min()))
         self._next_seq += k
         self._n += k
         self._live_rows += k
@@ -288,8 +308,14 @@ class ColumnQueue:
 
     def _expire(self, live: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Drop the ``live`` rows whose deadline passed: (live rows left, their call ids,
-        their tenants)."""
-        due = self._deadline[live] <= now
+        their tenants). ``_next_deadline`` (a bound: the earliest deadline pushed since the
+        last scan) spares the scan until one may be due."""
+        if now < self._next_deadline:
+            return live, _NONE_I8, _NONE_I4
+        deadlines = self._deadline[live]
+        due = deadlines <= now
+        later = deadlines[~due]
+        self._next_deadline = float(later.min()) if later.size else math.inf
         if not due.any():
             return live, _NONE_I8, _NONE_I4
         gone = live[due]
@@ -308,15 +334,11 @@ class ColumnQueue:
         out, and the rows that expired on the way."""
         now = self._clock() if now is None else now
         live, exp_call, exp_tenant = self._expire(self._live(), now)
-        if live.size and self.parked.any():
+        if live.size and self._parked_n:
             live = live[~self.parked[self._tenant[live]]]
         if not live.size or max_rows < 1:
             return self._taken(_NONE_I8, _NONE_I4, exp_call, exp_tenant)
-        # queue order, one sort key: tenant, then priority (higher first), then arrival
-        key = self._tenant[live].astype(np.int64) << 48
-        key |= (127 - self._priority[live].astype(np.int64)) << 40
-        key |= self._seq[live] & ((1 << 40) - 1)
-        rows = live[np.argsort(key)]
+        rows = live[np.argsort(self._key[live])]  # queue order (``_append``'s key)
         t = self._tenant[rows]
         lengths = self._length[rows]
         cost = np.maximum(lengths, 1) / self.weight[t]

@@ -39,6 +39,8 @@ STATUS = ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "DEADLINE
           "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION", "CANCELLED")
 _CODE = {name: i for i, name in enumerate(STATUS)}
 
+_NO_ROWS, _NO_OFFSETS = np.zeros(0, np.int32), np.zeros(1, np.int64)
+_NO_TEXT = np.zeros(0, np.uint8)
 _HEAD = struct.Struct("<4sIqqiI")  # magic, n rows, elements, table version, k errors, text bytes
 _ARRIVALS, _RESULTS = b"ITA1", b"ITR1"
 
@@ -52,17 +54,21 @@ def _up8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def _layout(counts: Sequence[tuple[np.dtype, int]]) -> tuple[list[int], int]:
+_SIZE = {np.int64: 8, np.float64: 8, np.int32: 4, np.float32: 4, np.int8: 1, np.uint8: 1}
+
+
+def _layout(counts: Sequence[tuple[type, int]]) -> tuple[list[int], int]:
     """Start of each column after the header, and the total size (8-byte aligned)."""
     pos, starts = _HEAD.size, []
     for dtype, n in counts:
         starts.append(pos)
-        pos = _up8(pos + np.dtype(dtype).itemsize * n)
+        pos = (pos + _SIZE[dtype] * n + 7) & ~7
     return starts, pos
 
 
 def _views(buf, starts: list[int], counts) -> list[np.ndarray]:
-    return [np.frombuffer(buf, dtype, n, s) for s, (dtype, n) in zip(starts, counts)]
+    fb = np.frombuffer
+    return [fb(buf, dtype, n, s) for s, (dtype, n) in zip(starts, counts)]
 
 
 def _header(buf, magic: bytes) -> tuple[int, int, int, int, int]:
@@ -150,11 +156,21 @@ class Arrivals:
 
     @classmethod
     def unpack(cls, buf) -> Arrivals:
-        """Views of ``buf``'s columns (no copy)."""
+        """Views of ``buf``'s columns (no copy). The engine reads one a ring slot, so this is
+        the layout of ``_counts`` written out: six ``frombuffer`` calls and a header."""
         n, total, version, _, _ = _header(buf, _ARRIVALS)
-        counts = [(np.int64, n), (np.int64, n + 1), (np.float64, n), (np.int32, n),
-                  (np.int32, total), (np.int8, n)]
-        call_id, off, deadline, tenant, ids, prio = _views(buf, _layout(counts)[0], counts)
+        frombuffer, i8, f8, i4 = np.frombuffer, np.int64, np.float64, np.int32
+        p = _HEAD.size  # call_id, offsets, deadline (8-byte) ... tenant, ids (4), priority (1)
+        call_id = frombuffer(buf, i8, n, p)
+        p += 8 * n
+        off = frombuffer(buf, i8, n + 1, p)
+        p += 8 * (n + 1)
+        deadline = frombuffer(buf, f8, n, p)
+        p += 8 * n
+        tenant = frombuffer(buf, i4, n, p)
+        p = _up8(p + 4 * n)
+        ids = frombuffer(buf, i4, total, p)
+        prio = frombuffer(buf, np.int8, n, _up8(p + 4 * total))
         return cls(call_id, tenant, off, ids, deadline, prio, version)
 
     @classmethod
@@ -163,17 +179,19 @@ class Arrivals:
         calls a column, whatever the number of parts. The newest table version wins."""
         if len(parts) == 1:
             return parts[0]
-        sizes = np.fromiter((p.offsets[-1] for p in parts), np.int64, count=len(parts))
-        shift = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        rows = np.fromiter((len(p) for p in parts), np.int64, count=len(parts))
-        off = np.concatenate([p.offsets[:-1] for p in parts]) + np.repeat(shift, rows)
-        off = np.append(off, sizes.sum())
-        return cls(np.concatenate([p.call_id for p in parts]),
-                   np.concatenate([p.tenant for p in parts]), off,
-                   np.concatenate([p.ids for p in parts]),
-                   np.concatenate([p.deadline for p in parts]),
-                   np.concatenate([p.priority for p in parts]),
-                   max(p.table_version for p in parts))
+        rows = [p.tenant.size for p in parts]
+        sizes = [p.ids.size for p in parts]
+        shift, total = [], 0
+        for k in sizes:
+            shift.append(total)
+            total += k
+        cat = np.concatenate
+        off = cat([*(p.offsets[:-1] for p in parts), [0]])
+        off[:-1] += np.repeat(shift, rows)
+        off[-1] = total
+        return cls(cat([p.call_id for p in parts]), cat([p.tenant for p in parts]), off,
+                   cat([p.ids for p in parts]), cat([p.deadline for p in parts]),
+                   cat([p.priority for p in parts]), max(p.table_version for p in parts))
 
 
 @dataclass
@@ -205,6 +223,12 @@ class Results:
         return cls(call_id, np.asarray(status, np.int8).reshape(call_id.size), off, values,
                    np.asarray(rows, np.int32), np.concatenate(([0], np.cumsum(lens))),
                    np.frombuffer(b"".join(texts), np.uint8))
+
+    @classmethod
+    def ok(cls, call_id: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> Results:
+        """Every row succeeded (the common batch): the columns as they are, no message."""
+        return cls(call_id, np.zeros(call_id.size, np.int8), offsets, values, _NO_ROWS,
+                   _NO_OFFSETS, _NO_TEXT)
 
     def __len__(self) -> int:
         return self.call_id.size

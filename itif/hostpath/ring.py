@@ -229,10 +229,17 @@ class Consumer(_End):
             return None
         return self._slot(tail, int(self._len[tail % self.slots]))
 
-    def release(self) -> None:
-        """Free the oldest batch's slot (its views must not be read after this)."""
+    def ready(self) -> list[memoryview]:
+        """Every published, unreleased batch, oldest first, where they lie: what one wake-up
+        finds (``release(len(...))`` them once read)."""
+        tail, head = int(self._ctl[_TAIL]), int(self._ctl[_HEAD])
+        lens = self._len
+        return [self._slot(i, int(lens[i % self.slots])) for i in range(tail, head)]
+
+    def release(self, n: int = 1) -> None:
+        """Free the oldest ``n`` batches' slots (their views must not be read after this)."""
         ctl = self._ctl
-        ctl[_TAIL] = int(ctl[_TAIL]) + 1
+        ctl[_TAIL] = int(ctl[_TAIL]) + n
         if ctl[_WAIT]:
             ctl[_WAIT] = 0
             _nonblocking_byte(self._space_w)
