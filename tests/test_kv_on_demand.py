@@ -271,3 +271,20 @@ def test_a_decode_step_costs_the_same_whatever_is_shared_or_cached(models):
             assert eng.cache_stats()["blocks_cached"] == 42
     assert counts["alone"][0] == counts["shared"][0] == 4  # every request still running
     assert counts["alone"][1] == counts["shared"][1] > 0
+
+
+def test_a_request_preempted_late_in_its_positions_resumes(models):
+    """Two requests of 64 positions (the backbone's all) in 8 blocks: together they fit for 48
+    tokens, then the newer is preempted with more whole blocks of its own than positions left
+    in its row (4 x 16 > 64 - 4): resumed, it finishes equal to ``generate()``, never failed."""
+    engine, hf = models
+    eng = engine(8)
+    reqs = [GenerateRequest(t, prompt(i, 4), max_new_tokens=60, eos_token_id=STOP)
+            for i, t in ((8, "a"), (9, "b"))]
+    out = eng.generate(reqs)
+    for r, g in zip(reqs, out):
+        want = hf_generate(hf[r.tenant], r)
+        assert g.sequences == want, r
+        assert len(want[0]) > 48, "the test needs both requests past 48 tokens"
+    assert eng.cache_stats().get("preemptions", 0) > 0
+    assert eng.cache_stats()["blocks_used"] == 0

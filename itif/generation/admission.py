@@ -1,8 +1,10 @@
 """The order in which waiting generation requests join the running batch: fair across tenants
 by generated-token budget.
 
-The KV cache is the scarce resource of generation: a request holds blocks for its whole
-reservation until it finishes. When requests wait for blocks, which one joins next decides who
+The KV cache is the scarce resource of generation: a request holds blocks until it finishes,
+up to its whole reservation (decoder-only requests take them as their rows grow, and one
+preempted for lack of them resumes ahead of this queue: ``itif.generation.engine``). When
+requests wait for blocks, which one joins next decides who
 gets the cache. First come first served lets one tenant that queues a hundred requests hold the
 cache against everyone else for as long as its queue lasts. ``FairWaiting`` orders the waiting
 requests by start-time fair queueing over their *token budgets* instead:

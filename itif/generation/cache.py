@@ -174,9 +174,10 @@ class RowTable:
         a resumed request)."""
         n, g = own_locs.shape
         p = prompt_locs.numel()
+        g = min(g, self.width - p)  # whole blocks may reach past the last position: never used
         new = torch.zeros(n, self.width, dtype=torch.int64, device=self.device)
         new[:, :p] = prompt_locs
-        new[:, p:p + g] = own_locs
+        new[:, p:p + g] = own_locs[:, :g]
         self.loc = torch.cat([self.loc, new])
         self.length = torch.cat([self.length, torch.full((n,), int(length), dtype=torch.int64,
                                                          device=self.device)])

@@ -5,14 +5,16 @@ One GenEngine serves one backbone (a DecoderSpec): tenants' weights in a ``Weigh
 request, ``itif.generation.running``) and one ``SearchBatch`` (the decoding search of every
 row, ``itif.generation.search``). The iteration loop, each step:
 
-1. cancelled requests leave (rows and cache blocks freed);
-2. waiting requests join in fair order across tenants (start-time fair queueing over their
-   generated-token budgets, weighted by ``tenants[].weight``: ``itif.generation.admission``)
-   while the KV pool has room for their prompt (decoder-only: blocks are taken as rows grow;
-   encoder-decoder: the whole reservation) after the running rows' growth; the next one that
-   does not fit waits for blocks to free, never failing the batch. Preempted requests resume
-   first. When the running rows' next blocks do not fit, the request that joined last is
-   preempted (``_preempt``) until they do: its blocks freed, it waits to be recomputed;
+1. cancelled requests leave (rows and cache blocks freed); when the running rows' next blocks
+   (decoder-only: taken as rows grow) do not fit, the request that joined last is preempted
+   (``scheduling.StepParts._preempt``) until they do: its blocks freed, its search state kept,
+   it waits at the front of the queue to be recomputed;
+2. waiting requests join, preempted ones first, then in fair order across tenants (start-time
+   fair queueing over their generated-token budgets, weighted by ``tenants[].weight``:
+   ``itif.generation.admission``) while the KV pool has room, after the running rows' growth,
+   for their prompt and each row's next block (a tenant's cached prefix blocks are shared:
+   ``itif.generation.cache``; encoder-decoder: the whole reservation); the next one that does
+   not fit waits for blocks to free, never failing the batch;
 3. one decode forward over all rows already running (every tenant together), and the prefill
    (GPT-2 prompts) or encoder + decoder start (BART, Marian) of the joining requests; joining
    requests whose prompts fail together (out of memory: a long prompt) run again one by one, and
