@@ -66,7 +66,7 @@ class Daemon:
         self.tenants = TenantTable(t.id for t in config.tenants)
         self.scheduler: Scheduler | None = None
         self.tiers = None  # itif.weights.tiers.TierManager with backbone.device_weight_bytes
-        self._lock = threading.Lock()
+        self.config_lock = self._lock = threading.Lock()  # one config edit at a time
         self._digests = TokenDigests()
         self.reloads_ok = 0
         self.reloads_failed = 0
@@ -156,14 +156,14 @@ class Daemon:
         first: a LoRA tenant needs its base)."""
         for t in sorted(self.config.tenants, key=lambda t: t.base is not None):
             if self.blobs.exists(t.id):
-                self._load_stored(t.id)
+                self.load_stored(t.id)
 
-    def _base_of(self, tenant: str) -> str | None:
+    def base_of(self, tenant: str) -> str | None:
         conf = self.config.tenant(tenant)
         return None if conf is None else conf.base
 
-    def _load_weights(self, tenant: str, path, upload: bool = False,
-                      ) -> tuple[CanonicalWeights, str | None]:
+    def load_weights(self, tenant: str, path, upload: bool = False,
+                     ) -> tuple[CanonicalWeights, str | None]:
         """(validated weights, base) of a file for ``tenant``: a checkpoint, or for a LoRA
         tenant an adapter on its base, which must be serving; for a delta tenant
         (``compress``) the uploaded checkpoint compressed against its base (refused above its
@@ -201,7 +201,8 @@ class Daemon:
             self.delta_reports[tenant] = weights.report
         return weights, base
 
-    def _load_stored(self, tenant: str) -> None:
+    def load_stored(self, tenant: str) -> None:
+        """Serve ``tenant``'s committed file, or mark it FAILED (refused, or misplaced)."""
         st = self.status.setdefault(tenant, TenantStatus())
         why = daemon_state.misplaced(self, tenant)
         if why is not None:  # committed for another base or compress: not served as this one
@@ -222,7 +223,7 @@ class Daemon:
         st.state = State.LOADING
         try:
             sha = self.blobs.verify(tenant)
-            weights, base = self._load_weights(tenant, self.blobs.path_for(tenant))
+            weights, base = self.load_weights(tenant, self.blobs.path_for(tenant))
             self.engine.add_tenant(tenant, weights, base=base, tag=sha)
             st.state, st.sha256, st.error = State.READY, sha, ""
             log.info("tenant %s restored (sha256 %s)", tenant, sha[:12])
@@ -244,7 +245,7 @@ class Daemon:
                 served = base in self.engine.store or (  # tiers: or on disk, loaded on demand
                     self.tiers is not None and self.blobs.exists(base))
                 if served and self.blobs.exists(t.id):
-                    self._load_stored(t.id)
+                    self.load_stored(t.id)
                 elif t.id in self.engine.store or (self.tiers is not None
                                                    and self.blobs.exists(t.id)):
                     st = self.status[t.id]
@@ -310,9 +311,9 @@ class Daemon:
         refuse a tenant removed from the config meanwhile (nothing is committed then)."""
         try:
             upload.seal()  # size and sha256
-            base_sha = self._base_sha(self._base_of(tenant))
+            base_sha = self._base_sha(self.base_of(tenant))
             try:
-                weights, base = self._load_weights(tenant, upload.temp_path, upload=True)
+                weights, base = self.load_weights(tenant, upload.temp_path, upload=True)
             except ItifError as e:  # the reader names the file: not the server's paths
                 e.args = tuple(str(a).replace(os.fspath(upload.temp_path), "the upload")
                                for a in e.args)
@@ -396,8 +397,7 @@ class Daemon:
 
     # ---- inference -------------------------------------------------------------------------
     def _ready_tenant(self, who: Identity, tenant: str) -> Tenant:
-        """The config of a tenant ``who`` may see and that serves now: its one visibility
-        check of the call."""
+        """The config of a tenant ``who`` may see (checked once a call) that serves now."""
         self._visible(who, tenant)
         self.tenants.check_ready(tenant)
         return self.config.tenant(tenant)
@@ -569,10 +569,14 @@ class Daemon:
         self.last_reload_error = str(exc)
         log.error("config reload refused, keeping the last good config: %s", exc)
 
-    def _outstanding(self, tenant: str) -> int:
+    def outstanding(self, tenant: str) -> int:
         """The tenant's accepted calls that have not finished: Infer rows (queued or running)
         and Generate calls (waiting or running)."""
         return self.scheduler.outstanding(tenant) + self._generating_of(tenant)
+
+    # the old private names, for itif.daemon_config, itif.daemon_tiers and itif.serve_ray
+    _base_of, _load_weights, _load_stored = base_of, load_weights, load_stored
+    _outstanding = outstanding
 
     def _generating_of(self, tenant: str) -> int:
         with self._gen_lock:

@@ -221,8 +221,9 @@ def _private_members(tree: ast.Module, cls: str) -> set[str]:
             elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
                   and isinstance(n.value, ast.Name) and n.value.id == "self"):
                 names.add(n.attr)
-            elif isinstance(n, ast.Assign):
-                names.update(t.id for t in n.targets if isinstance(t, ast.Name))
+            elif isinstance(n, ast.Assign):  # ``_a = ...`` and ``_a, _b = ...``
+                names.update(t.id for target in n.targets for t in ast.walk(target)
+                             if isinstance(t, ast.Name))
             elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
                 names.add(n.target.id)
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
@@ -248,9 +249,9 @@ def _private_reads(tree: ast.Module, members: set[str]) -> Counter:
 
 def test_private_read_finder_finds_them():
     members = _private_members(ast.parse(
-        "class Daemon:\n    _k = 1\n    def __init__(self):\n        self._lock = None\n"
+        "class Daemon:\n    _k, _j = 1, 2\n    def __init__(self):\n        self._lock = None\n"
         "    def _visible(self):\n        return self.__class__\n"), "Daemon")
-    assert members == {"_k", "_lock", "_visible"}
+    assert members == {"_j", "_k", "_lock", "_visible"}
     src = ("def f(d, daemon: 'Daemon', x: Daemon, y):\n"
            "    d._lock; daemon._visible(); x._k; self.daemon._lock; y._lock; d._other\n"
            "    d.__class__; d.public\n")
