@@ -10,7 +10,10 @@ requests of one tenant with a common two-block prefix hold those blocks once (re
 another tenant's identical prompt shares nothing; the reference counts are back at zero and no
 block is in use when they are done; a later request finds the prefix cached and computes none
 of it. (d) PEFT LoRA tenants on a llama base (``test_llama_lora``'s adapters), greedy and beam,
-under preemption equal PEFT's ``generate()``.
+under preemption (resumed rows recomputed in one-token chunks) equal PEFT's ``generate()``.
+Plus: a decode step runs the same operations whatever is shared or cached; a request preempted
+with whole blocks past its last position resumes; a preempted request can be cancelled, streams
+each token once when resumed, and ends with TenantNotFound when its tenant is removed.
 """
 
 from __future__ import annotations
@@ -287,4 +290,59 @@ def test_a_request_preempted_late_in_its_positions_resumes(models):
         assert g.sequences == want, r
         assert len(want[0]) > 48, "the test needs both requests past 48 tokens"
     assert eng.cache_stats().get("preemptions", 0) > 0
+    assert eng.cache_stats()["blocks_used"] == 0
+
+
+def test_preempted_requests_can_be_cancelled_streamed_and_their_tenant_removed(models):
+    """A preempted request waiting to resume: cancelled, it ends with no more events; a
+    streamed one resumes and streams exactly its tokens, once each; one whose tenant is removed
+    ends with TenantNotFound. The others finish equal to ``generate()``; no block stays used."""
+    from itif.errors import TenantNotFound
+
+    engine, hf = models
+    eng = engine(8)
+    events: dict[int, list] = {}
+
+    def submit(r):
+        i = len(events)
+        events[i] = []
+        return eng.submit(r, lambda ev: events[i].append(ev))
+
+    def run_until(done) -> None:
+        for _ in range(500):  # the two requests take about 120 steps
+            if done(eng.cache_stats()):
+                return
+            eng._iterate()
+        raise AssertionError("not reached in 500 steps")
+
+    idle = lambda s: not s["running"] and not s["waiting"]
+    reqs = [GenerateRequest(t, prompt(i, 4), max_new_tokens=60, eos_token_id=STOP)
+            for i, t in ((8, "a"), (9, "b"))]
+    tickets = [submit(r) for r in reqs]
+    run_until(lambda s: s.get("preemptions", 0) == 1)
+    assert list(eng._resume) == [tickets[1]]
+    eng.cancel(tickets[1])
+    run_until(idle)
+    assert [ev.kind for ev in events[0]][-1] == "done"
+    assert not any(ev.kind == "done" for ev in events[1])
+    assert events[0][-1].generation.sequences == hf_generate(hf["a"], reqs[0])
+    streamed = [tok for ev in events[0] if ev.kind == "tokens" for tok in ev.tokens]
+    assert streamed == hf_generate(hf["a"], reqs[0])[0]
+    # streamed and preempted: resumes, each token streamed once
+    for r in reqs:
+        submit(r)
+    run_until(lambda s: s["preemptions"] == 2)
+    run_until(idle)
+    for i, r in ((2, reqs[0]), (3, reqs[1])):
+        assert [tok for ev in events[i] if ev.kind == "tokens" for tok in ev.tokens] == \
+            hf_generate(hf[r.tenant], r)[0]
+    # preempted, then its tenant removed
+    for r in reqs:
+        submit(r)
+    run_until(lambda s: s["preemptions"] == 3)
+    assert [t.request.tenant for t in eng._resume] == ["b"]
+    eng.remove_tenant("b")
+    run_until(idle)
+    assert isinstance(events[5][-1].error, TenantNotFound)
+    assert events[4][-1].generation.sequences == hf_generate(hf["a"], reqs[0])
     assert eng.cache_stats()["blocks_used"] == 0
