@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from itif.runtime.gemm import broadcast_rows
+from itif.ops.rows import broadcast_rows
 
 
 class RotParam(NamedTuple):

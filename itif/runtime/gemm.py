@@ -25,8 +25,9 @@ On the CPU in float32, a product whose longest segment has ``cpu_gemm.MIN_ROWS``
 segment in one call, the weights read in place), whatever the plan's backend.
 
 The same plan drives the per-row parameters of the memory-bound ops on the CPU reference
-(``broadcast_rows``): ``mm`` and ``bmm`` plans broadcast a parameter over its rows as a view, so
-a bias add is one op whatever the tenant count.
+(``broadcast_rows``, which lives in ``itif.ops.rows`` below the ops that use it and is
+re-exported here): ``mm`` and ``bmm`` plans broadcast a parameter over its rows as a view, so a
+bias add is one op whatever the tenant count.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from itif.ops.rows import broadcast_rows
 from itif.runtime import cpu_gemm, cublas_grouped
 
 BACKENDS = ("mm", "bmm", "grouped_mm", "loop")
@@ -252,16 +254,6 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, segs: Segments,
     offs = (torch.tensor(plan.offs, dtype=torch.int32, device=x.device)
             if plan.backend == "grouped_mm" else None)
     return run_gemm(x, w, plan, offs, out)
-
-
-def broadcast_rows(buf: torch.Tensor, plan: GemmPlan) -> torch.Tensor | None:
-    """Per-row values of a parameter buffer ``buf [capacity, N]`` as a view that broadcasts
-    against ``x.view(plan.n, plan.L, N)`` (bmm) or ``x`` (mm); None for other plans."""
-    if plan.backend == "mm":
-        return buf[plan.slot0]
-    if plan.backend == "bmm":
-        return buf[plan.slot0 : plan.slot0 + plan.step * (plan.n - 1) + 1 : plan.step].unsqueeze(1)
-    return None
 
 
 __all__ = ["BACKENDS", "GemmPlan", "Segments", "broadcast_rows", "check_operands", "grouped_linear",
