@@ -34,7 +34,7 @@ from itif.generation.spec import PRESETS
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server.admission import Admission
 from itif.server.service import AuthInterceptor, ItifService
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 
 
 def _pct(xs: list[float], q: float) -> float:

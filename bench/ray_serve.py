@@ -53,7 +53,7 @@ def _workspace(root: Path, backbone: str, n: int) -> tuple[Path, dict[str, str]]
     import itif
     from itif.config import hash_token, load_config
     from itif.daemon import Daemon, Identity
-    from itif.weights.safetensors_io import save_safetensors, sha256_file
+    from itif.safetensors_io import save_safetensors, sha256_file
 
     spec = itif.load_spec(backbone)
     tokens = {f"b{i}": f"b{i}-token" for i in range(n)}

@@ -27,7 +27,7 @@ from itif.backbones.spec import load_spec  # noqa: E402
 from itif.bench.serving import LoadGen, ServeDaemon, _free_ports  # noqa: E402
 from itif.bench.tenants import tenant_weights, to_hf  # noqa: E402
 from itif.bench.workloads import parse_mix  # noqa: E402
-from itif.weights.safetensors_io import save_safetensors  # noqa: E402
+from itif.safetensors_io import save_safetensors  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from itif.client import Client
 from itif.config import hash_token
-from itif.weights.safetensors_io import load_safetensors, save_safetensors
+from itif.safetensors_io import load_safetensors, save_safetensors
 
 SENTENCES = [
     "The new update made the app much faster.",

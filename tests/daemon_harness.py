@@ -289,7 +289,7 @@ def http_daemon(root: Path, tokens: dict[str, str], seed: int, **kw) -> Daemon:
     (``d.http``: its host:port), every tenant of ``tokens`` given one bert-tiny
     BertForSequenceClassification (3 labels, random weights of ``seed``). ``kw``: more
     :class:`Daemon` fields (``server_extra`` keys join ``http_listen``)."""
-    from itif.weights.safetensors_io import save_safetensors  # noqa: PLC0415
+    from itif.safetensors_io import save_safetensors  # noqa: PLC0415
     from tests.oracle import make_hf_model  # noqa: PLC0415 - torch and transformers, on demand
 
     path = root / "w.safetensors"

@@ -12,7 +12,7 @@ import pytest
 
 import itif
 from itif.server._proto.itif.v1 import itif_pb2
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from tests.daemon_harness import ADMIN, Daemon
 from tests.oracle import make_hf_model, reference
 

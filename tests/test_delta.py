@@ -20,7 +20,7 @@ from itif.daemon import Daemon, Identity, State
 from itif.errors import InvalidConfig, InvalidWeights
 from itif.server.service import _tenant_info
 from itif.weights import delta
-from itif.weights.safetensors_io import read_metadata
+from itif.safetensors_io import read_metadata
 from tests.daemon_harness import free_port
 from tests.oracle import make_hf_model, random_request, reference
 

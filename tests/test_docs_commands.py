@@ -223,7 +223,7 @@ def _sh(text: str, cwd: Path, env: dict, where: str) -> str:
 
 def test_readme_daemon_block(tmp_path):
     from tests.oracle import make_hf_model
-    from itif.weights.safetensors_io import save_safetensors
+    from itif.safetensors_io import save_safetensors
 
     cmds = _cmds("executed: README daemon block")
     serve = [c for c in cmds if c.argv[1] == "serve"]

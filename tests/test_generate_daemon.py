@@ -41,7 +41,7 @@ from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
 from itif.server import kserve
 from itif.server.admission import Admission
 from itif.server.service import AuthInterceptor, ItifService
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from tests.daemon_harness import ADMIN, Daemon
 from tests.reliability_util import error_of, wait_until
 

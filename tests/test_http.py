@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import itif
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from tests.daemon_harness import ADMIN, Daemon, free_port
 from tests.doc_blocks import REPO, blocks, shell_commands
 from tests.oracle import make_hf_model

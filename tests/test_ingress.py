@@ -23,7 +23,7 @@ import pytest
 
 import itif
 from itif.server.ingress import HOT, method_kinds, pack
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from tests.daemon_harness import Daemon, free_port
 from tests.oracle import make_hf_model, reference
 

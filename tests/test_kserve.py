@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import itif
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from tests.daemon_harness import ADMIN, Daemon
 from tests.oracle import make_hf_model, reference
 

@@ -100,7 +100,7 @@ def config_text(backbone: Path, http: str, backbone_extra: str = "") -> str:
 
 
 def weights_bytes(model, tmp: Path) -> bytes:
-    from itif.weights.safetensors_io import save_safetensors
+    from itif.safetensors_io import save_safetensors
 
     path = tmp / "w.safetensors"
     save_safetensors({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()},

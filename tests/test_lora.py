@@ -15,7 +15,7 @@ import torch
 
 import itif
 from itif.errors import InvalidWeights, TenantNotFound
-from itif.weights.safetensors_io import load_safetensors
+from itif.safetensors_io import load_safetensors
 from tests.oracle import make_hf_model, max_diff, random_request, reference
 
 peft = pytest.importorskip("peft")

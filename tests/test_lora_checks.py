@@ -24,7 +24,7 @@ import torch
 
 from itif.backbones.lora import pack_adapter
 from itif.errors import InvalidWeights
-from itif.weights.safetensors_io import load_safetensors, save_safetensors
+from itif.safetensors_io import load_safetensors, save_safetensors
 from tests.daemon_harness import ADMIN, Daemon
 from tests.oracle import make_hf_model, random_request
 from tests.reliability_util import error_of, promise, upload_bytes, weights_bytes

@@ -11,7 +11,7 @@ import torch
 
 from itif.bench.daemon_probe import scrape_metrics as scrape
 from itif.platform import nvml
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from tests.daemon_harness import Daemon, free_port
 from tests.oracle import make_hf_model
 

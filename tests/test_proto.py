@@ -23,7 +23,7 @@ from grpc_tools import grpc_version, protoc  # the test extra pins grpcio-tools
 import itif
 from itif.server import gen
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO = "itif/v1/itif.proto"

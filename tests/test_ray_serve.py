@@ -42,7 +42,7 @@ import itif
 from itif.config import hash_token, load_config
 from itif.daemon import Daemon, Identity
 from itif.generation.api import GenerateRequest
-from itif.weights.safetensors_io import save_safetensors, sha256_file
+from itif.safetensors_io import save_safetensors, sha256_file
 from tests.daemon_harness import ADMIN, free_port
 from tests.doc_blocks import REPO, blocks
 from tests.oracle import make_hf_model, reference

@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from itif.server._proto.itif.v1 import itif_pb2
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from tests.reliability_util import (
     ADMIN,
     Daemon,

@@ -405,7 +405,7 @@ def test_a_refused_upload_tells_nothing_of_other_tenants_weights(tmp_path):
     from itif.config import parse_config
     from itif.daemon import Daemon as InProcess
     from itif.errors import Overloaded
-    from itif.weights.safetensors_io import save_safetensors
+    from itif.safetensors_io import save_safetensors
     from tests.oracle import make_hf_model
 
     def weights(seed: int, labels: int) -> bytes:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from itif.errors import InvalidWeights
-from itif.weights.safetensors_io import (
+from itif.safetensors_io import (
     MAX_RANK,
     Limits,
     TensorInfo,

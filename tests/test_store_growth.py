@@ -297,7 +297,7 @@ def _count(monkeypatch, obj, name: str, static: bool = False) -> list:
 def test_daemon_upload_keys_and_compares_each_tensor_once(tmp_path, monkeypatch):
     from itif.config import hash_token, parse_config
     from itif.daemon import Daemon, Identity
-    from itif.weights.safetensors_io import save_safetensors
+    from itif.safetensors_io import save_safetensors
     from tests.daemon_harness import free_port
     from tests.oracle import make_hf_model
 

@@ -22,7 +22,7 @@ from itif.daemon import Daemon, Identity, State
 from itif.errors import InvalidRequest, Overloaded, Unavailable
 from itif.requests import Request, Result
 from itif.scheduler import Scheduler, TenantQuota
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from itif.weights.tiers import Tier
 from tests.oracle import make_hf_model, reference
 

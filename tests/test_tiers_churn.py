@@ -21,7 +21,7 @@ from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity, State
 from itif.errors import NoWeights, Overloaded
 from itif.requests import Request
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 from itif.weights.tiers import Tier
 from tests.oracle import make_hf_model, reference
 

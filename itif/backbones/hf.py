@@ -23,7 +23,7 @@ import torch
 
 from itif.backbones.spec import BackboneSpec, check_tenant_config
 from itif.errors import InvalidConfig, InvalidWeights
-from itif.weights.safetensors_io import load_safetensors
+from itif.safetensors_io import load_safetensors
 
 # Tensors some checkpoints carry that are buffers, not weights.
 _IGNORED_SUFFIXES = ("position_ids",)

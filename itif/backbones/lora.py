@@ -42,7 +42,7 @@ import torch
 from itif.backbones.hf import CanonicalWeights, layer_sources
 from itif.backbones.spec import BackboneSpec
 from itif.errors import InvalidWeights
-from itif.weights.safetensors_io import load_safetensors, read_metadata, save_safetensors
+from itif.safetensors_io import load_safetensors, read_metadata, save_safetensors
 
 __all__ = [
     "CONFIG_KEY",

@@ -52,7 +52,7 @@ from itif.bench.workloads import ServeMix, poisson_arrivals, sample_lengths, sam
 from itif.client import Client
 from itif.config import hash_token
 from itif.config.schema import SchedulerConfig
-from itif.weights.safetensors_io import save_safetensors
+from itif.safetensors_io import save_safetensors
 
 log = logging.getLogger("itif.bench")
 

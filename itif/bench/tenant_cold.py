@@ -57,7 +57,7 @@ def run_cold(cfg: ScaleSettings, kind_name: str = "lora", tenants: int | None = 
     from itif.daemon import Daemon, Identity  # noqa: PLC0415
     from itif.metrics import Metrics  # noqa: PLC0415
     from itif.requests import Request  # noqa: PLC0415
-    from itif.weights.safetensors_io import save_safetensors  # noqa: PLC0415
+    from itif.safetensors_io import save_safetensors  # noqa: PLC0415
     from itif.weights.tiers import Tier  # noqa: PLC0415
 
     spec = load_spec(cfg.model)

@@ -410,7 +410,7 @@ def run_daemon(cfg: ScaleSettings) -> list[dict]:
     from itif.bench.tenants import to_hf  # noqa: PLC0415
     from itif.config import hash_token, parse_config  # noqa: PLC0415
     from itif.daemon import Daemon, Identity  # noqa: PLC0415
-    from itif.weights.safetensors_io import save_safetensors  # noqa: PLC0415
+    from itif.safetensors_io import save_safetensors  # noqa: PLC0415
 
     spec = load_spec(cfg.model)
     kind = Kind("lora", spec, cfg.lora_rank, base="base", base_mode="full")

@@ -69,6 +69,7 @@ from types import TracebackType
 from typing import IO
 
 from itif.errors import Busy, InvalidRequest, InvalidWeights, Overloaded, shown
+from itif.safetensors_io import sha256_file
 from itif.weights.durable_io import (  # private names: tests patch _write_durably here
     fsync_dir as _fsync_dir,
     fsync_path as _fsync_path,
@@ -77,7 +78,6 @@ from itif.weights.durable_io import (  # private names: tests patch _write_durab
     unlink_quietly as _unlink_quietly,
     write_durably as _write_durably,
 )
-from itif.weights.safetensors_io import sha256_file
 
 log = logging.getLogger("itif.blobstore")
 

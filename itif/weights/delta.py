@@ -264,7 +264,7 @@ def stored_report(path: str | os.PathLike) -> tuple[DeltaReport, dict[str, str]]
     """(the report, the metadata) of a stored blob from its header alone (no tensor is read):
     what a tenant on disk shows before it is loaded, and the base sha256 it was taken against.
     InvalidWeights for a file that is not a delta blob or whose metadata is corrupt."""
-    from itif.weights.safetensors_io import read_header, read_metadata  # noqa: PLC0415
+    from itif.safetensors_io import read_header, read_metadata  # noqa: PLC0415
 
     meta = read_metadata(Path(path))
     if meta.get("format") != FORMAT:
@@ -302,7 +302,7 @@ def to_bytes(weights: DeltaWeights) -> bytes:
 
 def read_blob(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a stored blob, through the hostile-input-safe reader."""
-    from itif.weights.safetensors_io import load_safetensors, read_metadata  # noqa: PLC0415
+    from itif.safetensors_io import load_safetensors, read_metadata  # noqa: PLC0415
 
     meta = read_metadata(Path(path))
     if meta.get("format") != FORMAT:
