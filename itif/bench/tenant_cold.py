@@ -11,7 +11,15 @@ import numpy as np
 import torch
 
 from itif.backbones.spec import load_spec
-from itif.bench.tenant_scale import COLD_SOURCES, Kind, ScaleSettings, _pct, log, lora_adapter, tenant_name
+from itif.bench.tenant_kinds import (
+    COLD_SOURCES,
+    Kind,
+    ScaleSettings,
+    log,
+    lora_adapter,
+    tenant_name,
+)
+from itif.bench.tenant_kinds import pct as _pct
 from itif.bench.tenants import tenant_weights
 
 __all__ = ["COLD_SOURCES", "run_cold", "run_colds"]
