@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 import itif
-from itif.batching.report import sample_lengths, sample_tenants
 from itif.bench.tenants import tenant_weights
 from itif.bench.workloads import parse_mix, poisson_arrivals
+from itif.calibration.plan_report import sample_lengths, sample_tenants
 from itif.hostpath import ring as ring_mod
 from itif.hostpath.colqueue import ColumnQueue
 from itif.hostpath.columns import Arrivals, Results

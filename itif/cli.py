@@ -236,7 +236,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from itif.batching.report import plan_report  # noqa: PLC0415
+    from itif.calibration.plan_report import plan_report  # noqa: PLC0415
 
     report = plan_report(args.backbone, args.workload, args.tenants, args.requests,
                          skew=args.skew, seed=args.seed, threads=args.threads)

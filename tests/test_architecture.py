@@ -1,8 +1,10 @@
 """The house in order: module sizes, the import graph, and which layers load what (CPU, fast).
 
 - no module in ``itif/`` is over 600 lines (the generated ``_proto`` stubs aside);
-- no import cycle among itif's modules (the graph of module-level imports, read with ``ast``;
-  imports inside functions and under ``if TYPE_CHECKING:`` are not edges);
+- no import cycle among itif's modules (the graph of every import, read with ``ast``: those
+  inside functions count, since they run too; only ``if TYPE_CHECKING:`` ones, which never
+  run, are not edges);
+- the layers run one way: every import goes down :data:`LAYERS` or stays inside its package;
 - the scheduler, the request types and the HTTP JSON workers' module load without torch; the
   daemon loads neither grpc nor the metrics (the server layer wires those up);
 - no module reads the daemon's or the engine's private members (``daemon._visible``,
@@ -72,17 +74,30 @@ def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    """Module -> the itif modules it imports at import time. ``from pkg import name`` is an edge
-    to ``pkg.name`` when that is a module, else to ``pkg``; importing ``a.b.c`` also runs the
-    ``__init__`` of ``a`` and ``a.b``, but those are edges of their own only where written."""
+def _all_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import in the module, wherever it sits (a function-local import is an edge too:
+    it runs when the function does), but for those under ``if TYPE_CHECKING:``."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def _graph(lazy: bool = True) -> dict[str, set[str]]:
+    """Module -> the itif modules it imports (``lazy``: anywhere in it, else only those that run
+    at import time). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
+    else to ``pkg``; ``import a.b.x`` where ``a.b.x`` is no module is an edge to ``a.b``;
+    importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, but those are edges of
+    their own only where written."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         deps: set[str] = set()
-        for node in _top_level_imports(tree):
+        for node in (_all_imports if lazy else _top_level_imports)(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -94,6 +109,8 @@ def _graph() -> dict[str, set[str]]:
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
                            for a in node.names]
             for t in targets:
+                while t.startswith("itif.") and t not in mods:
+                    t = t.rpartition(".")[0]
                 if t in mods and t != name:
                     deps.add(t)
         graph[name] = deps
@@ -149,15 +166,115 @@ def test_no_module_over_600_lines():
     assert not big, f"modules over {MAX_LINES} lines (split them along their seams): {big}"
 
 
+# ---- layers ---------------------------------------------------------------------------------
+#: itif's packages and top-level modules, lowest first: each may import only those before it
+#: (and itself). ``itif`` is the package's ``__init__`` (the public names, loaded lazily).
+LAYERS: list[tuple[str, str]] = [
+    ("platform", "what the machine is (devices, threads); imports no itif module"),
+    ("errors", "the exception types every layer raises"),
+    ("observer", "the event sink the daemon reports to; no itif imports"),
+    ("daemon_state", "the daemon's plain state records; no itif imports"),
+    ("requests", "the request and result types the clients and engines share"),
+    ("safetensors_io", "reads and writes .safetensors files, for backbones and weights alike"),
+    ("ops", "the per-row LoRA/delta ops, reference and CUDA, and the row helpers they share"),
+    ("batching", "batch layouts, strategies and the cost model they plan with (no engine)"),
+    ("backbones", "backbone specs and Hugging Face loading"),
+    ("itif", "the public names of ``import itif`` (the rest loaded on first use)"),
+    ("config", "the daemon's configuration schema, checked against backbones and strategies"),
+    ("scheduler", "the fair queues and triggers, without torch"),
+    ("hostpath", "the host-side request columns the scheduler feeds"),
+    ("weights", "tenant weights: the store, tiers, deltas and blobs"),
+    ("faults", "fault injection into the weight store, for the reliability tests"),
+    ("runtime", "the encoder Engine: GEMMs, forward, CUDA graphs"),
+    ("generation", "the decoder GenEngine, built on runtime's GEMMs"),
+    ("calibration", "measures the engine to fit the cost model, and ``itif plan``'s report"),
+    ("decoder_backend", "the daemon's adapter to GenEngine"),
+    ("daemon_tenants", "the daemon's tenant table"),
+    ("daemon_tiers", "the daemon's weight tiers"),
+    ("daemon_config", "the daemon's live settings"),
+    ("daemon", "the daemon: queues, engines, tenants"),
+    ("metrics", "Prometheus metrics over a daemon"),
+    ("server", "gRPC, HTTP and KServe front ends over the daemon"),
+    ("client", "the Python client (the server's protocol stubs)"),
+    ("serve_ray", "Ray Serve deployment of the server"),
+    ("demo", "the demo tenants, through the client"),
+    ("bench", "the benchmark suites, over everything below"),
+    ("cli", "the ``itif`` command"),
+    ("__main__", "``python -m itif``"),
+]
+#: Imports that still run up :data:`LAYERS`, each in a file another change owned when the rest
+#: was moved: (importer, imported) -> why. It may only shrink: a new one fails the test, and so
+#: does an entry that is gone (delete it).
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
+    ("itif.runtime.engine", "itif.generation.spec"):
+        "Engine names GenEngine when given a decoder (decoder_refusal): move it below runtime",
+}
+#: Module cycles left for the same reason: the modules of each (sorted) -> why. May only shrink.
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {
+    ("itif.server.http.chat", "itif.server.http.completions"):
+        "CompletionsApi.routes adds ChatApi's, which builds on it: compose them in the app",
+}
+
+
+def _unit(module: str) -> str:
+    """The layer of a module: its package under itif, or its own name at the top level."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _upward(graph: dict[str, set[str]], layers: list[str]) -> dict[tuple[str, str], str]:
+    """(importer, imported) -> "a -> b" for each edge that goes up ``layers`` or leaves them."""
+    rank = {u: i for i, u in enumerate(layers)}
+    out = {}
+    for a, deps in graph.items():
+        for b in deps:
+            ua, ub = _unit(a), _unit(b)
+            if ua != ub and rank.get(ub, len(rank)) >= rank.get(ua, -1):
+                out[(a, b)] = f"{ua} -> {ub}"
+    return out
+
+
 def test_no_import_cycle():
     graph = _graph()
     assert graph["itif.daemon"], "the import graph found no edges: the parser is broken"
-    assert _cycles(graph) == []
+    cycles = {tuple(c) for c in _cycles(graph)}
+    new = cycles - set(KNOWN_CYCLES)
+    assert not new, f"import cycles (imports inside functions count): {sorted(new)}"
+    gone = set(KNOWN_CYCLES) - cycles
+    assert not gone, f"no longer a cycle: delete from KNOWN_CYCLES: {sorted(gone)}"
+
+
+def test_layers_run_one_way():
+    layers = [u for u, _ in LAYERS]
+    units = {_unit(m) for m in _modules()}
+    assert sorted(layers) == sorted(units), (
+        f"LAYERS must name each package and top-level module once: missing "
+        f"{sorted(units - set(layers))}, unknown {sorted(set(layers) - units)}")
+    up = _upward(_graph(), layers)
+    new = {e: why for e, why in up.items() if e not in KNOWN_UPWARD}
+    assert not new, f"imports that run up LAYERS (move the code down or up): {new}"
+    gone = set(KNOWN_UPWARD) - set(up)
+    assert not gone, f"no longer imported upward: delete from KNOWN_UPWARD: {sorted(gone)}"
 
 
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_import_walker_counts_lazy_imports_and_finds_upward_ones():
+    tree = ast.parse("import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    import a\ndef f():\n    from b import c\n"
+                     "class K:\n    def m(self):\n        import d.e\n")
+    assert sorted(ast.unparse(n) for n in _all_imports(tree)) == [
+        "from b import c", "from typing import TYPE_CHECKING", "import d.e", "import os"]
+    assert [ast.unparse(n) for n in _top_level_imports(tree)] == [
+        "import os", "from typing import TYPE_CHECKING"]
+    graph = {"itif.low.x": {"itif.high.y"}, "itif.high.y": {"itif.low.x", "itif.high.z"},
+             "itif.high.z": set(), "itif.errors": set()}
+    assert _upward(graph, ["errors", "low", "high"]) == {
+        ("itif.low.x", "itif.high.y"): "low -> high"}
+    assert _unit("itif.daemon") == "daemon" and _unit("itif") == "itif"
 
 
 def _loaded(module: str) -> set[str]:
@@ -197,9 +314,9 @@ RECEIVERS = {"daemon", "d", "engine", "eng"}
 #: What still reads them, file -> {expression: times}. It may only shrink: a new read fails the
 #: test, and so does an entry that is no longer read (delete it). 22 reads at 7cd3de2.
 PRIVATE_READS_ALLOWED = {
-    "itif/batching/batchcost.py": {"eng._batch_tenants": 1},
-    "itif/batching/batchmeasure.py": {"engine._batch_tenants": 1, "engine._slot_tables": 1},
-    "itif/batching/report.py": {"engine._batch_tenants": 1, "engine._slot_tables": 1},
+    "itif/calibration/batchcost.py": {"eng._batch_tenants": 1},
+    "itif/calibration/batchmeasure.py": {"engine._batch_tenants": 1, "engine._slot_tables": 1},
+    "itif/calibration/plan_report.py": {"engine._batch_tenants": 1, "engine._slot_tables": 1},
     "itif/daemon_config.py": {"d._lock": 1, "d._tenant_lock": 3, "d._load_stored": 1,
                               "d._outstanding": 1},
     "itif/daemon_tiers.py": {"d._base_of": 1, "d._load_weights": 2, "d._base_sha": 1,

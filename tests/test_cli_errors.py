@@ -43,10 +43,10 @@ def no_demo_no_plan(monkeypatch):
     ran = []
     demo = types.ModuleType("itif.demo")
     demo.run_demo = lambda **kw: ran.append(("demo", kw)) or 0
-    report = types.ModuleType("itif.batching.report")
+    report = types.ModuleType("itif.calibration.plan_report")
     report.plan_report = lambda *a, **kw: ran.append(("plan", a, kw)) or {}
     monkeypatch.setitem(sys.modules, "itif.demo", demo)
-    monkeypatch.setitem(sys.modules, "itif.batching.report", report)
+    monkeypatch.setitem(sys.modules, "itif.calibration.plan_report", report)
     return ran
 
 

@@ -1,4 +1,4 @@
-"""Cost tables of the whole-batch cost model (``itif.batching.batchcost``): interpolation over
+"""Cost tables of the whole-batch cost model (``itif.calibration.batchcost``): interpolation over
 the calibration grids, the repair of measured tables, and the small non-negative least squares
 of its overhead fit."""
 

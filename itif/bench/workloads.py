@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from itif.backbones.spec import BackboneSpec
-from itif.batching.report import sample_lengths, sample_tenants
+from itif.calibration.plan_report import sample_lengths, sample_tenants
 from itif.errors import InvalidRequest
 from itif.runtime.engine import Request
 

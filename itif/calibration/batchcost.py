@@ -26,7 +26,7 @@ time kernel launches only.
   multiplies in, so a scheduler that reports its measured batch times pulls predictions toward
   them.
 
-The timings (:func:`clock`, :func:`measure_layout`, ...) live in ``itif.batching.batchmeasure``
+The timings (:func:`clock`, :func:`measure_layout`, ...) live in ``itif.calibration.batchmeasure``
 and are re-exported here.
 
 Tables are interpolated piecewise linearly in raw coordinates (costs are affine in rows and
@@ -48,15 +48,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from itif.batching.batchmeasure import (  # clock, measure_forward: re-exported
+from itif.batching.layout import Layout
+from itif.batching.tables import _elementwise_min, _lin1, _lin2, _nnls, _repair, _segs2
+from itif.calibration.batchmeasure import (  # clock, measure_forward: re-exported
     clock,
     measure_forward,
     measure_layout,
     measure_ms,
     prepare_for,
 )
-from itif.batching.layout import Layout
-from itif.batching.tables import _elementwise_min, _lin1, _lin2, _nnls, _repair, _segs2
 from itif.platform import host_malloc
 from itif.runtime import cpu_gemm
 from itif.runtime.gemm import (

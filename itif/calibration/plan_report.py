@@ -5,7 +5,7 @@ Output: ``{"backbone", "device", "workload", "tenants", "requests", "strategies"
 "gemm_calls"}}, "prediction": {...}}``. Tenants get random weights (timing does not depend on
 values).
 
-``predicted_ms`` is the whole-batch cost model's prediction (``itif.batching.batchcost``: the
+``predicted_ms`` is the whole-batch cost model's prediction (``itif.calibration.batchcost``: the
 GEMM backend of every plan, attention per group, memory-bound ops, embeddings, heads and host
 overhead, calibrated offline on this device, no online correction) of one forward of the planned
 layout; ``measured_ms`` is the median wall time of that forward through ``Engine.infer`` with
@@ -110,7 +110,7 @@ def plan_report(backbone: str, workload: str, n_tenants: int, n_requests: int,
     tenant_of = np.array([index[r.tenant] for r in reqs], np.int64)
     ids = np.concatenate([r.input_ids for r in reqs])
     engine.get_cost_model()
-    from itif.batching.batchcost import (  # noqa: PLC0415
+    from itif.calibration.batchcost import (  # noqa: PLC0415
         BatchCostModel, clock, measure_layout, prepare_for)
 
     model = BatchCostModel.cached(engine)

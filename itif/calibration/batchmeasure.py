@@ -1,4 +1,4 @@
-"""Timing for the whole-batch cost model (``itif.batching.batchcost``): the clock it uses and
+"""Timing for the whole-batch cost model (``itif.calibration.batchcost``): the clock it uses and
 best-of-n measurements of a callable, of a Layout run through an engine, and of one prepared
 forward. CPU timings: nothing here synchronises a device."""
 
