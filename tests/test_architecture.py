@@ -179,7 +179,6 @@ LAYERS: list[tuple[str, str]] = [
     ("ops", "the per-row LoRA/delta ops, reference and CUDA, and the row helpers they share"),
     ("batching", "batch layouts, strategies and the cost model they plan with (no engine)"),
     ("backbones", "backbone specs and Hugging Face loading"),
-    ("itif", "the public names of ``import itif`` (the rest loaded on first use)"),
     ("config", "the daemon's configuration schema, checked against backbones and strategies"),
     ("scheduler", "the fair queues and triggers, without torch"),
     ("hostpath", "the host-side request columns the scheduler feeds"),
@@ -187,6 +186,7 @@ LAYERS: list[tuple[str, str]] = [
     ("faults", "fault injection into the weight store, for the reliability tests"),
     ("runtime", "the encoder Engine: GEMMs, forward, CUDA graphs"),
     ("generation", "the decoder GenEngine, built on runtime's GEMMs"),
+    ("itif", "``import itif``: the public names, Engine and GenEngine loaded on first use"),
     ("calibration", "measures the engine to fit the cost model, and ``itif plan``'s report"),
     ("decoder_backend", "the daemon's adapter to GenEngine"),
     ("daemon_tenants", "the daemon's tenant table"),
@@ -255,6 +255,17 @@ def test_layers_run_one_way():
     assert not new, f"imports that run up LAYERS (move the code down or up): {new}"
     gone = set(KNOWN_UPWARD) - set(up)
     assert not gone, f"no longer imported upward: delete from KNOWN_UPWARD: {sorted(gone)}"
+
+
+def test_lazy_public_names_load_from_below():
+    """``itif.__getattr__`` loads ``itif.Engine`` and the like by name (``importlib``, which the
+    import walker cannot read): those modules too must sit below the ``itif`` layer."""
+    import itif  # noqa: PLC0415
+
+    rank = {u: i for i, (u, _) in enumerate(LAYERS)}
+    assert itif._LAZY, "itif's lazy names moved: read them where they are now"
+    above = {m for m in itif._LAZY.values() if rank[_unit(m)] >= rank["itif"]}
+    assert not above, f"itif loads these lazily from above its layer: {sorted(above)}"
 
 
 def test_cycle_finder_finds_a_cycle():
