@@ -66,7 +66,7 @@ class Daemon:
         self.tenants = TenantTable(t.id for t in config.tenants)
         self.scheduler: Scheduler | None = None
         self.tiers = None  # itif.weights.tiers.TierManager with backbone.device_weight_bytes
-        self.config_lock = self._lock = threading.Lock()  # one config edit at a time
+        self.config_lock = threading.Lock()  # one config edit at a time
         self._digests = TokenDigests()
         self.reloads_ok = 0
         self.reloads_failed = 0
@@ -188,7 +188,7 @@ class Daemon:
                             "weights yet: upload the base first")
         if not conf.is_delta:
             return self.engine.load_lora(path, base), base
-        base_sha = self._base_sha(base)
+        base_sha = self.tenants.sha256(base)
         if upload:
             weights, report = self.engine.load_delta(path, base, conf.compress, base_sha)
             log.info("tenant %s: %s delta on %s: max abs %s difference %.4g (max_error %g), "
@@ -241,7 +241,7 @@ class Daemon:
         for t in self.config.tenants_on(base):
             if t.id not in self.status:
                 continue
-            with self._tenant_lock(t.id):
+            with self.tenants.lock(t.id):
                 served = base in self.engine.store or (  # tiers: or on disk, loaded on demand
                     self.tiers is not None and self.blobs.exists(base))
                 if served and self.blobs.exists(t.id):
@@ -297,21 +297,13 @@ class Daemon:
         self._visible(who, tenant)
         return self.blobs.begin_upload(tenant, sha256, total_size)
 
-    def _tenant_lock(self, tenant: str) -> threading.Lock:
-        """``TenantTable.lock`` (kept for ``itif.daemon_config`` and subclasses)."""
-        return self.tenants.lock(tenant)
-
-    def _base_sha(self, base: str | None) -> str:
-        """The sha256 of the weights ``base`` has now ("" for none, or no base)."""
-        return self.tenants.sha256(base)
-
     def finish_upload(self, tenant: str, upload: Upload, who: Identity | None = None) -> TenantView:
         """Verify, validate, probe, then commit durably and swap in (module docstring). The
         slow checks run first without the tenant's lock; the commit and swap run under it and
         refuse a tenant removed from the config meanwhile (nothing is committed then)."""
         try:
             upload.seal()  # size and sha256
-            base_sha = self._base_sha(self.base_of(tenant))
+            base_sha = self.tenants.sha256(self.base_of(tenant))
             try:
                 weights, base = self.load_weights(tenant, upload.temp_path, upload=True)
             except ItifError as e:  # the reader names the file: not the server's paths
@@ -342,7 +334,7 @@ class Daemon:
                     if who is not None and not who.still_accepted(self.config):
                         raise Unauthenticated("the token of this upload was rotated or revoked "
                                               "while it streamed; nothing was stored")
-                    if base is not None and self._base_sha(base) != base_sha:
+                    if base is not None and self.tenants.sha256(base) != base_sha:
                         raise NoWeights(
                             f"tenant {tenant!r}: its base {base!r} was deleted or replaced "
                             "during this upload; nothing was stored: upload it again")
@@ -379,7 +371,7 @@ class Daemon:
     def delete_weights(self, who: Identity, tenant: str) -> tuple[bool, int]:
         self._require_admin(who)
         self._visible(who, tenant)
-        with self._tenant_lock(tenant):
+        with self.tenants.lock(tenant):
             self._visible(who, tenant)  # removed from the config while waiting for the lock
             freed = 0
             self.status[tenant] = TenantStatus()  # first: a request queued from now on fails
@@ -573,10 +565,6 @@ class Daemon:
         """The tenant's accepted calls that have not finished: Infer rows (queued or running)
         and Generate calls (waiting or running)."""
         return self.scheduler.outstanding(tenant) + self._generating_of(tenant)
-
-    # the old private names, for itif.daemon_config, itif.daemon_tiers and itif.serve_ray
-    _base_of, _load_weights, _load_stored = base_of, load_weights, load_stored
-    _outstanding = outstanding
 
     def _generating_of(self, tenant: str) -> int:
         with self._gen_lock:

@@ -34,7 +34,7 @@ __all__ = ["apply", "retire"]
 def apply(d: Daemon, new: Config) -> ConfigDiff:
     """Apply a validated tenants.yaml edit: add, remove, re-quota. Raises (and changes nothing)
     when the edit needs a restart."""
-    with d._lock:
+    with d.config_lock:
         diff = diff_configs(d.config, new)
         for t in diff.added:
             d.status[t.id] = TenantStatus()
@@ -57,13 +57,13 @@ def apply(d: Daemon, new: Config) -> ConfigDiff:
         d.config = new  # grace_s and admin_token_sha256 are read from here when used
         for tid in diff.removed:
             d.scheduler.remove_tenant(tid)
-            with d._tenant_lock(tid):  # after an upload's commit, or it sees it gone
+            with d.tenants.lock(tid):  # after an upload's commit, or it sees it gone
                 d.status.pop(tid, None)
         if diff.removed:  # one thread for all of them, however many
             threading.Thread(target=retire, args=(d, list(diff.removed)), daemon=True,
                              name="retire").start()
         for t in sorted(diff.added, key=lambda t: t.base is not None):  # bases first
-            with d._tenant_lock(t.id):
+            with d.tenants.lock(t.id):
                 _come_back(d, t)
         d.reloads_ok += 1
         settings = [f"server.{k}" for k in diff.server_changed] + (
@@ -81,7 +81,7 @@ def _come_back(d: Daemon, t: Tenant) -> None:
         if d.tiers is not None:
             daemon_tiers.register(d, t.id)
         return
-    d._load_stored(t.id)  # refused there if its file was committed for another kind
+    d.load_stored(t.id)  # refused there if its file was committed for another kind
 
 
 def retire(d: Daemon, tenants: list[str], timeout_s: float = 60.0) -> None:
@@ -91,12 +91,12 @@ def retire(d: Daemon, tenants: list[str], timeout_s: float = 60.0) -> None:
     end = time.monotonic() + timeout_s
     left = list(tenants)
     while left:
-        busy = [] if time.monotonic() >= end else [t for t in left if d._outstanding(t)]
+        busy = [] if time.monotonic() >= end else [t for t in left if d.outstanding(t)]
         waiting = set(busy)
         for tenant in left:
             if tenant in waiting:
                 continue
-            with d._tenant_lock(tenant):
+            with d.tenants.lock(tenant):
                 if tenant in d.status:  # back in the config meanwhile: its own again
                     continue
                 if d.tiers is not None:

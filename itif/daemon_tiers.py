@@ -39,11 +39,11 @@ def build(d: Daemon) -> TierManager | None:
         return None
 
     def load(tenant: str):
-        base = d._base_of(tenant)
+        base = d.base_of(tenant)
         if base is not None and base not in d.engine.store:
             d.tiers.promote(base)  # a LoRA tenant is added on its base's slots
         d.blobs.verify(tenant)
-        return d._load_weights(tenant, d.blobs.path_for(tenant))[0]
+        return d.load_weights(tenant, d.blobs.path_for(tenant))[0]
 
     def failed(tenant: str, exc: BaseException) -> None:
         st = d.status.get(tenant)
@@ -100,9 +100,9 @@ def _delta_on_disk(d: Daemon, tenant: str, base: str) -> str | None:
     report and head are known before it is first loaded (GetTenant, KServe metadata)."""
     try:
         report, meta = delta.stored_report(d.blobs.path_for(tenant))
-        delta.check_base(meta, base, d._base_sha(base))
+        delta.check_base(meta, base, d.tenants.sha256(base))
         labels, has_pooler = delta.head_of(meta)
-    except ItifError as e:  # as the load would refuse it (Daemon._load_stored)
+    except ItifError as e:  # as the load would refuse it (Daemon.load_stored)
         return f"stored weights refused: {e}"
     d.delta_reports[tenant] = report
     d.tiers.learn(tenant, labels, has_pooler)
@@ -140,9 +140,9 @@ def check(d: Daemon, tenant: str, requests) -> None:
                 raise InvalidRequest(f"request {i}: unknown output {o!r}; choose from {OUTPUTS}")
     idx, wants = np.zeros(n, np.int32), [()] * n
     if eng.spec.is_text:
-        eng._validate_text(requests, idx, wants)
+        eng.validate_text(requests, idx, wants)
     else:
-        eng._validate_pixels(requests, idx, wants)
+        eng.validate_pixels(requests, idx, wants)
 
 
 def queue(d: Daemon, tenant: str, n: int, submit: Callable[[], list]) -> list:
@@ -269,7 +269,7 @@ def tenant_info(d: Daemon, tenant: str, read: bool = True, sizes: bool = True):
         if not read:
             return None
         d.blobs.verify(tenant)
-        weights = d._load_weights(tenant, d.blobs.path_for(tenant))[0]
+        weights = d.load_weights(tenant, d.blobs.path_for(tenant))[0]
         d.tiers.learn(tenant, weights.num_labels, weights.has_pooler)
         sig = d.tiers.signature(tenant)
     if sig is None:

@@ -115,11 +115,11 @@ class FleetDaemon(Daemon):
         it some)."""
         if tenant not in self.status:
             return
-        with self._tenant_lock(tenant):
+        with self.tenants.lock(tenant):
             if tenant not in self.status or tenant in self.engine.store:
                 return
             if self.blobs.exists(tenant):
-                self._load_stored(tenant)
+                self.load_stored(tenant)
 
     def release(self, tenant: str, timeout_s: float = 60.0) -> None:
         """Serve evicted ``tenant`` from this replica: refuse its new calls, let its accepted
@@ -129,9 +129,9 @@ class FleetDaemon(Daemon):
         if st is not None:
             st.state, st.error = State.NO_WEIGHTS, "moved off this replica"
         deadline = time.monotonic() + timeout_s
-        while self._outstanding(tenant) and time.monotonic() < deadline:
+        while self.outstanding(tenant) and time.monotonic() < deadline:
             time.sleep(0.02)
-        with self._tenant_lock(tenant):
+        with self.tenants.lock(tenant):
             if tenant in self.engine.store:
                 self.engine.remove_tenant(tenant)
             if tenant in self.status and self.status[tenant].state is State.NO_WEIGHTS:

@@ -502,7 +502,7 @@ class BatchCostModel:
             tenant_of = rng.integers(0, k, n).astype(np.int32)
             reqs = [Request(f"c{t}", rng.integers(0, spec.vocab_size, int(k)))
                     for t, k in zip(tenant_of, lengths)]
-            present = eng._batch_tenants(eng.store.view, [r.tenant for r in reqs])
+            present = eng.batch_tenants(eng.store.view, [r.tenant for r in reqs])
             tenant_of = np.array([present.index(r.tenant) for r in reqs], np.int32)
             cases += [(reqs, layout) for layout in (
                 layout_packed(tenant_of, lengths), layout_pad_to_max(tenant_of, lengths),

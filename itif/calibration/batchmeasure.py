@@ -55,9 +55,9 @@ def prepare_for(engine, requests, layout: Layout):
     from itif.runtime.batch import prepare  # noqa: PLC0415
 
     view = engine.store.view
-    tenants = engine._batch_tenants(view, [r.tenant for r in requests])
+    tenants = engine.batch_tenants(view, [r.tenant for r in requests])
     ids = np.concatenate([np.asarray(r.input_ids, np.int64) for r in requests])
-    return prepare(engine.spec, layout, tenants, view, engine._slot_tables(view, tenants),
+    return prepare(engine.spec, layout, tenants, view, engine.slot_tables(view, tenants),
                    engine.device, engine.dtype, ids=ids)
 
 

@@ -66,7 +66,7 @@ def sample_tenants(n_tenants: int, n: int, skew: str | None, rng: np.random.Gene
 def gemm_calls(engine: Engine, layout, tenants, ids) -> int:
     """GEMM launches of one forward on the CPU path: one per row segment per linear layer."""
     view = engine.store.view
-    b = prepare(engine.spec, layout, tenants, view, engine._slot_tables(view, tenants),
+    b = prepare(engine.spec, layout, tenants, view, engine.slot_tables(view, tenants),
                 engine.device, engine.dtype, ids=ids)
     per_set = {i: sum(len(b.params.segments(f"layers.{i}.{k}")[1]) for k in GEMM_KINDS)
                for i in range(engine.spec.num_param_layers)}
@@ -105,7 +105,7 @@ def plan_report(backbone: str, workload: str, n_tenants: int, n_requests: int,
     reqs = [Request(names[t], rng.integers(0, spec.vocab_size, n)) for t, n in zip(tenant_of, lengths)]
     # plan with the tenant indices the engine's own forward gives them: the batch's tenants
     # only (a tenant that drew no request has none), in the engine's order
-    batch = engine._batch_tenants(engine.store.view, [r.tenant for r in reqs])
+    batch = engine.batch_tenants(engine.store.view, [r.tenant for r in reqs])
     index = {t: i for i, t in enumerate(batch)}
     tenant_of = np.array([index[r.tenant] for r in reqs], np.int64)
     ids = np.concatenate([r.input_ids for r in reqs])

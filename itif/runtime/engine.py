@@ -325,7 +325,7 @@ class Engine(ColumnsMixin):
         if not requests:
             return []
         with self.store.read() as view:
-            tenants = self._batch_tenants(view, [r.tenant for r in requests])
+            tenants = self.batch_tenants(view, [r.tenant for r in requests])
             inputs = self._validate(requests, tenants, view, pin=self.device.type == "cuda")
             layout = self.plan(inputs.tenant_idx, inputs.lengths, strategy)
             out = self._run(view, tenants, layout, inputs)
@@ -364,9 +364,11 @@ class Engine(ColumnsMixin):
                                                quick=quick)
         return self.cost_model
 
-    def _batch_tenants(self, view, names: list[str]) -> tuple[str, ...]:
-        """Distinct tenants of the batch, ordered so tenants sharing slots are adjacent (their
-        rows then merge into one GEMM segment)."""
+    def batch_tenants(self, view, names: list[str]) -> tuple[str, ...]:
+        """The distinct tenants of a batch whose rows are of ``names`` (TenantNotFound for one
+        ``view`` does not hold), ordered so tenants sharing slots are adjacent (their rows then
+        merge into one GEMM segment): the batch-tenant order ``plan`` indexes and ``prepare``
+        takes (the calibration code builds batches the way :meth:`infer` does with it)."""
         uniq = _known_tenants(view, names)
         sigs = self._signatures
         if len(sigs) > 4 * len(view.tenants) + 64:  # forget tenants removed or re-uploaded
@@ -382,7 +384,10 @@ class Engine(ColumnsMixin):
 
         return tuple(sorted(uniq, key=signature))
 
-    def _slot_tables(self, view, tenants: tuple[str, ...]) -> SlotTables:
+    def slot_tables(self, view, tenants: tuple[str, ...]) -> SlotTables:
+        """The ``SlotTables`` of ``tenants`` (in :meth:`batch_tenants`' order) in ``view``:
+        which weight slot each batch tenant reads per parameter, what ``prepare`` needs. Cached
+        by the tenants and their weights' generations (the last 256 batches' sets)."""
         key = tuple((t, view.tenants[t].generation) for t in tenants)
         with self._tables_lock:
             tables = self._tables.get(key)
@@ -395,6 +400,9 @@ class Engine(ColumnsMixin):
             while len(self._tables) > 256:
                 self._tables.popitem(last=False)
         return tables
+
+    # the old private names, which tests that build batches by hand still use
+    _batch_tenants, _slot_tables = batch_tenants, slot_tables
 
     def _validate(self, requests: Sequence[Request], tenants: tuple[str, ...], view,
                   pin: bool = False) -> _Inputs:
@@ -414,10 +422,15 @@ class Engine(ColumnsMixin):
                 raise InvalidRequest(f"request {i}: tenant {r.tenant!r} has no classification head")
             wants.append(outs)
         if spec.is_text:
-            return self._validate_text(requests, tenant_idx, wants)
-        return self._validate_pixels(requests, tenant_idx, wants, pin)
+            return self.validate_text(requests, tenant_idx, wants)
+        return self.validate_pixels(requests, tenant_idx, wants, pin)
 
-    def _validate_text(self, requests, tenant_idx, wants) -> _Inputs:
+    def validate_text(self, requests, tenant_idx, wants) -> _Inputs:
+        """The token inputs of ``requests`` of a text backbone, checked (InvalidRequest naming
+        the request and field: ids, lengths against ``max_seq_len``, the vocabulary, token
+        types). ``tenant_idx``/``wants``: each request's batch tenant and outputs, carried
+        through. Needs no tenant's weights: the weight tiers check requests of a tenant that is
+        not resident with it (``itif.daemon_tiers.check``)."""
         spec = self.spec
         ids_list = []
         for i, r in enumerate(requests):
@@ -460,7 +473,10 @@ class Engine(ColumnsMixin):
                 raise InvalidRequest(f"token_type_ids must lie in [0, {spec.type_vocab_size})")
         return _Inputs(tenant_idx, lengths, ids=ids, types=types, wants=wants)
 
-    def _validate_pixels(self, requests, tenant_idx, wants, pin: bool) -> _Inputs:
+    def validate_pixels(self, requests, tenant_idx, wants, pin: bool = False) -> _Inputs:
+        """As :meth:`validate_text`, for an image backbone: each request's ``pixel_values``
+        checked (shape, finite values) into one batch buffer; ``pin``: in pinned host memory
+        (a batch about to be uploaded to the GPU)."""
         spec = self.spec
         shape = (spec.num_channels, spec.image_size, spec.image_size)
         # Each request's pixels go once, straight into the batch's host buffer (pinned for the
@@ -489,7 +505,7 @@ class Engine(ColumnsMixin):
 
     def _run(self, view, tenants, layout: Layout, inputs: _Inputs) -> tuple[PreparedBatch, np.ndarray]:
         """One forward; returns the batch and its flat float32 output, on the host."""
-        batch = prepare(self.spec, layout, tenants, view, self._slot_tables(view, tenants),
+        batch = prepare(self.spec, layout, tenants, view, self.slot_tables(view, tenants),
                         self.device, self.dtype, ids=inputs.ids, types=inputs.types,
                         pixels=inputs.pixels,
                         want_pooled=any("pooled" in w for w in inputs.wants),

@@ -8,13 +8,13 @@ and messages, ``plan``, one forward, the same slicing of the flat output) with n
 batch instead of a loop over requests, so its outputs equal ``infer``'s bit for bit.
 
 What stays per row: nothing in this module. Per tenant of the batch: the tenant's name lookup,
-its head and tag (``Engine._batch_tenants``, ``slot_tables``). ``plan`` (``packed`` and the
+its head and tag (``Engine.batch_tenants``, ``slot_tables``). ``plan`` (``packed`` and the
 padded strategies) and ``prepare`` are already vectorised; the DP planners' own loops are
 theirs, as under ``infer``. Text backbones only: a ViT request is an image, which a front end
 would send as pixels, not ids (``infer`` serves them).
 
 Lives beside ``engine.py`` as a mixin of ``Engine`` because of the 600-line limit; it uses the
-engine's own ``_batch_tenants`` / ``_run`` / ``plan`` so that nothing is done two ways.
+engine's own ``batch_tenants`` / ``_run`` / ``plan`` so that nothing is done two ways.
 """
 
 from __future__ import annotations
@@ -115,9 +115,9 @@ class ColumnsMixin:
                                  np.zeros(0, bool))
         with self.store.read() as view:
             try:
-                tenants = self._batch_tenants(view, names)
+                tenants = self.batch_tenants(view, names)
             except TenantNotFound:  # report the first unknown one in infer's order
-                self._batch_tenants(view, _first_seen(tenant if table is None else idx, table))
+                self.batch_tenants(view, _first_seen(tenant if table is None else idx, table))
                 raise
             order = {t: i for i, t in enumerate(tenants)}
             if table is None:  # names: one dict lookup a row

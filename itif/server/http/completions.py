@@ -310,7 +310,7 @@ class CompletionsApi:
         if body.get("model") is None:
             raise InvalidRequest("model: is required")
         model = _get(body, "model")
-        d._visible(who, model)  # 404 for unknown and invisible models alike
+        d.tenants.check_visible(who, model)  # 404 for unknown and invisible models alike
         if d.generator is None:
             raise InvalidRequest(
                 f"model: {model!r} is served by an encoder backbone "
