@@ -80,16 +80,31 @@ def _token_lists(ev: Any) -> list[tuple[int, list[int]]]:
     return [(int(getattr(ev, "sequence", 0) or 0), [int(t) for t in tokens])]
 
 
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids ``decode(..., skip_special_tokens=True)`` leaves out: a ``tokenizers.Tokenizer``'s
+    added tokens marked special (a transformers tokenizer: its ``all_special_ids``)."""
+    added = getattr(tokenizer, "get_added_tokens_decoder", None)
+    if added is not None:
+        return frozenset(i for i, t in added().items() if t.special)
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
 class _Text:
     """Incremental detokenization of the sequences of one call: each token message carries
     what its ids add to the sequence's text. Only the last few ids are decoded per message (the
     text of ``ids[prefix:]`` minus that of ``ids[prefix:read]``, as vLLM does), so a long
     generation costs no more per token than a short one; a character still incomplete (a
-    byte-level token ending mid-character decodes to U+FFFD) waits for the ids that complete it."""
+    byte-level token ending mid-character decodes to U+FFFD) waits for the ids that complete it.
+
+    As in vLLM, special tokens are dropped before the windows are cut (they are skipped in the
+    text anyway), and the window moves on only once it added text: a window that started at a
+    skipped special token, or at a token that decodes to nothing, decoded the word after it as
+    a sequence's first word, without the space a decoder puts between two words."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
-        self.ids: dict[int, list[int]] = {}
+        self.special = frozenset() if tokenizer is None else _special_ids(tokenizer)
+        self.ids: dict[int, list[int]] = {}  # sequence -> its ids so far, specials left out
         self.offsets: dict[int, tuple[int, int]] = {}  # sequence -> (prefix, read)
 
     def decode(self, ids: list[int]) -> str:
@@ -99,12 +114,14 @@ class _Text:
         if self.tok is None:
             return ""
         all_ids = self.ids.setdefault(seq, [])
-        all_ids.extend(ids)
+        all_ids.extend(i for i in ids if i not in self.special)
         prefix, read = self.offsets.get(seq, (0, 0))
+        if read == len(all_ids):  # special tokens only: no text
+            return ""
         before = self.decode(all_ids[prefix:read])
         text = self.decode(all_ids[prefix:])
-        if text.endswith("\ufffd") or not text.startswith(before):
-            return ""  # incomplete: these ids are sent with the next ones' text
+        if len(text) <= len(before) or text.endswith("\ufffd") or not text.startswith(before):
+            return ""  # nothing new yet, or incomplete: sent with the next ids' text
         self.offsets[seq] = (read, len(all_ids))
         return text[len(before):]
 
