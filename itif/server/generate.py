@@ -28,14 +28,14 @@ from dataclasses import replace
 from typing import Any, AsyncIterator
 
 
-from itif.errors import DeadlineExceeded, InvalidRequest, Unavailable
+from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
 from itif.generation.api import HF_TOP_K, GenerateRequest
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.admission import finish_reply, reserve_reply
 
 log = logging.getLogger("itif.server")
 
-__all__ = ["GenerationStream", "generate_call", "to_request"]
+__all__ = ["GenerationStream", "generate_call", "load_evicted", "to_request"]
 
 _EARLY = {itif_pb2.EARLY_STOPPING_UNSPECIFIED: False, itif_pb2.EARLY_STOPPING_FALSE: False,
           itif_pb2.EARLY_STOPPING_TRUE: True, itif_pb2.EARLY_STOPPING_NEVER: "never"}
@@ -124,6 +124,24 @@ class _Text:
             return ""  # nothing new yet, or incomplete: sent with the next ids' text
         self.offsets[seq] = (read, len(all_ids))
         return text[len(before):]
+
+
+async def load_evicted(daemon: Any, who: Any, tenant: str) -> None:
+    """Load ``tenant`` on a worker thread when the weight tiers evicted it (on the host or
+    disk), before its :class:`GenerationStream` is submitted: there it would be loaded on the
+    event loop's thread (``itif.daemon_tiers.generating``), stalling every other call for as
+    long as its weights take to read. Only a tenant ``who`` may see is loaded: what anyone
+    else asks for is left to the submission to refuse (NotFound), having loaded nothing, as
+    are every other refusal and a failed load (``itif.daemon_tiers.preload``)."""
+    if (daemon.tiers is None or daemon.generator is None or tenant in daemon.engine.store
+            or tenant not in daemon.tenants or not who.may_see(tenant)):
+        return
+    from itif import daemon_tiers  # noqa: PLC0415 - only with weight tiers
+
+    try:
+        await asyncio.to_thread(daemon_tiers.preload, daemon, tenant)
+    except ItifError:  # its file refused (the tenant is FAILED now), its base has no weights:
+        pass  # the submission answers, after the checks that come first (bad parameters)
 
 
 class GenerationStream:
@@ -222,6 +240,7 @@ async def generate_call(daemon: Any, who: Any, msg: itif_pb2.GenerateRequest, co
 
     remaining = context.time_remaining()
     deadline = None if remaining is None else time.monotonic() + remaining
+    await load_evicted(daemon, who, tenant)
     call = GenerationStream(daemon, who, tenant, req, text, reserve)
     sha = daemon.tenants.sha256(tenant)
     try:

@@ -74,7 +74,7 @@ from itif.errors import InvalidRequest, Unavailable
 from itif.generation.api import GenerateRequest
 from itif.requests import utf8_text
 from itif.server.errors import http_status_of
-from itif.server.generate import GenerationStream
+from itif.server.generate import GenerationStream, load_evicted
 from itif.server.http.common import (authorization, bounded_list, endpoint, json_object,
                                      json_type, read_body)
 from itif.server.json_procs import IN_THREAD, JsonProcs
@@ -231,10 +231,7 @@ class CompletionsApi:
         """Submit ``req``. A tenant the weight tiers evicted is loaded first on a worker
         thread, so that the event loop (every other call's) does not wait for its weights."""
         d = self.daemon
-        if d.tiers is not None and model not in d.engine.store:
-            from itif import daemon_tiers  # noqa: PLC0415 - only with weight tiers
-
-            await asyncio.to_thread(daemon_tiers.preload, d, model)
+        await load_evicted(d, who, model)
         try:
             return GenerationStream(d, who, model, req)
         except InvalidRequest as e:
