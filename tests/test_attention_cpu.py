@@ -128,7 +128,7 @@ def test_a_request_never_reads_another_requests_rows():
     layout = layout_packed(tenant, length)
     names = ("t0", "t1")
     view = eng.store.view
-    b = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+    b = prepare(eng.spec, layout, names, view, eng.slot_tables(view, names), eng.device,
                 eng.dtype, ids=np.arange(int(length.sum())))
     gathered = [g for g in b.attn if g.gather and g.masked]
     assert gathered

@@ -139,11 +139,11 @@ def test_shared_backbone_holds_one_model_plus_heads(hf_factory):
     rng = np.random.default_rng(1)
     reqs = [random_request(eng.spec, f"h{i}", rng, length=9) for i in range(4)]
     layout = eng.plan(np.arange(4), np.full(4, 9))
-    tenants = eng._batch_tenants(eng.store.view, [r.tenant for r in reqs])
+    tenants = eng.batch_tenants(eng.store.view, [r.tenant for r in reqs])
     from itif.runtime.batch import prepare
 
     view = eng.store.view
-    b = prepare(eng.spec, layout, tenants, view, eng._slot_tables(view, tenants), eng.device,
+    b = prepare(eng.spec, layout, tenants, view, eng.slot_tables(view, tenants), eng.device,
                 eng.dtype, ids=np.concatenate([r.input_ids for r in reqs]))
     _, segs = b.params.segments("layers.0.qkv.weight")
     assert len(segs) == 1 and segs.start == (0,) and segs.end == (36,)

@@ -76,9 +76,9 @@ def test_batched_heads_run_one_product_per_head_kind():
     rng = np.random.default_rng(1)
     reqs = [itif.Request(f"t{i}", input_ids=rng.integers(0, 1000, 16)) for i in range(12)]
     view = eng.store.view
-    names = eng._batch_tenants(view, [r.tenant for r in reqs])
+    names = eng.batch_tenants(view, [r.tenant for r in reqs])
     layout = eng.plan(np.array([names.index(r.tenant) for r in reqs]), np.full(12, 16))
-    b = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+    b = prepare(eng.spec, layout, names, view, eng.slot_tables(view, names), eng.device,
                 eng.dtype, ids=np.concatenate([r.input_ids for r in reqs]))
     assert [g.labels for g in b.heads] == [2, 3]
     assert all(g.weight_plan.launches == 1 for g in b.heads)
@@ -171,11 +171,11 @@ def test_forward_reads_nothing_on_the_host(preset, mix):
                              outputs=("pooled",) if t == "t3" else ("logits",))
                 for t in tenants]
     view = eng.store.view
-    names = eng._batch_tenants(view, tenants)
+    names = eng.batch_tenants(view, tenants)
     inputs = eng._validate(reqs, names, view)
     for strategy in ("packed", "pad_per_tenant"):
         layout = eng.plan(inputs.tenant_idx, inputs.lengths, strategy)
-        b = prepare(spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+        b = prepare(spec, layout, names, view, eng.slot_tables(view, names), eng.device,
                     eng.dtype, ids=inputs.ids, types=inputs.types, pixels=inputs.pixels,
                     want_hidden=True)
         eager = forward.run(spec, b, b.host_ints, b.host_floats)
@@ -198,10 +198,10 @@ def test_cuda_forward_never_synchronises(preset, mix):
                 for r, n in zip(reqs + reqs, (3, 20, 41, 7, 64, 2, 15, 30))]
     eng.infer(reqs)  # warm: kernel builds
     view = eng.store.view
-    names = eng._batch_tenants(view, [r.tenant for r in reqs])
+    names = eng.batch_tenants(view, [r.tenant for r in reqs])
     inputs = eng._validate(reqs, names, view)
     layout = eng.plan(inputs.tenant_idx, inputs.lengths)
-    b = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+    b = prepare(eng.spec, layout, names, view, eng.slot_tables(view, names), eng.device,
                 eng.dtype, ids=inputs.ids, types=inputs.types, pixels=inputs.pixels)
     ints, floats = b.upload(eng.device)
     torch.cuda.synchronize()
@@ -273,17 +273,17 @@ def _pixels_used_in_place(device: str) -> None:
     reqs = [itif.Request(f"t{i % 2}", pixel_values=rng.standard_normal((3, 32, 32)))
             for i in range(3)]  # float64: read as float32 once, into the batch's buffer
     view = eng.store.view
-    names = eng._batch_tenants(view, [r.tenant for r in reqs])
+    names = eng.batch_tenants(view, [r.tenant for r in reqs])
     inputs = eng._validate(reqs, names, view, pin=device == "cuda")
     assert inputs.pixels.is_pinned() == (device == "cuda")
     np.testing.assert_array_equal(inputs.pixels.numpy(),
                                   np.stack([r.pixel_values for r in reqs]).astype(np.float32))
     layout = eng.plan(inputs.tenant_idx, inputs.lengths)
-    b = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+    b = prepare(eng.spec, layout, names, view, eng.slot_tables(view, names), eng.device,
                 eng.dtype, pixels=inputs.pixels, cache=eng._structures)
     assert b.host_floats.data_ptr() == inputs.pixels.data_ptr()  # no second host copy
     again = eng._validate(reqs, names, view, pin=device == "cuda")
-    b2 = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+    b2 = prepare(eng.spec, layout, names, view, eng.slot_tables(view, names), eng.device,
                  eng.dtype, pixels=again.pixels, cache=eng._structures)  # the cached structure
     assert b2.host_floats.data_ptr() == again.pixels.data_ptr()
 

@@ -73,7 +73,7 @@ def test_views_share_storage_with_the_token_buffer():
     names = tuple(f"t{i}" for i in range(3))
     view = eng.store.view
     ids = rng.integers(0, 1000, int(length.sum()))
-    b = prepare(eng.spec, layout, names, view, eng._slot_tables(view, names), eng.device,
+    b = prepare(eng.spec, layout, names, view, eng.slot_tables(view, names), eng.device,
                 eng.dtype, ids=ids)
     dense = [g for g in b.attn if g.rows is None]
     assert dense and sum(g.n for g in dense) == len(tenant)  # every request attends through a view

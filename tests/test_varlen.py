@@ -27,10 +27,10 @@ def _batch(strategy: str, lengths, tenants: int = 3, preset: str = "bert-tiny"):
     reqs = [itif.Request(t, input_ids=rng.integers(0, eng.spec.vocab_size, int(n)))
             for t, n in zip(names, lengths)]
     view = eng.store.view
-    order = eng._batch_tenants(view, names)
+    order = eng.batch_tenants(view, names)
     inputs = eng._validate(reqs, order, view)
     layout = eng.plan(inputs.tenant_idx, inputs.lengths, strategy)
-    b = prepare(eng.spec, layout, order, view, eng._slot_tables(view, order), eng.device,
+    b = prepare(eng.spec, layout, order, view, eng.slot_tables(view, order), eng.device,
                 eng.dtype, ids=inputs.ids, types=inputs.types, want_hidden=True)
     return eng, b
 

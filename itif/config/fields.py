@@ -101,6 +101,37 @@ def generation_presets() -> frozenset[str]:
     return frozenset(GENERATION_PRESETS)
 
 
+#: ``family`` values of ``itif.generation.spec.DecoderSpec`` (the llama family is one).
+DECODER_FAMILIES: tuple[str, ...] = ("gpt2", "bart", "marian", "llama")
+
+
+def decoder_refusal(backbone: Any) -> str | None:
+    """Why the encoder ``itif.Engine`` cannot take ``backbone`` when it is a decoder (a spec whose
+    ``family`` is a decoder's, a decoder preset, or a config.json / checkpoint directory of a
+    decoder ``model_type``): the message names the class that serves it. None when it is not a
+    decoder (the encoder's own error then stands)."""
+    family = getattr(backbone, "family", None)
+    if family is not None:
+        if family not in DECODER_FAMILIES:
+            return None
+        what = f"the {family} decoder {getattr(backbone, 'name', '')!r}"
+    elif str(backbone) in generation_presets():
+        what = f"the decoder preset {str(backbone)!r}"
+    else:
+        path = Path(str(backbone))
+        try:
+            data = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+            mt = data.get("model_type")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            return None
+        if mt not in DECODER_MODEL_TYPES:
+            return None
+        what = f"model_type {mt!r}"
+    return (f"{what} is a generative decoder: itif.Engine serves encoders (bert, albert, vit); "
+            "serve decoders with itif.GenEngine (itif.generation.engine.GenEngine) and "
+            "itif.GenerateRequest")
+
+
 def is_decoder_backbone(source: str) -> bool:
     """Whether ``backbone.config`` (a preset name or a resolved path) names a decoder: a
     generation preset, or a Hugging Face config (a ``config.json`` or a directory holding one)

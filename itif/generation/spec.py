@@ -384,29 +384,6 @@ def llama_hf_config(spec: DecoderSpec) -> dict:
     return cfg
 
 
-def decoder_refusal(backbone) -> str | None:
-    """Why the encoder ``Engine`` cannot take ``backbone`` when it is a decoder (a DecoderSpec,
-    a decoder preset, or a config.json / checkpoint directory of a decoder model_type): the
-    message names the class that serves it. None when it is not a decoder."""
-    if isinstance(backbone, DecoderSpec):
-        what = f"the {backbone.family} decoder {backbone.name!r}"
-    elif str(backbone) in PRESETS:
-        what = f"the decoder preset {str(backbone)!r}"
-    else:
-        path = Path(str(backbone))
-        cfg_path = path / "config.json" if path.is_dir() else path
-        try:
-            mt = json.loads(cfg_path.read_text()).get("model_type")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            return None
-        if mt not in FAMILIES[:3] + LLAMA_TYPES:
-            return None
-        what = f"model_type {mt!r}"
-    return (f"{what} is a generative decoder: itif.Engine serves encoders (bert, albert, vit); "
-            "serve decoders with itif.GenEngine (itif.generation.engine.GenEngine) and "
-            "itif.GenerateRequest")
-
-
 def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None = None) -> DecoderSpec:
     """A spec from a Hugging Face config.json dict (model_type gpt2, bart, marian, or llama,
     qwen2, mistral: the llama family)."""
@@ -542,5 +519,5 @@ def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:
 
 
 __all__ = ["DecoderSpec", "FAMILIES", "LLAMA_TYPES", "PRESETS", "PRESET_DEFAULTS",
-           "decoder_refusal", "defaults_from_config", "defaults_from_dir", "llama_hf_config", "load_decoder_spec",
+           "defaults_from_config", "defaults_from_dir", "llama_hf_config", "load_decoder_spec",
            "spec_from_hf_config"]

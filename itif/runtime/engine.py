@@ -26,6 +26,7 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights, load_tenant_weights
 from itif.backbones.spec import BackboneSpec, load_spec
+from itif.config.fields import decoder_refusal
 from itif.batching.layout import Layout
 from itif.batching.strategies import DEFAULT_STRATEGY, plan
 from itif.errors import InvalidConfig, InvalidRequest, InvalidWeights, TenantNotFound, shown
@@ -94,8 +95,6 @@ class Engine(ColumnsMixin):
         try:
             self.spec = load_spec(backbone)
         except InvalidConfig as e:  # a decoder: the refusal names the engine that serves it
-            from itif.generation.spec import decoder_refusal  # noqa: PLC0415
-
             why = decoder_refusal(backbone)
             if why is None:
                 raise
@@ -400,9 +399,6 @@ class Engine(ColumnsMixin):
             while len(self._tables) > 256:
                 self._tables.popitem(last=False)
         return tables
-
-    # the old private names, which tests that build batches by hand still use
-    _batch_tenants, _slot_tables = batch_tenants, slot_tables
 
     def _validate(self, requests: Sequence[Request], tenants: tuple[str, ...], view,
                   pin: bool = False) -> _Inputs:

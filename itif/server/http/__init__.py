@@ -74,6 +74,7 @@ except ImportError as e:  # the daemon says what to install rather than a bare t
 
 from itif.config import Config
 from itif.server.admission import Admission
+from itif.server.http.chat import ChatApi
 from itif.server.http.completions import CompletionsApi
 from itif.server.http.kserve_rest import KServeRest
 from itif.server.http.openai import OpenAIApi
@@ -97,8 +98,9 @@ def build_app(daemon, health=None, *, max_body: int, admission=None,
     if admission is None:
         admission = Admission(daemon)
     kw = dict(max_body=max_body, admission=admission, procs=procs)
+    completions = CompletionsApi(daemon, **kw)
     routes = (KServeRest(daemon, health, **kw).routes() + OpenAIApi(daemon, **kw).routes()
-              + CompletionsApi(daemon, **kw).routes())
+              + completions.routes() + ChatApi(completions).routes())
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 

@@ -355,10 +355,9 @@ class CompletionsApi:
                              "usage": self._usage(len(ids), g)})
 
     def routes(self) -> list[Route]:
-        from itif.server.http.chat import ChatApi  # noqa: PLC0415 - it builds on this module
-
-        return [Route("/v1/completions", self.completions, methods=["POST"]),
-                *ChatApi(self).routes()]
+        """``/v1/completions``; ``/v1/chat/completions`` is ``itif.server.http.chat.ChatApi``'s,
+        built on this object (the app composes both)."""
+        return [Route("/v1/completions", self.completions, methods=["POST"])]
 
 
 def _sse(obj: dict) -> bytes:
