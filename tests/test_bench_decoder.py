@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -145,3 +146,55 @@ def test_cli_decoder_rejects_bad_flags(tmp_path, capsys, flags, says):
     err = capsys.readouterr().err
     assert "INVALID_ARGUMENT" in err and says in err
     assert not out.exists()
+
+
+def test_dec_shape_device_and_dtype_flags_parse():
+    """``--dec-shape``, ``--device`` and ``--dtype`` reach the suite's settings (the GPU run of
+    issue 66 is one command: a typo there costs device minutes)."""
+    import argparse  # noqa: PLC0415
+
+    from itif.bench.cli import add_arguments  # noqa: PLC0415
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--suites", "decoder", "--dec-shape", "llama3-8b-l2",
+                         "--device", "cuda", "--dtype", "bfloat16"])
+    cfg = dp.settings_from_args(args, False, "cuda", "bfloat16")
+    assert (cfg.device, cfg.dtype) == ("cuda", "bfloat16")
+    s = cfg.shape
+    assert (s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"]) == (4096, 32, 8)
+    assert (s["head_dim"], s["intermediate_size"], s["vocab_size"]) == (128, 14336, 128256)
+    assert s["rope_theta"] == 500000.0 and s["rope_scaling"]["rope_type"] == "llama3"
+    assert s["num_hidden_layers"] == 2
+    cfg.check()
+    tiny = dp.settings_from_args(p.parse_args(["--suites", "decoder"]), True)
+    assert tiny.shape == dp.DEC_SHAPE and (tiny.device, tiny.dtype) == ("cpu", "float32")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dec-shape", "llama3-8b"])
+
+
+def test_bfloat16_quick_run_reports_agreement_and_time_per_token(no_vllm):
+    """bf16 on the CPU: the rows are measured, every weight is bf16, and agreement with
+    HF + PEFT is reported as a fraction with the first divergence (near-ties may flip in
+    bf16, so it is not asserted to be 1)."""
+    cfg = dp.DecoderSettings(adapters=2, full=1, prompts=4, new_tokens=4, repeats=1,
+                             dtype="bfloat16")
+    rows = dp.run_suite(cfg)
+    by = {r["system"]: r for r in rows}
+    for s in ("itif", "hf"):
+        _check_measured(by[s], cfg)
+        assert by[s]["dtype"] == "bfloat16"
+        assert by[s]["ms_per_output_token"] == pytest.approx(
+            by[s]["latency_ms"] / cfg.new_tokens, abs=1e-3)
+    me = by["itif"]
+    assert 0.0 <= me["equal_fraction"] <= 1.0
+    assert me["equal_fraction"] == pytest.approx(me["equal_to_hf"] / me["compared"], abs=1e-4)
+    if me["equal_fraction"] < 1.0:
+        assert isinstance(me["first_divergence"], int)
+    else:
+        assert me["first_divergence"] is None
+    t = dp.build_tenants(cfg)
+    try:
+        assert {p.dtype for p in t.full["f0"].parameters()} == {torch.bfloat16}
+    finally:
+        t.close()

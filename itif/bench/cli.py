@@ -129,6 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="new tokens of every prompt, exactly (default 32; --quick 4)")
     d.add_argument("--dec-no-vllm", action="store_true",
                    help="skip the vLLM rows even where vllm is importable")
+    d.add_argument("--dec-shape", choices=("tiny", "llama3-8b-l2"), default="tiny",
+                   help="model shape: tiny (hidden 128, the CPU suite) or llama3-8b-l2 "
+                   "(Llama-3-8B layers, 2 of them; with --device cuda --dtype bfloat16)")
     o = p.add_argument_group("output")
     o.add_argument("--out", help="result JSON (default for full runs: bench/results/<name>.json; "
                    "--quick writes nothing unless given)")
@@ -214,11 +217,9 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequest("--peer-tenants and --peer-requests take counts >= 1")
     dec_cfg = None
     if "decoder" in suites:  # checked before anything is measured or built
-        if device.type != "cpu":
-            raise InvalidRequest("--suites decoder is a CPU suite: run it with --device cpu")
         from itif.bench import decoder_peer  # noqa: PLC0415
 
-        dec_cfg = decoder_peer.settings_from_args(args, quick)
+        dec_cfg = decoder_peer.settings_from_args(args, quick, str(device), dtype_name)
         dec_cfg.check()
     strategies = list(args.strategies or STRATEGIES)
     for s in strategies:

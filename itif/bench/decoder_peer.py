@@ -52,6 +52,7 @@ from itif.bench.systems import System, host_probe_ms, measure
 __all__ = [
     "ADAPTER_KINDS",
     "DEC_SHAPE",
+    "SHAPES",
     "DecoderSettings",
     "DecoderTenants",
     "HFPeft",
@@ -75,6 +76,19 @@ DEC_SHAPE = dict(vocab_size=2048, hidden_size=128, intermediate_size=320, num_hi
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS,
                  tie_word_embeddings=False)
+#: ``--dec-shape`` presets. ``llama3-8b-l2``: Llama-3-8B's layer shapes (GQA 32/8 heads of
+#: 128, SwiGLU 14336, vocab 128256, llama3 RoPE scaling) with 2 layers, for issue 66's GPU run in
+#: bfloat16: about 2.6 GB a full tenant, so 1 base + 2 fine-tunes fit a few minutes' budget.
+SHAPES = {
+    "tiny": DEC_SHAPE,
+    "llama3-8b-l2": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+        bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=False),
+}
 _ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _MLP = ["gate_proj", "up_proj", "down_proj"]
 #: Adapter i takes kind i mod 8: (target modules, rank); lora_alpha = 2 x rank. Ranks up to
@@ -101,6 +115,8 @@ class DecoderSettings:
     vllm: bool = True  # False: vLLM rows skipped even where it is installed
     vllm_kv_cache_bytes: int = 64 << 20  # per engine (vLLM's default takes 92% of the node)
     shape: dict = field(default_factory=lambda: dict(DEC_SHAPE))
+    device: str = "cpu"  # where every system's weights live and run ("cuda" for issue 66)
+    dtype: str = "float32"  # float32, bfloat16 or float16: all systems alike
 
     def check(self) -> None:
         from itif.errors import InvalidRequest  # noqa: PLC0415
@@ -110,6 +126,9 @@ class DecoderSettings:
                                  "tenant in all")
         if self.prompts < 1 or self.new_tokens < 1 or self.repeats < 1:
             raise InvalidRequest("--dec-prompts, --dec-new-tokens and --repeats take counts >= 1")
+        if self.dtype not in _DTYPES:
+            raise InvalidRequest(f"--dtype {self.dtype!r}: the decoder suite takes one of "
+                                 f"{', '.join(_DTYPES)}")
         positions = self.shape["max_position_embeddings"]
         if not 1 <= self.min_len <= self.max_len or self.max_len + self.new_tokens > positions:
             raise InvalidRequest(f"--dec-new-tokens {self.new_tokens}: prompts of "
@@ -136,11 +155,29 @@ class DecoderTenants:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _llama(shape: dict, seed: int):
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _llama(shape: dict, seed: int, device: str = "cpu", dtype: str = "float32"):
+    """A random Llama built straight on ``device`` in ``dtype`` (an 8B-like layer is never
+    materialised in float32 on the host)."""
     import transformers  # noqa: PLC0415
 
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(_DTYPES[dtype])
+    try:
+        with torch.device(device):
+            m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+    finally:
+        torch.set_default_dtype(prev)
+    return m.eval()
+
+
+def _sync(device: str) -> None:
+    """Waits for queued kernels, so a system's timed ``run()`` ends when its work does."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def build_tenants(cfg: DecoderSettings) -> DecoderTenants:
@@ -151,7 +188,7 @@ def build_tenants(cfg: DecoderSettings) -> DecoderTenants:
 
     root = Path(tempfile.mkdtemp(prefix="itif-bench-decoder-"))
     try:
-        base = _llama(cfg.shape, cfg.seed)
+        base = _llama(cfg.shape, cfg.seed, cfg.device, cfg.dtype)
         base.save_pretrained(root / "base")
         adapter_dirs, kinds, pm = {}, {}, None
         for i in range(cfg.adapters):
@@ -175,7 +212,7 @@ def build_tenants(cfg: DecoderSettings) -> DecoderTenants:
         full, full_dirs = {}, {}
         for j in range(cfg.full):
             name = f"f{j}"
-            full[name] = _llama(cfg.shape, cfg.seed + 1 + j)
+            full[name] = _llama(cfg.shape, cfg.seed + 1 + j, cfg.device, cfg.dtype)
             full[name].save_pretrained(root / name)
             full_dirs[name] = root / name
         return DecoderTenants(root, root / "base", adapter_dirs, full_dirs, pm, full, kinds)
@@ -204,12 +241,14 @@ class ItifDecoder(System):
 
     name = "itif"
 
-    def __init__(self, t: DecoderTenants, new_tokens: int) -> None:
+    def __init__(self, t: DecoderTenants, new_tokens: int, device: str = "cpu",
+                 dtype: str = "float32") -> None:
         from itif.generation.api import GenerationDefaults  # noqa: PLC0415
         from itif.generation.engine import GenEngine  # noqa: PLC0415
 
         d = GenerationDefaults(eos_token_ids=(EOS,), pad_token_id=EOS, min_new_tokens=new_tokens)
-        self.engine = GenEngine(t.base_dir)
+        self.device = device
+        self.engine = GenEngine(t.base_dir, device=device, dtype=dtype)
         self.engine.add_tenant("base", t.base_dir, defaults=d)
         for name, path in t.adapter_dirs.items():
             self.engine.add_tenant(name, path, defaults=d, base="base")
@@ -224,13 +263,15 @@ class ItifDecoder(System):
 
     def run(self):
         self.out = [g.sequences[0] for g in self.engine.generate(self._reqs)]
+        _sync(self.device)
 
 
 def _hf_generate(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy ``generate()`` of ``prompts`` as one left-padded batch: the new tokens of each."""
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[EOS] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    dev = model.device
+    ids = torch.tensor([[EOS] * (width - len(p)) + list(p) for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -247,6 +288,7 @@ class HFPeft(System):
     def __init__(self, t: DecoderTenants, new_tokens: int) -> None:
         self.t = t
         self.new_tokens = new_tokens
+        self.device = str(next(iter(t.full.values()) if t.full else t.peft).device)
         self._groups: dict[str, list[int]] = {}
         self._reqs: list = []
         self.out: list[list[int]] | None = None
@@ -272,6 +314,7 @@ class HFPeft(System):
             for i, s in zip(idx, got):
                 out[i] = s
         self.out = out
+        _sync(self.device)
 
     def alone(self, i: int) -> list[int]:
         """Request ``i``'s new tokens generated by itself (no padding)."""
@@ -372,10 +415,13 @@ def run_suite(cfg: DecoderSettings) -> list[dict]:
     systems: list[System] = []
     try:
         reqs = dec_requests(cfg, t.names)
-        itif_sys, hf = ItifDecoder(t, cfg.new_tokens), HFPeft(t, cfg.new_tokens)
+        itif_sys = ItifDecoder(t, cfg.new_tokens, cfg.device, cfg.dtype)
+        hf = HFPeft(t, cfg.new_tokens)
         systems = [itif_sys, hf]
-        why = "vLLM rows off (--dec-no-vllm)" if not cfg.vllm else vllm_unavailable(
-            _VLLM_IMPORTS)
+        why = "vLLM rows off (--dec-no-vllm)" if not cfg.vllm else (
+            f"vLLM rows are CPU-only here (vllm is not installed on the GPU machine; "
+            f"--device {cfg.device})" if cfg.device != "cpu" else vllm_unavailable(
+                _VLLM_IMPORTS))
         vllm_sys = None
         if why is None:
             try:
@@ -399,7 +445,7 @@ def run_suite(cfg: DecoderSettings) -> list[dict]:
         base = dict(suite="decoder", model=_model_name(cfg.shape), adapters=cfg.adapters,
                     full=cfg.full, tenants=len(t.names), prompts=cfg.prompts,
                     new_tokens=cfg.new_tokens, prompt_lengths=f"{cfg.min_len}-{cfg.max_len}",
-                    dtype="float32", device=device_name(torch.device("cpu")),
+                    dtype=cfg.dtype, device=device_name(torch.device(cfg.device)),
                     host_probe_ms=probe)
         ref = hf.out if id(hf) not in failed else None
         rows = []
@@ -409,6 +455,7 @@ def run_suite(cfg: DecoderSettings) -> list[dict]:
                 rows.append(dict(row, status="error", reason=failed[id(s)], tokens_per_s=None))
                 continue
             rows.append(_measured(row, times[id(s)], s.out, ref, hf, reqs))
+            rows[-1]["ms_per_output_token"] = round(rows[-1]["latency_ms"] / cfg.new_tokens, 3)
             if isinstance(s, VLLMDecoder):
                 rows[-1]["engine_init_s"] = dict(s.init_s)
         if why is not None:
@@ -452,7 +499,10 @@ def _measured(row: dict, ms: list[float], out, ref, hf: HFPeft, reqs) -> dict:
                                                 if x != y) if len(got) == len(want) else None,
                                 equals_hf_alone=got == alone,
                                 hf_batched_equals_alone=want == alone))
-    row.update(compared=len(ref), equal_to_hf=len(ref) - len(differs), differs=differs)
+    firsts = [d["first_diff"] for d in differs if d["first_diff"] is not None]
+    row.update(compared=len(ref), equal_to_hf=len(ref) - len(differs), differs=differs,
+               equal_fraction=round((len(ref) - len(differs)) / max(len(ref), 1), 4),
+               first_divergence=min(firsts) if firsts else None)
     return row
 
 
@@ -471,7 +521,8 @@ def _ratios(rows: list[dict]) -> None:
                 me[f"vs_{other}{suffix}"] = round(me[key] / ok[other][key], 3)
 
 
-def settings_from_args(args, quick: bool) -> DecoderSettings:
+def settings_from_args(args, quick: bool, device: str = "cpu",
+                       dtype: str = "float32") -> DecoderSettings:
     """The suite's settings from ``itif bench``'s flags: issue 62's sizes, or with ``--quick``
     a CI size (2 adapters, 1 fine-tune, 6 prompts, 4 new tokens, 2 repeats); a flag given
     wins over either."""
@@ -480,7 +531,9 @@ def settings_from_args(args, quick: bool) -> DecoderSettings:
     given = dict(adapters=args.dec_adapters, full=args.dec_full, prompts=args.dec_prompts,
                  new_tokens=args.dec_new_tokens, repeats=args.repeats)
     size.update({k: v for k, v in given.items() if v is not None})
-    return DecoderSettings(seed=args.seed, vllm=not args.dec_no_vllm, **size)
+    shape = getattr(args, "dec_shape", None) or "tiny"
+    return DecoderSettings(seed=args.seed, vllm=not args.dec_no_vllm, device=device,
+                           dtype=dtype, shape=dict(SHAPES[shape]), **size)
 
 
 def settings_dict(cfg: DecoderSettings) -> dict:
