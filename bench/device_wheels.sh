@@ -6,7 +6,9 @@
 # python-rapidjson or gevent, tritonclient refuses to import and eight test modules fail to
 # collect (seen on an H100 on 2026-11-26). prometheus-client: the daemon needs 0.24 or later
 # (a removed tenant's series are dropped with Metric.remove_by_labels); the image's own copy may
-# be older. Versions are those the CPU test environment runs.
+# be older. peft: the image has one of unknown version; the decoder suite (--steps llama) is
+# checked with this one (its transformers is the image's). Versions are those the CPU test
+# environment runs.
 #
 #   bash bench/device_wheels.sh [DIR]        # default .whl (ignored by git: see the README)
 #
@@ -27,6 +29,7 @@ WHEELS=(
   tritonclient==2.73.0 python-rapidjson==1.25
   geventhttpclient==2.6.1 gevent==26.9.0 greenlet==3.3.2 zope.event zope.interface brotli==1.2.1
   prometheus-client==0.26.0
+  peft==0.21.2
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${PLATFORMS[@]}" -d "$DIR" "${WHEELS[@]}"

@@ -3,15 +3,15 @@
 # workloads for every system, and (on request) the serving sweep.
 #
 #   bash bench/gpu_suite.sh OUTDIR [--dry-run] [--steps STEP,...]
-#     (steps: tests ops profile graphs triton table serve generate)
+#     (steps: tests ops profile graphs triton table serve generate llama)
 #   PYTHONPATH=/tmp/site:$PWD bash bench/gpu_suite.sh $OUT          # on the GPU machine
 #
 # Every step runs under its own `timeout` carved from one budget (SUITE_BUDGET_S), so one hang
 # cannot eat the call; each appends a summary line (and SKIPPED/ERROR lines with reasons) to
 # OUTDIR/suite.log. Files in OUTDIR (at most 8): suite.log, tests.log, ops.json, profile.json,
-# table.json, plots.tar.gz, bench.log, graph_policy.json, triton.json, serve.json, generate.json
-# (graphs, triton, serve and generate are off by default: --steps graphs,serve is one call,
-# --steps generate another, --steps tests,ops,triton another).
+# table.json, plots.tar.gz, bench.log, graph_policy.json, triton.json, serve.json, generate.json,
+# llama.json (graphs, triton, serve, generate and llama are off by default: --steps graphs,serve
+# is one call, --steps generate another, --steps llama another, --steps tests,ops,triton another).
 # Intermediate files live in a temp dir.
 #
 # --dry-run (automatic when torch sees no CUDA): the same steps on the CPU with the tiny
@@ -50,6 +50,10 @@
 #   GEN_ARGS         bench/bench_generate.py's workload (the thesis' Decoding row: seq, hf, itif)
 #                    [marian-decoding, 8 tenants x 4 requests, beam 4, 128 source tokens, 32 new /
 #                    marian-tiny, 2 x 2, beam 2, 16, 4]; GENERATE_TIMEOUT_S [300 / 120]
+#   LLAMA_ARGS       `itif bench --suites decoder` options of the llama step (issue 66: LoRA and
+#                    full tenants of a Llama, itif vs HF + PEFT; vLLM skipped off the CPU)
+#                    [--dec-shape llama3-8b-l2 --dtype bfloat16 --repeats 3 / --quick --repeats 1]
+#                    (--device is the suite's); LLAMA_TIMEOUT_S [420 / 150]
 #   PYTHON           [python3]
 set -u -o pipefail
 
@@ -116,6 +120,8 @@ if [ "$DRY" = 1 ]; then
   RES_OPS_MIN=10; RES_TABLE_MIN=80; RES_SERVE_MIN=40
   GEN_ARGS=${GEN_ARGS:-"--preset marian-tiny --tenants 2 --requests 2 --beams 2 --src-len 16 --new-tokens 4 --repeats 1"}
   GEN_CAP=${GENERATE_TIMEOUT_S:-120}
+  LLAMA_ARGS=${LLAMA_ARGS:-"--quick --repeats 1"}
+  LLAMA_CAP=${LLAMA_TIMEOUT_S:-150}
   TRITON_MODELS=${TRITON_MODELS:-bert-tiny}; TRITON_TENANTS=${TRITON_TENANTS:-2}
   TRITON_CAP=${TRITON_TIMEOUT_S:-120}; TRITON_ARGS="--allow-cpu --repeats 2"
 else
@@ -134,6 +140,8 @@ else
   RES_OPS_MIN=30; RES_TABLE_MIN=240; RES_SERVE_MIN=200
   GEN_ARGS=${GEN_ARGS:-"--preset marian-decoding --tenants 8 --requests 4 --beams 4 --src-len 128 --new-tokens 32 --repeats 3"}
   GEN_CAP=${GENERATE_TIMEOUT_S:-300}
+  LLAMA_ARGS=${LLAMA_ARGS:-"--dec-shape llama3-8b-l2 --dtype bfloat16 --repeats 3"}
+  LLAMA_CAP=${LLAMA_TIMEOUT_S:-420}
   TRITON_MODELS=${TRITON_MODELS:-bert-base}; TRITON_TENANTS=${TRITON_TENANTS:-"4 32"}
   TRITON_CAP=${TRITON_TIMEOUT_S:-240}; TRITON_ARGS=""
 fi
@@ -303,6 +311,20 @@ if has_step generate; then
   "$PY" -m itif.bench.suite summary-generate "$OUT/generate.json" | sed 's/^/  /' | tee -a "$LOG"
 else
   say "step generate: not selected (--steps $STEPS; on the GPU it runs in its own call: --steps generate)"
+fi
+
+# ---- (f) the Llama decoder suite: LoRA and full tenants, itif vs HF + PEFT (its own call) ---------
+if has_step llama; then
+  TO=$(step_timeout "$LLAMA_CAP" 0)
+  run_step llama "$TO" "$OUT/bench.log" "$PY" -m itif bench --suites decoder --device "$DEVICE" \
+    --no-plots --out "$OUT/llama.json" $LLAMA_ARGS
+  "$PY" -c 'import json, sys
+keys = ("tokens_per_s", "ms_per_output_token", "equal_fraction", "first_divergence", "vs_hf")
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["system"], r.get("status"), {k: r[k] for k in keys if k in r}, r.get("reason", ""))' \
+    "$OUT/llama.json" 2>&1 | sed 's/^/  /' | tee -a "$LOG"
+else
+  say "step llama: not selected (--steps $STEPS; on the GPU it runs in its own call: --steps llama)"
 fi
 
 say "suite done in $(elapsed)s; $( [ -z "$FAILS" ] && echo "every step ok" || echo "steps not ok:$FAILS"); files: $(cd "$OUT" && ls | tr '\n' ' ')"

@@ -310,3 +310,20 @@ def test_triton_forward_refuses_without_cuda_unless_asked(tmp_path):
                           timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def test_dry_run_llama_step(tmp_path):
+    """``--steps llama``: the decoder suite (issue 66's Llama run) at its CPU quick size writes
+    llama.json with measured itif and HF + PEFT rows, and a summary line per row in suite.log."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    out, log = _dry_step(tmp_path, "llama")
+    assert "step llama: ok" in log and "every step ok" in log
+    d = json.loads((out / "llama.json").read_text())
+    by = {r["system"]: r for r in d["rows"]}
+    assert {"itif", "hf", "vllm"} <= set(by)
+    for s in ("itif", "hf"):
+        assert by[s]["status"] == "ok" and by[s]["tokens_per_s"] > 0, by[s]
+        assert by[s]["ms_per_output_token"] > 0 and by[s]["dtype"] == "float32"
+        assert f"  {s} ok " in log
+    assert 0.0 <= by["itif"]["equal_fraction"] <= 1.0
