@@ -6,6 +6,11 @@ full fine-tunes (their own random weights); 64 prompts of 16-64 random tokens, p
 tenant i mod 10; greedy, exactly 32 new tokens each (EOS banned for 32 steps: ``generate()``'s
 ``min_new_tokens``, itif's ``GenerationDefaults.min_new_tokens``, vLLM's ``min_tokens``);
 float32 on the CPU. What is measured: generated tokens per second of the whole workload.
+For issue 66 the same workload runs on a GPU (``--device cuda --dtype bfloat16 --dec-shape
+llama3-8b-l2``: :data:`SHAPES`): weights are built on the device in the dtype, each system's
+``run()`` ends with ``torch.cuda.synchronize()``, rows add ``ms_per_output_token`` and, as bf16
+near-ties can flip a token, ``equal_fraction`` and ``first_divergence`` report agreement with
+HF + PEFT rather than fail on it; vLLM is skipped off the CPU.
 
 - ``itif``: one :class:`~itif.generation.engine.GenEngine` holding the base, the adapters
   (``add_tenant(..., base=)``) and the full fine-tunes; one ``generate()`` of all 64 prompts
