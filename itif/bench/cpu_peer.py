@@ -46,7 +46,17 @@ import numpy as np
 import torch
 
 from itif.backbones.spec import BackboneSpec
-from itif.bench.systems import HF, Fused, System, hf_forward, hf_inputs, host_probe_ms, measure
+from itif.bench.systems import (
+    HF,
+    Fused,
+    System,
+    failure,
+    hf_forward,
+    hf_inputs,
+    host_probe_ms,
+    load_all,
+    measure,
+)
 from itif.bench.tenants import hf_model, tenant_weights
 from itif.bench.workloads import sample_lengths, tenant_names
 from itif.runtime.engine import Engine, Request
@@ -359,18 +369,15 @@ def run_suite(cfg: PeerSettings) -> list[dict]:
         skipped = [dict(system="vllm", workload=k, tenants=n, status="skipped", reason=why)
                    for k, (n, _) in workloads.items()]
 
-    flat: list[System] = []
     failed: dict[int, str] = {}
-    for k, (_, reqs) in workloads.items():
-        for s, _ in systems[k]:
-            try:
-                s.load(reqs)
-                flat.append(s)
-            except Exception as e:  # noqa: BLE001 - reported on its row
-                failed[id(s)] = f"{type(e).__name__}: {e}"
+
+    def on_error(s, e):
+        failed[id(s)] = failure(e)
+
+    flat = load_all(((s, reqs) for k, (_, reqs) in workloads.items() for s, _ in systems[k]),
+                    on_error)
     probe = host_probe_ms()
-    times = measure(flat, cfg.repeats, cfg.warmup,
-                    lambda s, e: failed.__setitem__(id(s), f"{type(e).__name__}: {e}"))
+    times = measure(flat, cfg.repeats, cfg.warmup, on_error)
     rows: list[dict] = []
     base = dict(suite="peer", model=spec.name, requests=cfg.requests, lengths=cfg.lengths,
                 device=device_name(cpu), host_probe_ms=probe, fine_tune="full")

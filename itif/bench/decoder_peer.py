@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from itif.bench.cpu_peer import VLLM_SETTLE_S, shutdown_llms, vllm_unavailable
-from itif.bench.systems import System, host_probe_ms, measure
+from itif.bench.systems import System, failure, host_probe_ms, load_all, measure
 
 __all__ = [
     "ADAPTER_KINDS",
@@ -437,16 +437,13 @@ def run_suite(cfg: DecoderSettings) -> list[dict]:
         if why is not None:
             log.warning("decoder: vLLM rows skipped: %s", why)
         failed: dict[int, str] = {}
-        live = []
-        for s in systems:
-            try:
-                s.load(reqs)
-                live.append(s)
-            except Exception as e:  # noqa: BLE001 - reported on its row
-                failed[id(s)] = f"{type(e).__name__}: {e}"
+
+        def on_error(s, e):
+            failed[id(s)] = failure(e)
+
+        live = load_all(((s, reqs) for s in systems), on_error)
         probe = host_probe_ms()
-        times = measure(live, cfg.repeats, cfg.warmup,
-                        lambda s, e: failed.__setitem__(id(s), f"{type(e).__name__}: {e}"))
+        times = measure(live, cfg.repeats, cfg.warmup, on_error)
         base = dict(suite="decoder", model=_model_name(cfg.shape), adapters=cfg.adapters,
                     full=cfg.full, tenants=len(t.names), prompts=cfg.prompts,
                     new_tokens=cfg.new_tokens, prompt_lengths=f"{cfg.min_len}-{cfg.max_len}",

@@ -45,9 +45,11 @@ from itif.bench.systems import (
     Seq,
     System,
     engine_graphs,
+    failure,
     hf_forward,
     hf_inputs,
     host_probe_ms,
+    load_all,
     measure,
     measure_alone,
     op_counts,
@@ -440,16 +442,10 @@ def _measure_workload(w, systems, reqs, rows, base, reference, ctx: _Context):
     failed: dict[int, str] = {}
 
     def on_error(s, e):
-        failed[id(s)] = f"{type(e).__name__}: {e}"
+        failed[id(s)] = failure(e)
         log.warning("%s %s failed: %s", w, s.name, e)
 
-    live = []
-    for s in systems:
-        try:
-            s.load(reqs)
-            live.append(s)
-        except Exception as e:  # noqa: BLE001 - reported on its rows
-            on_error(s, e)
+    live = load_all(((s, reqs) for s in systems), on_error)
     base = dict(base, host_probe_ms=host_probe_ms())
     times = measure(live, opt.repeats, opt.warmup, on_error)
     alone = {}

@@ -37,7 +37,8 @@ import torch
 from itif.runtime.engine import Engine, Request
 
 __all__ = ["System", "Fused", "Seq", "MultiStream", "HF", "HFCompiled", "measure", "by_tenant",
-           "op_counts", "compile_mode_for", "compile_options", "host_probe_ms", "measure_alone"]
+           "op_counts", "compile_mode_for", "compile_options", "host_probe_ms", "measure_alone",
+           "load_all", "failure"]
 
 
 def by_tenant(requests: list[Request]) -> dict[str, list[int]]:
@@ -433,6 +434,24 @@ def op_counts(system: System, device: torch.device) -> dict:
     if isinstance(system, HFCompiled):
         return profiler_aten_counts(system.count_run)
     return dispatch_counts(system.count_run)
+
+
+def failure(e: BaseException) -> str:
+    """How a system's failure reads on its row."""
+    return f"{type(e).__name__}: {e}"
+
+
+def load_all(loads, on_error) -> list[System]:
+    """Load each ``(system, requests)`` of ``loads``; the systems that loaded, in order. One
+    that raises is left out and ``on_error(system, exc)`` hears of it (its row reports it)."""
+    live = []
+    for s, reqs in loads:
+        try:
+            s.load(reqs)
+            live.append(s)
+        except Exception as e:  # noqa: BLE001 - reported on its row; the others still run
+            on_error(s, e)
+    return live
 
 
 def measure(systems: list[System], repeats: int, warmup: int = 1,

@@ -91,8 +91,34 @@ def _offsets(offsets, n_rows: int | None, what: str) -> np.ndarray:
     return off
 
 
+class _Packed:
+    """What Arrivals and Results share: a header and their columns (``_counts`` says each one's
+    dtype and length, ``_columns`` gives them in that order) packed into one buffer."""
+
+    def nbytes(self) -> int:
+        return _layout(self._counts())[1]
+
+    def pack_into(self, buf, offset: int = 0) -> int:
+        """Write into ``buf`` (a writable buffer) at ``offset``; returns the bytes written."""
+        counts = self._counts()
+        starts, size = _layout(counts)
+        view = memoryview(buf)[offset : offset + size]
+        if view.nbytes < size:
+            raise ValueError(f"{type(self).__name__.lower()} need {size} bytes, the buffer "
+                             f"has {view.nbytes}")
+        _HEAD.pack_into(view, 0, *self._head())
+        for dst, src in zip(_views(view, starts, counts), self._columns()):
+            dst[...] = src
+        return size
+
+    def to_bytes(self) -> bytes:
+        buf = bytearray(self.nbytes())
+        self.pack_into(buf)
+        return bytes(buf)
+
+
 @dataclass
-class Arrivals:
+class Arrivals(_Packed):
     """A batch of requests as columns (see the module docstring)."""
 
     call_id: np.ndarray  # int64 [n]
@@ -132,27 +158,11 @@ class Arrivals:
         return [(np.int64, n), (np.int64, n + 1), (np.float64, n), (np.int32, n),
                 (np.int32, int(self.offsets[-1])), (np.int8, n)]
 
-    def nbytes(self) -> int:
-        return _layout(self._counts())[1]
+    def _head(self) -> tuple:
+        return (_ARRIVALS, len(self), int(self.offsets[-1]), self.table_version, 0, 0)
 
-    def pack_into(self, buf, offset: int = 0) -> int:
-        """Write into ``buf`` (a writable buffer) at ``offset``; returns the bytes written."""
-        counts = self._counts()
-        starts, size = _layout(counts)
-        view = memoryview(buf)[offset : offset + size]
-        if view.nbytes < size:
-            raise ValueError(f"arrivals need {size} bytes, the buffer has {view.nbytes}")
-        _HEAD.pack_into(view, 0, _ARRIVALS, len(self), int(self.offsets[-1]),
-                        self.table_version, 0, 0)
-        cols = (self.call_id, self.offsets, self.deadline, self.tenant, self.ids, self.priority)
-        for dst, src in zip(_views(view, starts, counts), cols):
-            dst[...] = src
-        return size
-
-    def to_bytes(self) -> bytes:
-        buf = bytearray(self.nbytes())
-        self.pack_into(buf)
-        return bytes(buf)
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return (self.call_id, self.offsets, self.deadline, self.tenant, self.ids, self.priority)
 
     @classmethod
     def unpack(cls, buf) -> Arrivals:
@@ -195,7 +205,7 @@ class Arrivals:
 
 
 @dataclass
-class Results:
+class Results(_Packed):
     """A batch of answers as columns: outputs of the rows that ran, a status for every row,
     a message for each failed one (see the module docstring)."""
 
@@ -238,27 +248,13 @@ class Results:
         return [(np.int64, n), (np.int64, n + 1), (np.float32, int(self.offsets[-1])),
                 (np.int8, n), (np.int32, k), (np.int64, k + 1), (np.uint8, self.err_text.size)]
 
-    def nbytes(self) -> int:
-        return _layout(self._counts())[1]
+    def _head(self) -> tuple:
+        return (_RESULTS, len(self), int(self.offsets[-1]), 0, self.err_row.size,
+                self.err_text.size)
 
-    def pack_into(self, buf, offset: int = 0) -> int:
-        counts = self._counts()
-        starts, size = _layout(counts)
-        view = memoryview(buf)[offset : offset + size]
-        if view.nbytes < size:
-            raise ValueError(f"results need {size} bytes, the buffer has {view.nbytes}")
-        _HEAD.pack_into(view, 0, _RESULTS, len(self), int(self.offsets[-1]), 0,
-                        self.err_row.size, self.err_text.size)
-        cols = (self.call_id, self.offsets, self.values, self.status, self.err_row,
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return (self.call_id, self.offsets, self.values, self.status, self.err_row,
                 self.err_offsets, self.err_text)
-        for dst, src in zip(_views(view, starts, counts), cols):
-            dst[...] = src
-        return size
-
-    def to_bytes(self) -> bytes:
-        buf = bytearray(self.nbytes())
-        self.pack_into(buf)
-        return bytes(buf)
 
     @classmethod
     def unpack(cls, buf) -> Results:
