@@ -326,6 +326,10 @@ class LoraRows:
     def __init__(self, bank: LoraBank, row_slot: np.ndarray, device: torch.device) -> None:
         self.bank = bank
         rows = np.flatnonzero(row_slot >= 0)
+        # rows ordered by adapter (stable: a prompt's rows stay in order), so a segment is every
+        # row of one adapter and its weights are gathered once a step, not once a row
+        order = np.argsort(row_slot[rows], kind="stable")
+        rows = rows[order]
         slots = row_slot[rows]
         cut = np.flatnonzero(np.diff(slots)) + 1 if rows.size else np.zeros(0, np.int64)
         starts = np.concatenate([[0], cut]).astype(np.int64)
