@@ -53,13 +53,13 @@ class TenantQueue:
 
     def head(self) -> Ticket | None:
         heap = self.heap
-        while heap and heap[0][2]._state != QUEUED:
+        while heap and heap[0][2].state != QUEUED:
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
     def oldest(self) -> Ticket | None:
         fifo = self.fifo
-        while fifo and fifo[0]._state != QUEUED:
+        while fifo and fifo[0].state != QUEUED:
             fifo.popleft()
         return fifo[0] if fifo else None
 
@@ -68,13 +68,13 @@ class TenantQueue:
         self.depth -= 1
         self.tokens -= t.tokens
         if len(self.heap) > 2 * self.depth + 32:
-            self.heap = [e for e in self.heap if e[2]._state == QUEUED]
+            self.heap = [e for e in self.heap if e[2].state == QUEUED]
             heapq.heapify(self.heap)
         if len(self.fifo) > 2 * self.depth + 32:
-            self.fifo = deque(x for x in self.fifo if x._state == QUEUED)
+            self.fifo = deque(x for x in self.fifo if x.state == QUEUED)
 
     def queued(self) -> list[Ticket]:
-        return [e[2] for e in self.heap if e[2]._state == QUEUED]
+        return [e[2] for e in self.heap if e[2].state == QUEUED]
 
 
 class FairQueue:
@@ -123,7 +123,7 @@ class FairQueue:
 
     # ---- in and out ------------------------------------------------------------------------
     def push(self, t: Ticket) -> None:
-        tq = t._tq
+        tq = t.queue
         if tq.parked:
             self.parked[tq.name] = tq
             self.parked_n += 1
@@ -139,10 +139,10 @@ class FairQueue:
 
     def dequeue(self, t: Ticket) -> None:
         """A queued ticket leaves the queue without running (cancel, expiry, shutdown)."""
-        t._state = DONE
+        t.mark(DONE)
         self.queued -= 1
         self.queued_tokens -= t.tokens
-        self._left(t._tq, t)
+        self._left(t.queue, t)
         self._compact_deadlines()
 
     def _compact_deadlines(self) -> None:
@@ -152,7 +152,7 @@ class FairQueue:
         passed (a client's 30 s deadline at 1,000 calls/s: 30,000 finished calls kept alive).
         Amortised O(1) per ticket."""
         if len(self.deadlines) > 2 * self.queued + 64:
-            self.deadlines = [e for e in self.deadlines if e[2]._state == QUEUED]
+            self.deadlines = [e for e in self.deadlines if e[2].state == QUEUED]
             heapq.heapify(self.deadlines)
 
     def _left(self, tq: TenantQueue, t: Ticket) -> None:
@@ -210,7 +210,7 @@ class FairQueue:
         dl = self.deadlines
         while dl and dl[0][0] <= now:
             _, _, t = heapq.heappop(dl)
-            if t._state == QUEUED:
+            if t.state == QUEUED:
                 self.dequeue(t)
                 self.stats[t.tenant].expired += 1
                 out.append((t, error(t, now)))
@@ -252,7 +252,7 @@ class FairQueue:
                 if grown > feasible_slack:
                     break  # t would make a member miss a target it can still meet: stop here
             heapq.heappop(tq.heap)
-            t._state = RUNNING
+            t.mark(RUNNING)
             t.started_at = now
             self.queued -= 1
             self.queued_tokens -= t.tokens

@@ -10,7 +10,7 @@ import re
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from itif.config.fields import check
 from itif.config.schema import SchedulerConfig
@@ -37,12 +37,24 @@ from itif.scheduler.tickets import (
     TenantQuota,
     TenantStats,
     Ticket,
-    call_back,
     clone,
 )
 from itif.scheduler.triggers import decide
 
 log = logging.getLogger("itif.scheduler")
+
+
+class ColumnSource(Protocol):
+    """A source of batches that are not tickets (``itif.server.column_door``): it keeps its
+    own queue and runs its own batches, on the scheduler's thread."""
+
+    def decide(self, now: float, *, last_end: float, estimate_ms: Callable[[int, int], float],
+               stopping: bool) -> tuple[bool, float | None]:
+        """(a batch is due now?, else when to look again). Called under the scheduler's
+        lock: take in arrivals, never run the engine here."""
+
+    def run(self) -> tuple[int, int] | None:
+        """Form and run one batch, deliver its results; (rows, tokens) run, or None."""
 
 __all__ = ["Scheduler"]
 
@@ -94,6 +106,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._grace_end = math.inf
+        #: A second source of batches run on this loop's thread (``attach_columns``).
+        self._columns: ColumnSource | None = None
+        self._column_turn = False  # both due: which goes first, alternating
+        self._column_due = False
 
     @classmethod
     def from_config(cls, run_batch: Callable[[list[Request]], list[Result]], scheduler: Any,
@@ -271,7 +287,7 @@ class Scheduler:
                 tickets.append(t)
                 q.stats[r.tenant].submitted += 1
                 if deadline is not None and deadline <= now:
-                    t._state = DONE
+                    t.mark(DONE)
                     q.stats[r.tenant].expired += 1
                     expired.append(t)
                     continue
@@ -310,7 +326,7 @@ class Scheduler:
             thread.join(max(0.0, grace_end - self._clock()))
         # Whatever is left (never started, or run_batch stuck past the grace): fail it.
         with self._lock:
-            left = self._q.take_all() + [t for t in self._inflight if t._state != DONE]
+            left = self._q.take_all() + [t for t in self._inflight if t.state != DONE]
         err = Unavailable("the scheduler shut down before the request finished")
         for t in left:
             self._complete(t, None, clone(err))
@@ -326,10 +342,45 @@ class Scheduler:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ---- ticket hooks ----------------------------------------------------------------------
-    def _cancel(self, t: Ticket) -> bool:
+    # ---- a second source: the column path -------------------------------------------------
+    def attach_columns(self, source: ColumnSource | None) -> None:
+        """Run ``source``'s batches on this loop's thread too (the engine is called from one
+        thread only). Asked under the lock whenever the loop looks for work; when both it and
+        the ticket queue have a batch due they take turns. ``wake()`` tells the loop that the
+        source has new arrivals."""
+        with self._cv:
+            self._columns = source
+            self._cv.notify_all()
+
+    def wake(self) -> None:
+        """Look for work now (a column source's arrivals came in)."""
+        with self._cv:
+            self._cv.notify_all()
+
+    def last_end(self) -> float:
+        """When the last batch (of either source) ended, on this scheduler's clock."""
+        return self._last_end
+
+    def estimate_ms(self, n: int, tokens: int) -> float:
+        """The batch-time estimate the triggers use (milliseconds)."""
         with self._lock:
-            if t._state != QUEUED:
+            return self._estimate_locked(n, tokens)
+
+    # ---- ticket hooks ----------------------------------------------------------------------
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock that guards the queues and every ticket's state (tickets take it to add
+        their done callbacks)."""
+        return self._lock
+
+    def now(self) -> float:
+        """The scheduler's clock (monotonic seconds, or the one given for tests)."""
+        return self._clock()
+
+    def cancel(self, t: Ticket) -> bool:
+        """Withdraw a queued ticket (``Ticket.cancel``): True, or False once it runs."""
+        with self._lock:
+            if t.state != QUEUED:
                 return False
             self._q.dequeue(t)
             self._q.stats[t.tenant].cancelled += 1
@@ -337,9 +388,10 @@ class Scheduler:
                        count=False)
         return True
 
-    def _expire_one(self, t: Ticket) -> None:
+    def expire(self, t: Ticket) -> None:
+        """Fail a queued ticket whose deadline passed (a waiter in ``Ticket.result`` saw it)."""
         with self._lock:
-            if t._state != QUEUED:
+            if t.state != QUEUED:
                 return
             self._q.dequeue(t)
             self._q.stats[t.tenant].expired += 1
@@ -390,7 +442,19 @@ class Scheduler:
                 if dropped:
                     return [], dropped, False, []
                 run, wake = self._decide_locked(now)
+                cols = self._columns
+                if cols is not None and (not run or self._column_turn):
+                    crun, cwake = cols.decide(now, last_end=self._last_end,
+                                              estimate_ms=self._estimate_locked,
+                                              stopping=self._stopping)
+                    if crun:
+                        self._column_turn = False
+                        self._column_due = True
+                        return [], [], False, []
+                    if cwake is not None:
+                        wake = cwake if wake is None else min(wake, cwake)
                 if run:
+                    self._column_turn = cols is not None
                     batch, dropped = self._form_locked(now)
                     self._inflight = batch
                     return batch, dropped, False, []
@@ -412,18 +476,38 @@ class Scheduler:
                     self._complete(t, None, clone(err))
                 if batch:
                     self._execute(batch)
+                if self._column_due:
+                    self._column_due = False
+                    self._run_columns()
                 if exit_:
                     return
             except BaseException as e:  # the loop must never die
                 log.exception("scheduler loop error; continuing")
                 err = InternalError(f"scheduler error: {type(e).__name__}: {e}")
                 for t in batch:
-                    if t._state != DONE:
+                    if t.state != DONE:
                         self._complete(t, None, clone(err))
                 time.sleep(0.01)
             finally:
                 with self._lock:
                     self._inflight = []
+
+    def _run_columns(self) -> None:
+        """One batch of the column source; its time teaches the estimate like any batch."""
+        start = time.perf_counter()
+        try:
+            shape = self._columns.run()
+        finally:
+            with self._lock:
+                self._last_end = self._clock()
+        if shape:
+            n, tokens = shape
+            with self._lock:
+                self._batches += 1
+                self._runs += 1
+                self._requests_run += n
+                self._tokens_run += tokens
+                self._learned.observe(n, tokens, (time.perf_counter() - start) * 1000.0)
 
     def _execute(self, batch: list[Ticket]) -> None:
         """Run one batch (bisecting per-request errors) and deliver every ticket."""
@@ -507,7 +591,7 @@ class Scheduler:
         ``count``: bump completed/failed (the other outcomes were counted by the caller)."""
         now = self._clock()
         with self._lock:
-            if t._event.is_set() or t._callbacks is None:
+            if t.settled:
                 return False
             if count:
                 st = self._q.stats.setdefault(t.tenant, TenantStats())
@@ -515,14 +599,8 @@ class Scheduler:
                     st.completed += 1
                 else:
                     st.failed += 1
-            t._state = DONE
-            t._result = result
-            t._error = error
-            t.finished_at = now
-            callbacks, t._callbacks = t._callbacks, None
-        t._event.set()
-        for fn in callbacks:
-            call_back(fn, t)
+            callbacks = t.settle(result, error, now)
+        t.wake(callbacks)
         return True
 
 

@@ -151,7 +151,7 @@ class Ticket:
     def cancel(self) -> bool:
         """Withdraw the request if it is still queued (then it never runs): True. False once it
         is running or done."""
-        return self._sched._cancel(self)
+        return self._sched.cancel(self)
 
     def _wait(self, timeout: float | None) -> None:
         end = None if timeout is None else time.monotonic() + timeout
@@ -164,9 +164,9 @@ class Ticket:
                         f"request of tenant {self.tenant!r} not done after {timeout} s")
                 waits.append(left)
             if self.deadline is not None and self._state == QUEUED:
-                left = self.deadline - self._sched._clock()
+                left = self.deadline - self._sched.now()
                 if left <= 0:
-                    self._sched._expire_one(self)
+                    self._sched.expire(self)
                     continue
                 waits.append(left)
             self._event.wait(min(waits) if waits else None)
@@ -186,11 +186,49 @@ class Ticket:
         """Call ``fn(ticket)`` when done (at once, on this thread, if it already is). Callbacks run
         on the thread that finishes the ticket (usually the scheduler's) and must be quick;
         exceptions are logged."""
-        with self._sched._lock:
+        with self._sched.lock:
             if self._callbacks is not None:
                 self._callbacks.append(fn)
                 return
         call_back(fn, self)
+
+    # -- the scheduler's side (called with its lock held, but for wake) ---------------------------
+    @property
+    def state(self) -> int:
+        """QUEUED, RUNNING or DONE (under the scheduler's lock, which guards it)."""
+        return self._state
+
+    @property
+    def queue(self) -> TenantQueue | None:
+        """The tenant queue the ticket was submitted to."""
+        return self._tq
+
+    def mark(self, state: int) -> None:
+        """Move to ``state``: RUNNING when batch formation takes it, DONE when it leaves the
+        queue without running (its outcome comes through :meth:`settle`)."""
+        self._state = state
+
+    @property
+    def settled(self) -> bool:
+        """The outcome is set (the first writer wins; later ones are dropped)."""
+        return self._event.is_set() or self._callbacks is None
+
+    def settle(self, result: Result | None, error: BaseException | None,
+               now: float) -> list[Callable[[Ticket], Any]]:
+        """Set the outcome once (the caller checked :attr:`settled`, under the lock) and hand
+        back the callbacks, which :meth:`wake` runs outside the lock."""
+        self._state = DONE
+        self._result = result
+        self._error = error
+        self.finished_at = now
+        callbacks, self._callbacks = self._callbacks or [], None
+        return callbacks
+
+    def wake(self, callbacks: list[Callable[[Ticket], Any]]) -> None:
+        """Release the waiters in ``result()`` and run the callbacks :meth:`settle` returned."""
+        self._event.set()
+        for fn in callbacks:
+            call_back(fn, self)
 
     # -- timings (metrics) -----------------------------------------------------------------------
     @property
@@ -198,7 +236,7 @@ class Ticket:
         """Time spent queued: submit to batch start (or to the end, if it never ran)."""
         end = self.started_at if self.started_at is not None else self.finished_at
         if end is None:
-            end = self._sched._clock()
+            end = self._sched.now()
         return max(0.0, (end - self.enqueued_at) * 1000.0)
 
     @property
@@ -206,7 +244,7 @@ class Ticket:
         """Batch start to result (including any bisection re-runs); None if it never ran."""
         if self.started_at is None:
             return None
-        end = self.finished_at if self.finished_at is not None else self._sched._clock()
+        end = self.finished_at if self.finished_at is not None else self._sched.now()
         return max(0.0, (end - self.started_at) * 1000.0)
 
     def __repr__(self) -> str:
