@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
-import re
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from itif.config.fields import check
 from itif.config.schema import SchedulerConfig
@@ -20,7 +18,6 @@ from itif.errors import (
     DeadlineExceeded,
     InvalidRequest,
     ItifError,
-    NoWeights,
     TenantNotFound,
     Unavailable,
     is_out_of_memory,
@@ -28,11 +25,12 @@ from itif.errors import (
 from itif.requests import Request, Result
 from itif.scheduler.estimate import BatchTimeEstimate, split_for_latency
 from itif.scheduler.fairqueue import FairQueue
+from itif.scheduler.outcomes import PER_REQUEST_ERRORS, by_tenant, count, wrap
+from itif.scheduler.sources import ColumnSource
 from itif.scheduler.tickets import (
     DONE,
     QUEUED,
     InternalError,
-    OutOfMemory,
     SchedulerStats,
     TenantQuota,
     TenantStats,
@@ -44,23 +42,8 @@ from itif.scheduler.triggers import decide
 log = logging.getLogger("itif.scheduler")
 
 
-class ColumnSource(Protocol):
-    """A source of batches that are not tickets (``itif.server.column_door``): it keeps its
-    own queue and runs its own batches, on the scheduler's thread."""
-
-    def decide(self, now: float, *, last_end: float, estimate_ms: Callable[[int, int], float],
-               stopping: bool) -> tuple[bool, float | None]:
-        """(a batch is due now?, else when to look again). Called under the scheduler's
-        lock: take in arrivals, never run the engine here."""
-
-    def run(self) -> tuple[int, int] | None:
-        """Form and run one batch, deliver its results; (rows, tokens) run, or None."""
-
 __all__ = ["Scheduler"]
 
-#: Errors that belong to one request, not to the whole batch: isolated by bisection.
-_PER_REQUEST_ERRORS = (InvalidRequest, TenantNotFound, NoWeights)
-_REQUEST_PREFIX = re.compile(r"^request \d+: ")
 
 
 class Scheduler:
@@ -245,12 +228,12 @@ class Scheduler:
         """Queue several requests all-or-nothing (a batch RPC): if any tenant's queue cannot take
         all of its requests, Busy is raised and nothing is queued."""
         requests = list(requests)
-        tokens = [_count(n, f"request {i}: tokens") for i, n in enumerate(tokens)]
+        tokens = [count(n, f"request {i}: tokens") for i, n in enumerate(tokens)]
         if len(tokens) != len(requests):
             raise InvalidRequest(f"tokens has {len(tokens)} entries for {len(requests)} requests")
         if any(n < 0 for n in tokens):
             raise InvalidRequest(f"tokens must be >= 0, got {min(tokens)}")
-        priority = _count(priority, "priority")
+        priority = count(priority, "priority")
         if deadline is not None and not isinstance(deadline, (int, float)):
             raise InvalidRequest(f"deadline must be a clock() time in seconds, got {deadline!r}")
         expired: list[Ticket] = []
@@ -342,12 +325,9 @@ class Scheduler:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ---- a second source: the column path -------------------------------------------------
+    # ---- a second source of batches (``itif.scheduler.sources``) ---------------------------
     def attach_columns(self, source: ColumnSource | None) -> None:
-        """Run ``source``'s batches on this loop's thread too (the engine is called from one
-        thread only). Asked under the lock whenever the loop looks for work; when both it and
-        the ticket queue have a batch due they take turns. ``wake()`` tells the loop that the
-        source has new arrivals."""
+        """Also run ``source``'s batches, on this loop's thread (the engine has one caller)."""
         with self._cv:
             self._columns = source
             self._cv.notify_all()
@@ -356,15 +336,6 @@ class Scheduler:
         """Look for work now (a column source's arrivals came in)."""
         with self._cv:
             self._cv.notify_all()
-
-    def last_end(self) -> float:
-        """When the last batch (of either source) ended, on this scheduler's clock."""
-        return self._last_end
-
-    def estimate_ms(self, n: int, tokens: int) -> float:
-        """The batch-time estimate the triggers use (milliseconds)."""
-        with self._lock:
-            return self._estimate_locked(n, tokens)
 
     # ---- ticket hooks ----------------------------------------------------------------------
     @property
@@ -494,20 +465,18 @@ class Scheduler:
 
     def _run_columns(self) -> None:
         """One batch of the column source; its time teaches the estimate like any batch."""
-        start = time.perf_counter()
+        start, shape = time.perf_counter(), None
         try:
             shape = self._columns.run()
         finally:
             with self._lock:
                 self._last_end = self._clock()
-        if shape:
-            n, tokens = shape
-            with self._lock:
-                self._batches += 1
-                self._runs += 1
-                self._requests_run += n
-                self._tokens_run += tokens
-                self._learned.observe(n, tokens, (time.perf_counter() - start) * 1000.0)
+                if shape:
+                    self._batches += 1
+                    self._runs += 1
+                    self._requests_run += shape[0]
+                    self._tokens_run += shape[1]
+                    self._learned.observe(*shape, (time.perf_counter() - start) * 1000.0)
 
     def _execute(self, batch: list[Ticket]) -> None:
         """Run one batch (bisecting per-request errors) and deliver every ticket."""
@@ -536,7 +505,7 @@ class Scheduler:
                     for t, r in zip(part, out):
                         self._complete(t, r, None)
                     continue
-                per_request = isinstance(out, _PER_REQUEST_ERRORS)
+                per_request = isinstance(out, PER_REQUEST_ERRORS)
                 if per_request and len(part) > 1 and extra_left >= 2:
                     extra_left -= 2
                     mid = len(part) // 2
@@ -547,11 +516,11 @@ class Scheduler:
                 # not split again), each tenant's part runs alone: one tenant's error, or rows
                 # that do not fit, never reach another's tickets
                 if (per_request or is_out_of_memory(out)) and len(part) > 1:
-                    groups = _by_tenant(part)
+                    groups = by_tenant(part)
                     if len(groups) > 1:
                         stack.extend(reversed(groups))
                         continue
-                err = _wrap(out, part)
+                err = wrap(out, part)
                 for t in part:
                     self._complete(t, None, clone(err))
         finally:
@@ -602,47 +571,3 @@ class Scheduler:
             callbacks = t.settle(result, error, now)
         t.wake(callbacks)
         return True
-
-
-
-def _count(v: Any, what: str) -> int:
-    if isinstance(v, bool):
-        raise InvalidRequest(f"{what} must be an integer, got {v!r}")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise InvalidRequest(f"{what} must be an integer, got {v!r}") from None
-
-
-def _by_tenant(part: list[Ticket]) -> list[list[Ticket]]:
-    """``part``'s tickets grouped by tenant, tenants in first-seen order."""
-    groups: dict[str, list[Ticket]] = {}
-    for t in part:
-        groups.setdefault(t.tenant, []).append(t)
-    return list(groups.values())
-
-
-def _wrap(exc: BaseException, part: list[Ticket]) -> ItifError:
-    """The typed error every ticket of a failed (sub-)batch gets."""
-    if isinstance(exc, ItifError):
-        if len(part) == 1 and isinstance(exc, InvalidRequest) and exc.args:
-            msg = _REQUEST_PREFIX.sub("", str(exc.args[0]))  # "request 0:" means nothing to it
-            try:
-                new = type(exc)(msg)
-                new.__cause__ = exc.__cause__
-                return new
-            except Exception:
-                return exc
-        return exc
-    # the batch's size and the exception's text (shapes, allocation sizes) would tell a tenant
-    # of the other tenants' requests beside its own: the daemon's log has them (``_call``)
-    if is_out_of_memory(exc):
-        err: ItifError = OutOfMemory(
-            "the device ran out of memory running the batch this request was in: retry, or "
-            "send fewer or shorter rows")
-    else:
-        err = InternalError(f"the batch this request was in failed ({type(exc).__name__}); "
-                            "the daemon's log has the details")
-    err.__cause__ = exc
-    return err
-

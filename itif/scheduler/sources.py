@@ -1,0 +1,23 @@
+"""What the scheduler's loop runs besides tickets: a :class:`ColumnSource`.
+
+The column path (``itif.server.column_door``) keeps its own queue of rows as numpy columns and
+runs its own batches; the scheduler's thread asks it for work whenever it looks for its own, so
+the engine still has one caller. When both have a batch due they take turns.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+__all__ = ["ColumnSource"]
+class ColumnSource(Protocol):
+    """A source of batches that are not tickets (``itif.server.column_door``): it keeps its
+    own queue and runs its own batches, on the scheduler's thread."""
+
+    def decide(self, now: float, *, last_end: float, estimate_ms: Callable[[int, int], float],
+               stopping: bool) -> tuple[bool, float | None]:
+        """(a batch is due now?, else when to look again). Called under the scheduler's
+        lock: take in arrivals, never run the engine here."""
+
+    def run(self) -> tuple[int, int] | None:
+        """Form and run one batch, deliver its results; (rows, tokens) run, or None."""
