@@ -67,13 +67,13 @@ def test_publish_waits_for_step_two(tmp_path, monkeypatch):
     """The rename never overtakes the record: publish blocks until the sync thread is done."""
     store = BlobStore(tmp_path)
     gate = threading.Event()
-    real_stage = store._stage
+    real_stage = store.stage_upload
 
     def slow_stage(*a):
         gate.wait(5)
         return real_stage(*a)
 
-    monkeypatch.setattr(store, "_stage", slow_stage)
+    monkeypatch.setattr(store, "stage_upload", slow_stage)
     up = sealed(store, "acme", NEW)
     done = threading.Event()
     t = threading.Thread(target=lambda: (up.publish(), done.set()))

@@ -256,7 +256,7 @@ class BlobStore:
         try:
             return Upload(self, tenant, expected_sha256, total_size)
         except BaseException:
-            self._release(tenant)
+            self.end_upload(tenant)
             raise
 
     def stage_note(self, tenant: str, note: dict) -> None:
@@ -311,11 +311,19 @@ class BlobStore:
             _fsync_dir(self._weights)
         return had_sidecar or had_data
 
-    def _release(self, tenant: str) -> None:
+    # -- an Upload's steps (the commit protocol of the module docstring) ---------------------
+
+    @property
+    def tmp_dir(self) -> Path:
+        """``data_dir/tmp``, where uploads stream (emptied at start-up)."""
+        return self._tmp
+
+    def end_upload(self, tenant: str) -> None:
+        """The tenant's upload is over (published or aborted): another one may begin."""
         with self._lock:
             self._uploading.discard(tenant)
 
-    def _stage(self, tenant: str, upload_path: Path, digest: str) -> None:
+    def stage_upload(self, tenant: str, upload_path: Path, digest: str) -> None:
         """Step 2 of the commit protocol (module docstring): the upload's data and the intent
         record durable, the record's name too. Runs on a sync thread while the caller
         validates; without the store's lock (the record is this tenant's and only its one open
@@ -328,7 +336,7 @@ class BlobStore:
         _write_durably(pending, _sidecar_line(tenant, digest))
         _fsync_dir(self._weights)
 
-    def _publish(self, upload: Upload) -> Path:
+    def publish_upload(self, upload: Upload) -> Path:
         """Steps 3-4 of the commit protocol (module docstring); step 2 is done."""
         tenant = upload.tenant
         data = self.path_for(tenant)
@@ -338,7 +346,7 @@ class BlobStore:
             try:
                 fault_point("commit_pending")
                 os.replace(upload.temp_path, data)
-                upload._renamed = True  # the pending record is the commit's now (start-up)
+                upload.renamed = True  # the pending record is the commit's now (start-up)
                 # One fsync suffices: journaling filesystems commit a rename as one transaction,
                 # so making it durable in weights/ also removes the name from tmp/.
                 _fsync_dir(self._weights)
@@ -346,10 +354,14 @@ class BlobStore:
                 os.replace(pending, sidecar)
                 fault_point("commit_done")
             except BaseException:
-                if not upload._renamed:  # old pair untouched: just withdraw the intent record
+                if not upload.renamed:  # old pair untouched: just withdraw the intent record
                     _unlink_quietly(pending)
                 raise
         return data
+
+    def withdraw_upload(self, tenant: str) -> None:
+        """Remove the tenant's intent record (step 2) of an upload aborted before step 3."""
+        _unlink_quietly(self._path(tenant, _PENDING_SUFFIX))
 
     def _settle(self, tenant: str) -> None:
         """Settle ``tenant``'s pending record (caller holds the lock or owns the directory):
@@ -402,8 +414,10 @@ class Upload:
         self._hash = hashlib.sha256()
         self._digest: str | None = None  # set by seal()
         self._staged: Future | None = None  # step 2 of the commit, started by seal()
-        self._renamed = False  # step 3 done: the pending record belongs to the commit
-        fd, name = tempfile.mkstemp(prefix=f"{tenant}-", suffix=_UPLOAD_SUFFIX, dir=store._tmp)
+        #: Step 3 done (``BlobStore.publish_upload`` sets it): the pending record belongs to the
+        #: commit, and an abort leaves it for start-up to settle.
+        self.renamed = False
+        fd, name = tempfile.mkstemp(prefix=f"{tenant}-", suffix=_UPLOAD_SUFFIX, dir=store.tmp_dir)
         self.temp_path = Path(name)
         try:
             self._file: IO[bytes] = os.fdopen(fd, "wb")
@@ -475,7 +489,7 @@ class Upload:
                     f"{self.expected_sha256}, upload hashes to {digest}"
                 )
             self._file.close()  # flushed; the sync thread fsyncs it
-            self._staged = _syncer().submit(self._store._stage, self.tenant, self.temp_path,
+            self._staged = _syncer().submit(self._store.stage_upload, self.tenant, self.temp_path,
                                             digest)
         except BaseException as e:
             self.abort()
@@ -498,7 +512,7 @@ class Upload:
             digest = hashlib.sha256(data).hexdigest()
             with open(self.temp_path, "wb") as f:
                 f.write(data)
-            self._store._stage(self.tenant, self.temp_path, digest)  # the record names it
+            self._store.stage_upload(self.tenant, self.temp_path, digest)  # the record names it
         except BaseException:
             self.abort()
             raise
@@ -511,12 +525,12 @@ class Upload:
         self.seal()
         try:
             self._wait_staged()
-            path = self._store._publish(self)
+            path = self._store.publish_upload(self)
         except BaseException:
             self.abort()
             raise
         self._open = False
-        self._store._release(self.tenant)
+        self._store.end_upload(self.tenant)
         return path
 
     def abort(self) -> None:
@@ -534,11 +548,11 @@ class Upload:
                     self._staged.result()  # it may still be writing the record
                 except BaseException:  # noqa: BLE001 - withdrawn below all the same
                     pass
-                if not self._renamed:
-                    _unlink_quietly(self._store._path(self.tenant, _PENDING_SUFFIX))
+                if not self.renamed:
+                    self._store.withdraw_upload(self.tenant)
             _unlink_quietly(self.temp_path)
         finally:
-            self._store._release(self.tenant)
+            self._store.end_upload(self.tenant)
 
     def __enter__(self) -> Upload:
         return self

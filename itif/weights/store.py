@@ -188,7 +188,7 @@ class Digests:
     weights afresh.
     """
 
-    __slots__ = ("_weights", "_stamp", "dtype", "keys", "_sha", "matches")
+    __slots__ = ("_weights", "_stamp", "dtype", "keys", "shas", "matches")
 
     def __init__(self, weights: CanonicalWeights, dtype: torch.dtype,
                  host: Mapping[str, torch.Tensor]) -> None:
@@ -196,7 +196,7 @@ class Digests:
         self._stamp = _stamp(weights)
         self.dtype = dtype
         self.keys = {n: _key(t) for n, t in host.items()}
-        self._sha: dict[str, str] = {}
+        self.shas: dict[str, str] = {}  # name -> sha256, of those sha() hashed so far
         # name -> (kind, slot, fill serial): a live slot found bit-identical to the tensor
         self.matches: dict[str, tuple[KindKey, int, int]] = {}
 
@@ -208,9 +208,9 @@ class Digests:
             now.get(n) is t and t._version == v for n, t, v in self._stamp)
 
     def sha(self, name: str, t: torch.Tensor) -> str:
-        if name not in self._sha:
-            self._sha[name] = tensor_digest(t)
-        return self._sha[name]
+        if name not in self.shas:
+            self.shas[name] = tensor_digest(t)
+        return self.shas[name]
 
 
 def _stamp(weights: CanonicalWeights) -> tuple:
@@ -343,7 +343,7 @@ class WeightStore:
                     slots[name] = self._kinds[key].pair(slot)
                 for name in new:
                     key, slot = slots[name]
-                    self._index(self._kinds[key], slot, d.keys[name], d._sha.get(name))
+                    self._index(self._kinds[key], slot, d.keys[name], d.shas.get(name))
                     slots[name] = self._kinds[key].pair(slot)
                 self._generation += 1
                 old = self._view.tenants.get(tenant)
