@@ -156,7 +156,7 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _device_name(device: torch.device) -> str:
+def timing_device_name(device: torch.device) -> str:
     """What timings depend on: the GPU model, or the CPU kind and torch's thread count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -240,7 +240,8 @@ def _batched_op(
     return run
 
 
-def _axis(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def place_on_grid(grid: np.ndarray, x: np.ndarray,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Place ``x`` on one grid axis.
 
     Returns ``(i0, i1, w, scale)``, all shaped like ``x``: x lies between grid[i0] and grid[i1]
@@ -260,7 +261,7 @@ def _axis(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return i0, i0 + 1, w, scale
 
 
-def _interp(table: np.ndarray, axes: list[tuple[np.ndarray, ...]]) -> np.ndarray:
+def interp_grid(table: np.ndarray, axes: list[tuple[np.ndarray, ...]]) -> np.ndarray:
     """Multilinear interpolation of ``table`` (one dimension per axis) at the placed points."""
     out = 0.0
     for corner in itertools.product((0, 1), repeat=len(axes)):
@@ -366,16 +367,17 @@ class CostModel:
         """Vectorised :meth:`single`. seq_len, batch: broadcastable, >= 1. Returns float64 ms."""
         seq_len, batch = np.broadcast_arrays(_as_counts("seq_len", seq_len),
                                              _as_counts("batch", batch))
-        axes = [_axis(self.lens, seq_len), _axis(self.batches, batch)]
-        return np.asarray(_interp(self.single_ms, axes), dtype=np.float64)
+        axes = [place_on_grid(self.lens, seq_len), place_on_grid(self.batches, batch)]
+        return np.asarray(interp_grid(self.single_ms, axes), dtype=np.float64)
 
     def batched_v(self, seq_len: np.ndarray, n: np.ndarray, batch: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`batched`. All arguments broadcastable, >= 1. Returns float64 ms."""
         seq_len, n, batch = np.broadcast_arrays(
             _as_counts("seq_len", seq_len), _as_counts("n", n), _as_counts("batch", batch)
         )
-        axes = [_axis(self.lens, seq_len), _axis(self.ns, n), _axis(self.batches, batch)]
-        return np.asarray(_interp(self.batched_ms, axes), dtype=np.float64)
+        axes = [place_on_grid(self.lens, seq_len), place_on_grid(self.ns, n),
+                place_on_grid(self.batches, batch)]
+        return np.asarray(interp_grid(self.batched_ms, axes), dtype=np.float64)
 
     def single_table(self, max_len: int, max_batch: int) -> np.ndarray:
         """Dense read-only ``T`` with ``T[len, batch] == single(len, batch)``, row/column 0 zero.
@@ -456,7 +458,7 @@ class CostModel:
                             )
                             bar.update()
         return cls(shape, lens, batches, ns, single, batched, device=str(dev),
-                   dtype=_dtype_name(dtype), device_name=_device_name(dev), quick=quick)
+                   dtype=_dtype_name(dtype), device_name=timing_device_name(dev), quick=quick)
 
     @classmethod
     def analytic(
@@ -546,7 +548,7 @@ class CostModel:
         if cache_dir is None:
             root = os.environ.get("ITIF_CACHE_DIR") or Path.home() / ".cache" / "itif"
             cache_dir = Path(root) / "costmodel"
-        key = {"device_name": _device_name(dev), "shape": asdict(shape),
+        key = {"device_name": timing_device_name(dev), "shape": asdict(shape),
                "dtype": _dtype_name(dtype), "quick": quick}
         stem = (f"{key['device_name']}-h{shape.hidden}-i{shape.intermediate}-a{shape.heads}"
                 f"-{key['dtype']}-{'quick' if quick else 'full'}")

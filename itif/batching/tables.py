@@ -6,33 +6,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from itif.batching.costmodel import _axis, _interp
+from itif.batching.costmodel import interp_grid, place_on_grid
 
 
-def _lin1(grid: np.ndarray, table: np.ndarray, x: float) -> float:
+def lin1(grid: np.ndarray, table: np.ndarray, x: float) -> float:
     """Piecewise linear in raw x, clamped below, proportional above the grid."""
-    ax = _axis(grid, np.asarray([x], np.float64))
-    return float(_interp(np.asarray(table), [ax])[0])
+    ax = place_on_grid(grid, np.asarray([x], np.float64))
+    return float(interp_grid(np.asarray(table), [ax])[0])
 
 
-def _lin2(g0: np.ndarray, g1: np.ndarray, table: np.ndarray, x0: float, x1: float) -> float:
-    axes = [_axis(g0, np.asarray([x0], np.float64)), _axis(g1, np.asarray([x1], np.float64))]
-    return float(_interp(np.asarray(table), axes)[0])
+def lin2(g0: np.ndarray, g1: np.ndarray, table: np.ndarray, x0: float, x1: float) -> float:
+    axes = [place_on_grid(g0, np.asarray([x0], np.float64)),
+            place_on_grid(g1, np.asarray([x1], np.float64))]
+    return float(interp_grid(np.asarray(table), axes)[0])
 
 
-def _segs2(g0: np.ndarray, g1: np.ndarray, table: np.ndarray, segs: float, rows: float) -> float:
-    """Like ``_lin2`` over (segments, rows), but linear (not proportional) beyond the last
+def segs2(g0: np.ndarray, g1: np.ndarray, table: np.ndarray, segs: float, rows: float) -> float:
+    """Like ``lin2`` over (segments, rows), but linear (not proportional) beyond the last
     segment count: more segments over the same rows add per-segment work, not more rows."""
     top = float(g0[-1])
     if segs <= top:
-        return _lin2(g0, g1, table, segs, rows)
-    a, b = (_lin1(g1, np.asarray(table)[i], rows) for i in (-2, -1))
+        return lin2(g0, g1, table, segs, rows)
+    a, b = (lin1(g1, np.asarray(table)[i], rows) for i in (-2, -1))
     return b + (b - a) * (segs - top) / (top - float(g0[-2]))
 
 
-def _elementwise_min(a, b):
+def elementwise_min(a, b):
     if isinstance(a, dict):
-        return {k: _elementwise_min(a[k], b[k]) for k in a}
+        return {k: elementwise_min(a[k], b[k]) for k in a}
     return np.minimum(np.asarray(a, np.float64), np.asarray(b, np.float64)).tolist()
 
 
@@ -46,7 +47,7 @@ def _suffix_min(table, axes=None) -> list:
     return a.tolist()
 
 
-def _repair(t: dict) -> dict:
+def repair(t: dict) -> dict:
     out = dict(t)
     for name in ("mm", "bmm", "grouped", "loop", "kernel", "mem", "emb"):
         if name in t:
@@ -56,7 +57,7 @@ def _repair(t: dict) -> dict:
     return out
 
 
-def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients (tiny problems: active-set by enumeration)."""
     best, best_err = np.zeros(X.shape[1]), float(np.sum(y ** 2))
     for mask in range(1, 1 << X.shape[1]):

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from itif.batching.layout import Layout
-from itif.batching.tables import _elementwise_min, _lin1, _lin2, _nnls, _repair, _segs2
+from itif.batching.tables import elementwise_min, lin1, lin2, nnls, repair, segs2
 from itif.calibration.batchmeasure import (  # clock, measure_forward: re-exported
     clock,
     measure_forward,
@@ -132,7 +132,7 @@ def structure_of_layout(layout: Layout, layers: int,
                         slot_table: np.ndarray | None = None) -> Structure:
     """From a Layout alone, assuming every batch tenant has its own weights at slot ``i``
     (``slot_table[i]``, default ``i``): full fine-tunes, as ``itif plan`` and the tests use."""
-    from itif.runtime.batch import Packer, _attention  # noqa: PLC0415 - host-only helper
+    from itif.runtime.batch import Packer, attention_groups  # noqa: PLC0415 - host-only helper
 
     order = layout.row_order
     row_tenant = np.repeat(layout.tenant[order], layout.padded_len[order]).astype(np.int64)
@@ -144,7 +144,7 @@ def structure_of_layout(layout: Layout, layers: int,
     d = {k: plan for k in KINDS}
     d["bias"] = plan
     return Structure(rows=layout.total_rows, n=layout.num_requests, layer_plans=[d] * layers,
-                     emb_plan=plan, attn=_attention(layout, Packer()), pooler=pooler,
+                     emb_plan=plan, attn=attention_groups(layout, Packer()), pooler=pooler,
                      head_groups=1)
 
 
@@ -168,7 +168,7 @@ class BatchCostModel:
 
     def __init__(self, meta: dict, tables: dict, alpha: float = 0.3) -> None:
         self.meta = meta
-        self.t = _repair(tables)
+        self.t = repair(tables)
         self.grids = {k: np.asarray(v, np.int64) for k, v in meta["grids"].items()}
         self.alpha = alpha
         # A loop segment costs its mm plus slicing x, out and the weight: the median extra per
@@ -176,7 +176,7 @@ class BatchCostModel:
         g = self.grids
         self._loop_extra = {}
         for kind, tab in self.t.get("loop", {}).items():
-            extra = [(tab[i][j] - n * _lin1(g["mm_rows"], self.t["mm"][kind], r / n)) / n
+            extra = [(tab[i][j] - n * lin1(g["mm_rows"], self.t["mm"][kind], r / n)) / n
                      for i, n in enumerate(g["grp_segs"].tolist())
                      for j, r in enumerate(g["grp_rows"].tolist()) if r >= n]
             self._loop_extra[kind] = max(0.0, float(np.median(extra))) if extra else 0.0
@@ -196,17 +196,17 @@ class BatchCostModel:
         if self._on_kernel(plan):  # one call, whatever the backend: per segment and chunk
             n = len(plan.segs)
             q = cpu_gemm.chunks(plan.segs.start, plan.segs.end) / n
-            return _lin2(g["kern_segs"], g["kern_q"], self.t["kernel"][kind], n, q)
+            return lin2(g["kern_segs"], g["kern_q"], self.t["kernel"][kind], n, q)
         if plan.backend == "mm":
-            return _lin1(g["mm_rows"], self.t["mm"][kind], plan.rows)
+            return lin1(g["mm_rows"], self.t["mm"][kind], plan.rows)
         if plan.backend == "loop":  # one torch.mm per segment, each on slices of x and out
             mm = self.t["mm"][kind]
-            return sum(_lin1(g["mm_rows"], mm, e - s) + self._loop_extra[kind]
+            return sum(lin1(g["mm_rows"], mm, e - s) + self._loop_extra[kind]
                        for s, e in zip(plan.segs.start, plan.segs.end))
         if plan.backend == "bmm":
-            return _segs2(g["grp_segs"], g["grp_rows"], self.t["bmm"][kind], plan.n, plan.rows)
+            return segs2(g["grp_segs"], g["grp_rows"], self.t["bmm"][kind], plan.n, plan.rows)
         groups = plan.hi - plan.lo + 1
-        return _segs2(g["grp_segs"], g["grp_rows"], self.t["grouped"][kind], groups, plan.rows)
+        return segs2(g["grp_segs"], g["grp_rows"], self.t["grouped"][kind], groups, plan.rows)
 
     def attn_ms(self, a) -> float:
         variant = "gather" if a.gather else ("view_masked" if a.masked else "view")
@@ -214,13 +214,13 @@ class BatchCostModel:
         lens, table = g["att_lens"], self.t["attn"][variant]
         top = float(lens[-1])
         if a.L <= top:
-            return _lin2(lens, g["att_ns"], table, a.L, a.n)
+            return lin2(lens, g["att_ns"], table, a.L, a.n)
         # Beyond the grid: fit c1*L + c2*L^2 (row-wise work plus the score matrix) through the
         # last two grid lengths, so growth stays between linear and quadratic; proportional
         # extrapolation priced a doubled length at 2x where it measured 3.8-3.9x.
         l0 = float(lens[-2])
-        t0 = _lin2(lens, g["att_ns"], table, l0, a.n)
-        t1 = _lin2(lens, g["att_ns"], table, top, a.n)
+        t0 = lin2(lens, g["att_ns"], table, l0, a.n)
+        t1 = lin2(lens, g["att_ns"], table, top, a.n)
         c2 = max(0.0, (t1 / top - t0 / l0) / (top - l0))
         c1 = max(0.0, t1 / top - c2 * top)
         fit = c1 * a.L + c2 * a.L * a.L
@@ -230,8 +230,8 @@ class BatchCostModel:
         mode, segs = _mode(plan)
         grid = self.grids["mem_rows"]
         if mode != "seg":
-            return _lin1(grid, self.t[table][mode], rows)
-        s2, s4 = (_lin1(grid, self.t[table][m], rows) for m in ("seg2", "seg4"))
+            return lin1(grid, self.t[table][mode], rows)
+        s2, s4 = (lin1(grid, self.t[table][m], rows) for m in ("seg2", "seg4"))
         return s2 + (s4 - s2) * (segs - 2) / 2
 
     def components(self, s: Structure) -> dict[str, float]:
@@ -314,11 +314,11 @@ class BatchCostModel:
     @classmethod
     def cached(cls, engine, cache_dir=None, **kw) -> "BatchCostModel":
         """Load the calibration for ``engine``'s backbone shape and device, or profile it."""
-        from itif.batching.costmodel import _device_name  # noqa: PLC0415
+        from itif.batching.costmodel import timing_device_name  # noqa: PLC0415
 
         spec = engine.spec
         dev = torch.device(engine.device)
-        key = (f"batch-{_device_name(dev)}-{spec.family}-h{spec.hidden}-i{spec.intermediate}"
+        key = (f"batch-{timing_device_name(dev)}-{spec.family}-h{spec.hidden}-i{spec.intermediate}"
                f"-a{spec.heads}-l{spec.layers}-v{spec.vocab_size}-{engine.dtype}"
                + ("-cpukernel" if cpu_gemm.applies(cpu_gemm.CHUNK, dev, engine.dtype) else "")
                + ("-hostmalloc" if dev.type == "cpu" and host_malloc() == "tuned" else ""))
@@ -467,7 +467,7 @@ class BatchCostModel:
         t = one_pass()
         for _ in range(passes - 1):  # elementwise best of the passes
             again = one_pass()
-            t = _elementwise_min(t, again)
+            t = elementwise_min(t, again)
         meta = {"backbone": spec.name, "layers": spec.layers, "device": str(dev),
                 "dtype": str(dtype).removeprefix("torch."),
                 "grids": {"mm_rows": list(_MM_ROWS), "grp_rows": list(_GRP_ROWS),
@@ -477,10 +477,10 @@ class BatchCostModel:
         t["overhead"] = [0.0] * 5
         model = cls(meta, t)
         if fit_overhead:
-            model.t["overhead"] = model._fit_overhead(spec, dev, dtype, seed)
+            model.t["overhead"] = model.measure_overhead(spec, dev, dtype, seed)
         return model
 
-    def _fit_overhead(self, spec, dev, dtype, seed: int) -> list[float]:
+    def measure_overhead(self, spec, dev, dtype, seed: int) -> list[float]:
         """What the parts leave out (host work around the forward, per-forward glue, cache
         misses between ops): :func:`_overhead_features` times ms each, least squares
         (non-negative) of
@@ -539,10 +539,10 @@ def _overhead_coefficients(X, y, w) -> list[float]:
     :func:`_overhead_features`), weighted by ``w``; the launch terms at most
     :data:`_LAUNCH_CAP_MS`, the other terms refitted around capped ones."""
     X, y, W = np.asarray(X, float), np.asarray(y, float), np.asarray(w, float)[:, None]
-    coef = _nnls(X * W, y * W[:, 0])
+    coef = nnls(X * W, y * W[:, 0])
     if max(coef[3:]) > _LAUNCH_CAP_MS:
         launch = np.minimum(coef[3:], _LAUNCH_CAP_MS)
-        coef = np.concatenate([_nnls(X[:, :3] * W, (y - X[:, 3:] @ launch) * W[:, 0]), launch])
+        coef = np.concatenate([nnls(X[:, :3] * W, (y - X[:, 3:] @ launch) * W[:, 0]), launch])
     return [float(c) for c in coef]
 
 

@@ -247,7 +247,7 @@ def slot_tables(spec: BackboneSpec, view: StoreView, tenants: tuple[str, ...]) -
     )
 
 
-def _attention(layout: Layout, pk: Packer) -> list[AttnSpec]:
+def attention_groups(layout: Layout, pk: Packer) -> list[AttnSpec]:
     """Dense mini-batches become view groups (neighbours of equal padded length merge into one
     call); packed requests are bucketed by length (each bucket padded to < 1.25x its shortest
     request); a bucket whose requests have one length and sit back to back is a view group too,
@@ -308,12 +308,12 @@ def _attention(layout: Layout, pk: Packer) -> list[AttnSpec]:
 
 
 def _varlen(layout: Layout, T: int, pk: Packer) -> int:
-    """The same attention as the groups of ``_attention``, as boundaries of sequences that tile
-    rows ``[0, T)`` (packed as "varlen.cu"): every request's real rows are one sequence, and
-    each run of padding rows (or rows of no request) is a sequence of its own, so no real key is
-    ever shared across requests and no padding key is seen by a real query. Lets a device that
-    has a variable-length attention kernel run one call per layer however many length buckets
-    the batch has (``itif.ops.cuda.attention``). Returns the longest sequence."""
+    """The same attention as the groups of :func:`attention_groups`, as boundaries of sequences
+    that tile rows ``[0, T)`` (packed as "varlen.cu"): every request's real rows are one
+    sequence, and each run of padding rows (or rows of no request) is a sequence of its own, so
+    no real key is ever shared across requests and no padding key is seen by a real query. Lets
+    a device that has a variable-length attention kernel run one call per layer however many
+    length buckets the batch has (``itif.ops.cuda.attention``). Returns the longest sequence."""
     start = layout.offset.astype(np.int64)
     cuts = np.unique(np.concatenate([[0, T], start, start + layout.length,
                                      start + layout.padded_len]))
@@ -398,7 +398,7 @@ def prepare(
         if tile_cap:
             tile_rows[k] = triton_gemm.block_rows(plan.max_rows, tile_cap)
             pk.add(f"tiles{k}", triton_gemm.tile_table(plan.segs, tile_rows[k]))
-    attn = _attention(layout, pk)
+    attn = attention_groups(layout, pk)
     varlen_L = _varlen(layout, T, pk) if len(attn) > 1 else 0
     lora = plan_lora(tables.lora, row_tenant, pk, device, dtype) if tables.lora else {}
 
