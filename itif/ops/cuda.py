@@ -1,11 +1,14 @@
 """CUDA RawKernel backend of the memory-bound ops: ``kernels/*.cu`` built through CuPy.
 
-Each wrapper here has exactly the signature of its torch reference in ``itif.ops.reference``,
-where the op's contract (shapes, in-place behaviour, semantics) is written once; the wrappers'
-docstrings only add what is specific to the kernels. A wrapper validates its arguments (a
-RawKernel checks nothing; ``itif.ops.validate``, by default once per argument signature), picks
-a launch configuration (``itif.ops.launch``, memoised per kernel, rows and width) and launches
-on torch's current stream through the loader (``itif.ops.cuda_loader``).
+Each wrapper here is the CUDA forward of one op class of ``itif.ops.dispatch``, whose
+docstring is the op's contract (semantics, shapes, dtypes, in-place behaviour), said there
+once; it takes exactly the parameters of the op's torch reference (``itif.ops.reference``;
+``tests/test_op_contracts.py`` holds that), and its docstring only adds what is specific to the
+kernels. A wrapper validates its arguments (a RawKernel checks nothing; ``itif.ops.validate``,
+by default once per argument signature), picks a launch configuration (``itif.ops.launch``,
+memoised per kernel, rows and width) and launches on torch's current stream through the loader
+(``itif.ops.cuda_loader``). ``masked_softmax``, a step of the attention path with no op class
+of its own, carries its contract here.
 
 The pieces live in their own modules; every public name is re-exported here, so
 ``from itif.ops import cuda; cuda.X`` keeps working:
@@ -33,7 +36,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from itif.ops import launch as _launch
 from itif.ops import reference
 from itif.ops import validate as _validate
 from itif.ops.cuda_loader import (
@@ -104,7 +106,7 @@ def _elementwise(x: torch.Tensor, bias: RotParam, residual: torch.Tensor | None,
     if rows == 0 or n == 0:
         return
     mod = module_for(x.device, x.dtype)
-    pol = _launch._policy
+    pol = get_policy()
     buf = bias.buf
     px, pb, pr = x.data_ptr(), buf.data_ptr(), _ptr(residual)
     v = _vec_width(x.dtype)
@@ -120,18 +122,18 @@ def _elementwise(x: torch.Tensor, bias: RotParam, residual: torch.Tensor | None,
 
 
 # ---------------------------------------------------------------------------------------------
-# the ops: the contracts are those of itif.ops.reference
+# the ops: the contracts are the docstrings of itif.ops.dispatch's op classes
 
 
 def bias_act(x: torch.Tensor, bias: RotParam, act: str = "none") -> torch.Tensor:
-    """Kernel of :func:`itif.ops.reference.bias_act` (in place on ``x``)."""
+    """Kernel of ``dispatch.BiasAct``: one launch, rows or flat (``LaunchPolicy``)."""
     _check(validate_bias_act, _validate.sig_bias_act, x, bias, act)
     _elementwise(x, bias, None, ACT_CODES[act])
     return x
 
 
 def bias_residual(x: torch.Tensor, bias: RotParam, residual: torch.Tensor) -> torch.Tensor:
-    """Kernel of :func:`itif.ops.reference.bias_residual` (in place on ``x``)."""
+    """Kernel of ``dispatch.BiasResidual``: ``bias_act``'s kernel with a residual."""
     _check(validate_bias_residual, _validate.sig_bias_residual, x, bias, residual)
     _elementwise(x, bias, residual, ACT_CODES["none"])
     return x
@@ -146,11 +148,9 @@ def bias_residual_layernorm(
     eps: float,
     keep_sum: bool = False,
 ) -> torch.Tensor:
-    """Kernel of :func:`itif.ops.reference.bias_residual_layernorm`.
-
-    Block per row (Eq. 4.3-4.4) or warp per row (``LaunchPolicy.layernorm``); the pre-norm sum
-    is cached in shared memory when a row fits the default 48 KiB.
-    """
+    """Kernel of ``dispatch.BiasResidualLayerNorm``. Block per row (Eq. 4.3-4.4) or warp per
+    row (``LaunchPolicy.layernorm``); the pre-norm sum is cached in shared memory when a row
+    fits the default 48 KiB."""
     _check(validate_bias_residual_layernorm, _validate.sig_bias_residual_layernorm,
            x, bias, residual, gamma, beta, eps, keep_sum)
     rows, h = x.shape
@@ -158,7 +158,7 @@ def bias_residual_layernorm(
     if rows == 0 or h == 0:
         return y
     mod = module_for(x.device, x.dtype)
-    pol = _launch._policy
+    pol = get_policy()
     px, pr, py = x.data_ptr(), _ptr(residual), y.data_ptr()
     pb = None if bias is None else bias.buf.data_ptr()
     pg, pbe = gamma.buf.data_ptr(), beta.buf.data_ptr()
@@ -192,11 +192,9 @@ def embed_text(
     word: RotParam, pos: RotParam, type_: RotParam,
     ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor,
 ) -> torch.Tensor:
-    """Kernel of :func:`itif.ops.reference.embed_text`.
-
-    A row whose slot or index is out of range comes out NaN (no out-of-bounds read); token ids
-    are validated against the vocabulary upstream (InvalidRequest), not here: that needs a sync.
-    """
+    """Kernel of ``dispatch.EmbedText``. A row whose slot or index is out of range comes out
+    NaN (no out-of-bounds read); token ids are validated against the vocabulary upstream
+    (InvalidRequest), not here: that needs a sync."""
     _check(validate_embed_text, _validate.sig_embed_text, word, pos, type_, ids, positions, types)
     wbuf = word.buf
     rows, e = ids.shape[0], wbuf.shape[2]
@@ -204,7 +202,7 @@ def embed_text(
     if rows == 0 or e == 0:
         return out
     mod = module_for(wbuf.device, wbuf.dtype)
-    pol = _launch._policy
+    pol = get_policy()
     pbuf, tbuf = pos.buf, type_.buf
     po, pw, pp, pt = out.data_ptr(), wbuf.data_ptr(), pbuf.data_ptr(), tbuf.data_ptr()
     v = _vec_width(wbuf.dtype)
@@ -232,13 +230,24 @@ def masked_softmax(
     key_mask: torch.Tensor | None = None,
     scale: float = 1.0,
 ) -> torch.Tensor:
-    """In place: each row of ``scores`` [n * rows_per_seq, L] becomes softmax(scale * row) over
-    its sequence's live keys (j < lengths[b] and key_mask[b, j]); dead keys get 0, and a row
-    with no live key is all zeros. b = row // rows_per_seq. lengths: [n] int64 or None (all L);
-    key_mask: bool with n * L elements ([n, L] or [n, 1, 1, L]) or None.
+    """Softmax over each row's live keys, in place: a step of the CUDA attention path with no
+    op class of its own (no torch reference; the GPU tests and ``itif.ops.selftest``'s
+    ``softmax_oracle`` hold its oracle).
 
-    (No torch reference in ``itif.ops.reference``: it is an internal step of the CUDA attention
-    path, not an op of its own; the GPU tests and ``itif.ops.selftest`` hold its oracle.)
+    Semantics:
+        b = r // rows_per_seq;  live(r, j) = j < lengths[b] and key_mask[b, j]
+        scores[r, j] = exp(scale scores[r, j]) / sum_{k live} exp(scale scores[r, k])  (j live)
+        scores[r, j] = 0                                                    (j dead)
+
+    A row with no live key is all zeros. Returns scores.
+
+    Args:
+        scores: Shape: [n * rows_per_seq, L]. DType: float. Written in place and returned.
+        rows_per_seq: Type: int, rows of one sequence (heads x queries).
+        lengths: Shape: [n], or None (every key live). DType: int64. Read only.
+        key_mask: Shape: n * L elements ([n, L] or [n, 1, 1, L]), or None. DType: bool.
+            Read only.
+        scale: Type: float, applied before the exponent.
     """
     _check(validate_masked_softmax, _validate.sig_masked_softmax,
            scores, rows_per_seq, lengths, key_mask, scale)
@@ -246,7 +255,7 @@ def masked_softmax(
     if rows == 0 or L == 0:
         return scores
     mod = module_for(scores.device, scores.dtype)
-    warps = _launch._policy.warps_per_block
+    warps = get_policy().warps_per_block
     grid, block = cached_config(mod, "masked_softmax", "warp", rows, 0, 0, warps)
     mod.launch("masked_softmax", grid, block, (
         scores.data_ptr(), _ptr(lengths), _ptr(key_mask), np.int64(rows), np.int32(L),
@@ -290,14 +299,14 @@ log = logging.getLogger("itif.ops")
 _varlen_failed: set = set()  # (device index, dtype) where the variable-length kernel raised
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _varlen_kernel(index: int):
     """torch's variable-length (flash) attention where this device runs it (sm80 or newer),
     else None."""
     if torch.cuda.get_device_capability(index)[0] < 8:
         return None
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     return varlen_attn
@@ -332,7 +341,7 @@ def attention(
     qkv: torch.Tensor, groups: list[AttnGroup], heads: int, out: torch.Tensor | None = None,
     varlen: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """CUDA path of :func:`itif.ops.reference.attention`.
+    """CUDA forward of ``dispatch.Attention``.
 
     A batch of several length groups that comes with ``varlen`` (its sequences as boundaries
     that tile the rows, ``PreparedBatch.varlen_L``) runs as one call of torch's variable-length
@@ -350,7 +359,7 @@ def attention(
     the separate mask-add and softmax passes over the [n, heads, L, L] scores.
     ``launch_policy(attention="sdpa" | "softmax_bmm")`` forces one path for measurement.
     """
-    mode = _launch._policy.attention
+    mode = get_policy().attention
     one_call = varlen is not None and mode == "auto"
     # groups are only checked (and so only built, see forward._LazyGroups) if they are run
     _check(validate_attention, _validate.sig_attention, qkv, () if one_call else groups, heads,
