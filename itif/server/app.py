@@ -25,11 +25,12 @@ from itif.config import Config, ConfigWatcher, load_config
 from itif.daemon import Daemon
 from itif.errors import InvalidConfig
 from itif.metrics import Metrics
-from itif.server.call_metrics import MetricsInterceptor
 from itif.platform import resolve_device, tune_gc, tune_host_malloc
-from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server import kserve
+from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server.admission import Admission
+from itif.server.call_metrics import MetricsInterceptor
+from itif.server.column_door import ColumnDoor
 from itif.server.ingress import STREAM_LIMIT_OPTIONS, grpc_connection_cap
 from itif.server.ingress_host import FrameServer, IngressPool, Recorder
 from itif.server.service import SERVICE, HealthService, ItifService
@@ -119,6 +120,8 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
         http = await _start_http(daemon, cfg, health, admission)  # one admission for both
         log.info("listening on %s%s", listen, " (TLS)" if creds else "")
         await asyncio.to_thread(daemon.start)
+        if ingress is not None:
+            ingress.bind(daemon)
     except BaseException:
         await _close_started(server, ingress, http, metrics)
         raise
@@ -157,19 +160,46 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
 
 
 class _Ingress:
-    """The ingress processes and the daemon's ends of their sockets (``itif.server.ingress``)."""
+    """The ingress processes and the daemon's ends of their sockets (``itif.server.ingress``)
+    and rings (``itif.server.column_door``)."""
 
-    def __init__(self, frames: FrameServer, pool: IngressPool, sockets: str) -> None:
-        self.frames, self.pool, self.sockets = frames, pool, sockets
+    #: how often the tenant snapshot is compared with the last one sent (sent when it changed)
+    SNAPSHOT_S = 0.2
+
+    def __init__(self, frames: FrameServer, pool: IngressPool, sockets: str,
+                 door: ColumnDoor) -> None:
+        self.frames, self.pool, self.sockets, self.door = frames, pool, sockets, door
+        self._publisher: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.pool.start()
         log.info("%d ingress processes serve the port (pids %s)", self.pool.count,
                  self.pool.pids())
 
+    def bind(self, daemon: Daemon) -> None:
+        """Once the daemon has started: Infer calls of token ids come by columns."""
+        if self.door.bind(daemon):
+            self._publisher = asyncio.create_task(self._publish())
+
+    async def _publish(self) -> None:
+        last = None
+        while True:
+            try:
+                snap = self.door.snapshot()
+                if snap != last:
+                    self.frames.publish(snap)
+                    last = snap
+            except Exception:  # noqa: BLE001 - a missed snapshot only sends calls by frame
+                log.exception("the column path's tenant snapshot failed")
+            await asyncio.sleep(self.SNAPSHOT_S)
+
     async def stop(self, grace_s: float) -> None:
+        if self._publisher is not None:
+            self._publisher.cancel()
+        self.frames.publish(None)  # every call by frame from here
         await self.pool.stop(grace_s)
         await self.frames.close()
+        self.door.close()
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
@@ -196,7 +226,9 @@ async def _start_ingress(cfg: Config, server, reg: Recorder, interceptors) -> _I
                 tls=None if tls is None else dict(
                     cert=str(tls.cert), key=str(tls.key),
                     client_ca=str(tls.client_ca) if tls.client_ca else None))
-    return _Ingress(frames, IngressPool(cfg.server.ingress_processes, spec), sockets)
+    door = ColumnDoor(cfg.server.ingress_processes)
+    return _Ingress(frames, IngressPool(cfg.server.ingress_processes, spec, door), sockets,
+                    door)
 
 
 def _port_free(host: str, port: int) -> None:

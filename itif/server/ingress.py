@@ -51,6 +51,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from tritonclient.grpc import service_pb2 as kserve_pb2
 
 from itif.server._proto.itif.v1 import itif_pb2
+from itif.server.ingress_columns import ColumnClient, Refused
 
 log = logging.getLogger("itif.server.ingress")
 
@@ -60,6 +61,8 @@ HOT = frozenset({"/itif.v1.Itif/Infer", "/itif.v1.Itif/InferBatch",
 #: Second item of an ingress-to-daemon ``(id, DONE)`` frame: that call's caller is done with it
 #: (its answer sent, or the call cancelled). ``(id,)`` cancels; six items are a call.
 DONE = "done"
+#: The id of a daemon-to-ingress frame that answers no call: a notice (the tenant snapshot)
+NOTICE = 0
 #: Metadata an ingress process adds to each call it relays to the daemon's gRPC server on the
 #: private unix socket: its caller's own peer, so admission keeps one reply budget per client
 #: connection (``itif.server.admission.caller_peer``). A caller's own value is never passed on.
@@ -145,6 +148,9 @@ class EngineLink:
         self._reader, self._writer = reader, FrameWriter(writer)
         self._waiting: dict[int, asyncio.Future] = {}
         self._next = 0
+        #: called with the body of each notice the daemon sends (id 0: the column path's
+        #: tenant snapshot, ``itif.server.column_door``)
+        self.on_notice = None
         self.closed = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._read())
 
@@ -157,6 +163,10 @@ class EngineLink:
         try:
             while True:
                 rid, code, details, body, trailers = await read_frame(self._reader)
+                if rid == NOTICE:
+                    if self.on_notice is not None:
+                        self.on_notice(body)
+                    continue
                 fut = self._waiting.pop(rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result((code, details, body, trailers))
@@ -205,8 +215,9 @@ class Router(grpc.GenericRpcHandler):
     """Every method of the daemon's gRPC server: HOT ones by frame, the others relayed."""
 
     def __init__(self, link: EngineLink, channel: grpc.aio.Channel,
-                 sync_channel: grpc.Channel) -> None:
+                 sync_channel: grpc.Channel, columns=None) -> None:
         self.link = link
+        self.columns = columns  # itif.server.ingress_columns.ColumnClient, or None
         self.channel = channel
         self.sync_channel = sync_channel
         self.kinds = method_kinds()
@@ -226,6 +237,14 @@ class Router(grpc.GenericRpcHandler):
         link = self.link
 
         async def call(request: bytes, context) -> bytes:
+            cols = self.columns
+            p = None if cols is None else cols.prepare(method, request,
+                                                       context.invocation_metadata())
+            if p is not None:
+                try:
+                    return await cols.call(p, context.time_remaining())
+                except Refused as r:
+                    await context.abort(r.code, r.details, r.trailers)
             try:
                 code, details, body, trailers = await link.call(
                     method, passed_metadata(context), context.time_remaining(),
@@ -434,7 +453,11 @@ async def serve(spec: dict) -> int:
         *STREAM_LIMIT_OPTIONS,
         ("grpc.max_allowed_incoming_connections", grpc_connection_cap()),
     ], maximum_concurrent_rpcs=None)
-    server.add_generic_rpc_handlers((Router(link, channel, sync_channel),))
+    columns = None
+    if spec.get("columns"):
+        columns = ColumnClient(spec["columns"], limit)
+        link.on_notice = lambda snap: setattr(columns, "snapshot", snap)
+    server.add_generic_rpc_handlers((Router(link, channel, sync_channel, columns),))
     tls = spec.get("tls")
     if tls:
         ca = tls.get("client_ca")
@@ -460,6 +483,8 @@ async def serve(spec: dict) -> int:
     await server.stop(0 if gone else spec.get("grace_s", 10.0))
     await channel.close()
     sync_channel.close()
+    if columns is not None:
+        columns.close()
     return 3 if gone else 0
 
 

@@ -23,7 +23,7 @@ from collections import namedtuple
 
 import grpc
 
-from itif.server.ingress import HOT, FrameTooLarge, FrameWriter, read_frame
+from itif.server.ingress import HOT, NOTICE, FrameTooLarge, FrameWriter, read_frame
 
 log = logging.getLogger("itif.server.ingress")
 
@@ -112,6 +112,8 @@ class FrameServer:
     def __init__(self, interceptors, generic) -> None:
         self.generic = list(generic)
         self._server: asyncio.AbstractServer | None = None
+        self._links: set[FrameWriter] = set()  # every ingress process's connection
+        self._notice = None  # the last notice published (a new connection gets it first)
         chain = self._servicer
         for icpt in reversed(list(interceptors)):  # the first interceptor outermost, as gRPC
             chain = (lambda i, nxt: lambda d: i.intercept_service(nxt, d))(icpt, chain)
@@ -124,6 +126,13 @@ class FrameServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+    def publish(self, notice) -> None:
+        """Send ``notice`` (picklable: the column path's tenant snapshot) to every ingress
+        process now, and to each that connects later."""
+        self._notice = notice
+        for out in self._links:
+            out.write((NOTICE, 0, "", notice, ()))
 
     async def _servicer(self, details) -> grpc.RpcMethodHandler | None:
         for g in self.generic:
@@ -142,6 +151,9 @@ class FrameServer:
         running: dict[int, asyncio.Task] = {}  # this connection's calls by id
         answered = _Answered()
         out = FrameWriter(writer)
+        self._links.add(out)
+        if self._notice is not None:
+            out.write((NOTICE, 0, "", self._notice, ()))
         try:
             while True:
                 frame = await read_frame(reader)
@@ -160,6 +172,7 @@ class FrameServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the ingress process went away: so did its callers
         finally:
+            self._links.discard(out)
             for task in running.values():
                 task.cancel()
             answered.close()
@@ -247,20 +260,26 @@ class IngressPool:
 
     RESTART_DELAY_S = 1.0
 
-    def __init__(self, count: int, spec: dict) -> None:
+    def __init__(self, count: int, spec: dict, columns=None) -> None:
         self.count = count
         self.spec = spec
+        self.columns = columns  # itif.server.column_door.ColumnDoor: one ring pair a process
         self.procs: list[subprocess.Popen | None] = [None] * count
         self._stopping = False
         self._watch: asyncio.Task | None = None
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self, i: int) -> subprocess.Popen:
+        """Process ``i``; a restarted one takes over the rings of the one it replaces (the
+        daemon drops results for calls it no longer knows)."""
+        spec, fds = self.spec, ()
+        if self.columns is not None:
+            spec, fds = dict(spec, columns=self.columns.spec(i)), self.columns.fds(i)
         return subprocess.Popen(
-            [sys.executable, "-m", "itif.server.ingress", "--spec", json.dumps(self.spec)],
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            [sys.executable, "-m", "itif.server.ingress", "--spec", json.dumps(spec)],
+            env=dict(os.environ, PYTHONUNBUFFERED="1"), pass_fds=fds)
 
     async def start(self) -> None:
-        self.procs = [self._spawn() for _ in range(self.count)]
+        self.procs = [self._spawn(i) for i in range(self.count)]
         self._watch = asyncio.create_task(self._supervise())
 
     async def _supervise(self) -> None:
@@ -272,7 +291,7 @@ class IngressPool:
                 if p is not None and p.poll() is not None:
                     log.warning("ingress process %d (pid %d) exited with %s; starting another",
                                 i, p.pid, p.returncode)
-                    self.procs[i] = self._spawn()
+                    self.procs[i] = self._spawn(i)
 
     async def stop(self, grace_s: float) -> None:
         """SIGTERM to every process (each finishes its calls within ``grace_s``), then wait."""

@@ -1,0 +1,301 @@
+"""The daemon's end of the column path: the ingress processes' Infer calls, in bulk.
+
+With ingress processes (``server.ingress_processes``), an Infer or InferBatch call of token ids
+never becomes a Python object in the daemon. The ingress process that received it checks it
+(auth, the tenant, lengths, ids: ``itif.server.ingress_columns``) and writes it, with the other
+calls of the same turn of its event loop, as one :class:`~itif.hostpath.Arrivals` into its ring;
+the daemon answers with one :class:`~itif.hostpath.Results` a batch::
+
+    ingress k  --Arrivals ring k-->  ColumnDoor.decide: push into the ColumnQueue (numpy)
+                                     ColumnDoor.run:    take, Engine.infer_columns, Results
+    ingress k  <--Results ring k---  (rows split by the ingress process that sent them)
+
+A call's id carries its ingress process (the top bits, :data:`FRONTEND_SHIFT`), so results go
+back to the ring they came from. What does not fit the path (text, token types, explicit
+outputs, a tenant the ingress process has no ready entry for, any call that would fail a check)
+goes by frame to the daemon's own servicer, as before, and gets its exact answer there.
+
+Threads: ``decide`` and ``run`` run on the scheduler's loop thread (``Scheduler.attach_columns``):
+the engine keeps one caller, and the column batches and the ticket batches take turns. One
+watcher thread waits on every arrival ring's wake-up pipe and wakes the scheduler; the event
+loop publishes the tenant table to the ingress processes (:meth:`ColumnDoor.snapshot`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+
+import numpy as np
+
+from itif.errors import clip
+from itif.hostpath.colqueue import ColumnQueue
+from itif.hostpath.columns import STATUS, Arrivals, Results, status_code
+from itif.hostpath.ring import Ring
+from itif.scheduler.tickets import TenantQuota
+from itif.server.ingress_columns import FRONTEND_SHIFT
+
+log = logging.getLogger("itif.server.columns")
+
+__all__ = ["FRONTEND_SHIFT", "ColumnDoor"]
+
+_MESSAGES = {
+    "NOT_FOUND": "tenant not found",
+    "INVALID_ARGUMENT": "a row's length is outside the tenant's max_seq_len or the backbone's",
+    "RESOURCE_EXHAUSTED": "the tenant's queue is full (max_queue); retry",
+    "DEADLINE_EXCEEDED": "deadline exceeded before the request could run",
+    "UNAVAILABLE": "the daemon is shutting down",
+}
+_OK = 0
+
+
+class ColumnDoor:
+    """The rings of ``frontends`` ingress processes, the column queue, and the batches it runs.
+
+    ``arrival_slot_bytes``: the largest batch of arrivals an ingress process writes at once (a
+    larger call goes by frame); ``result_slot_bytes``: the largest batch of results (split into
+    parts when larger).
+    """
+
+    def __init__(self, frontends: int, *, slots: int = 16, arrival_slot_bytes: int = 1 << 20,
+                 result_slot_bytes: int = 4 << 20) -> None:
+        self.frontends = frontends
+        self.arrivals = [Ring(slots, arrival_slot_bytes) for _ in range(frontends)]
+        self.results = [Ring(slots, result_slot_bytes) for _ in range(frontends)]
+        self._in = [r.consumer() for r in self.arrivals]
+        self._out = [r.producer() for r in self.results]
+        self.daemon = None
+        self.queue: ColumnQueue | None = None
+        self._config = None
+        self._labels: dict[tuple[str, str], int] = {}  # (tenant, weights sha) -> num_labels
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        #: rows taken in / answered / refused, batches run (tests and the serve bench read them)
+        self.rows_in = self.rows_answered = self.rows_refused = self.batches = 0
+
+    # ---- the ingress processes' side -------------------------------------------------------
+    def spec(self, index: int) -> dict:
+        """What ingress process ``index`` needs to attach (its fds: :meth:`fds`)."""
+        return {"index": index, "frontends": self.frontends,
+                "arrivals": self.arrivals[index].handle("producer"),
+                "results": self.results[index].handle("consumer")}
+
+    def fds(self, index: int) -> tuple[int, ...]:
+        """The pipe ends ingress process ``index`` inherits."""
+        return (*self.arrivals[index].handle("producer")["fds"],
+                *self.results[index].handle("consumer")["fds"])
+
+    def snapshot(self) -> dict | None:
+        """The tenant table as the ingress processes check calls against it: each ready
+        tenant's index, token digest, weights, head and limits. None until bound."""
+        d, q = self.daemon, self.queue
+        if d is None or q is None or not d.ready:
+            return None
+        cfg = d.config
+        eng = d.engine
+        index = {n: i for i, n in enumerate(q.names)}
+        tenants = {}
+        for t in cfg.tenants:
+            st = d.tenants.status.get(t.id)
+            i = index.get(t.id)
+            if st is None or st.state.name != "READY" or i is None or t.id not in eng.store:
+                continue
+            key = (t.id, st.sha256)
+            labels = self._labels.get(key)
+            if labels is None:
+                labels = self._labels[key] = eng.tenant_info(t.id).num_labels or 0
+            limit = min(t.max_seq_len or eng.max_seq_len, eng.max_seq_len)
+            tenants[t.id] = (i, t.token_sha256, st.sha256, labels, limit,
+                             t.max_inflight or 2 * t.max_queue)
+        return {"admin": cfg.server.admin_token_sha256, "tenants": tenants,
+                "hidden": eng.spec.hidden, "vocab": eng.spec.vocab_size,
+                "retry_after_ms": cfg.server.retry_after_ms,
+                "max_inflight_calls": cfg.server.max_inflight_calls}
+
+    # ---- the daemon's side ------------------------------------------------------------------
+    def bind(self, daemon) -> bool:
+        """Serve ``daemon`` (started): an encoder backbone whose weights all stay on the
+        device. False (the ingress processes keep sending every call by frame) otherwise."""
+        eng = daemon.engine
+        if daemon.generator is not None or daemon.tiers is not None or not eng.spec.is_text:
+            log.info("column path off: %s", "a decoder" if daemon.generator is not None else
+                     "weight tiers" if daemon.tiers is not None else "not a text backbone")
+            return False
+        self.queue = ColumnQueue(max_len=eng.max_seq_len, vocab=eng.spec.vocab_size)
+        self.daemon = daemon
+        self._sync(daemon.config)
+        daemon.scheduler.attach_columns(self)
+        self._watcher = threading.Thread(target=self._watch, name="itif-columns", daemon=True)
+        self._watcher.start()
+        return True
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            log.info("column path: %d rows in, %d answered, %d refused, %d batches",
+                     self.rows_in, self.rows_answered, self.rows_refused, self.batches)
+        self._stop.set()
+        if self.daemon is not None and self.daemon.scheduler is not None:
+            self.daemon.scheduler.attach_columns(None)
+        if self._watcher is not None:
+            self._watcher.join(2.0)
+        for end in (*self._in, *self._out):
+            end.close()
+        for ring in (*self.arrivals, *self.results):
+            ring.close()
+
+    def _watch(self) -> None:
+        """Wake the scheduler when an ingress process published arrivals: one wake-up a burst."""
+        fds = [r.handle("consumer")["fds"][0] for r in self.arrivals]
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            got = poller.poll(500)
+            for fd, _ in got:
+                try:
+                    while len(os.read(fd, 4096)) == 4096:
+                        pass
+                except BlockingIOError:
+                    pass
+            if got and self.daemon is not None and self.daemon.scheduler is not None:
+                self.daemon.scheduler.wake()
+
+    def _sync(self, cfg) -> None:
+        """The queue's tenants and quotas as ``cfg`` says (a reload: on the loop thread)."""
+        q = self.queue
+        ids = set()
+        for t in cfg.tenants:
+            q.add_tenant(t.id, TenantQuota.from_tenant(t))
+            ids.add(t.id)
+        for i, name in enumerate(q.names):
+            if q.live[i] and name not in ids:
+                q.remove_tenant(name)
+        self._config = cfg
+
+    # ---- the scheduler's source (``itif.scheduler.sources.ColumnSource``) --------------------
+    def decide(self, now: float, *, last_end: float, estimate_ms, stopping: bool
+               ) -> tuple[bool, float | None]:
+        cfg = self.daemon.config
+        if cfg is not self._config:
+            self._sync(cfg)
+        self._take_in(now, stopping)
+        sch = cfg.scheduler
+        return self.queue.due(now, max_tokens=sch.max_batch_tokens, max_rows=sch.max_batch_size,
+                              max_wait_ms=sch.max_wait_ms, last_end=last_end,
+                              estimate_ms=estimate_ms, stopping=stopping)
+
+    def _take_in(self, now: float, stopping: bool) -> None:
+        """Every published arrival batch into the queue (copied there), its slots released."""
+        for c in self._in:
+            views = c.ready()
+            if not views:
+                continue
+            a = Arrivals.concat([Arrivals.unpack(v) for v in views])
+            if stopping:
+                status = np.full(len(a), status_code("UNAVAILABLE"), np.int8)
+            else:
+                status = self.queue.push(a, now)
+            call_id = a.call_id.copy()
+            c.release(len(views))
+            self.rows_in += call_id.size
+            bad = status != _OK
+            if bad.any():
+                self._refuse(call_id[bad], status[bad])
+
+    def run(self) -> tuple[int, int] | None:
+        sch = self.daemon.config.scheduler
+        taken = self.queue.take(sch.max_batch_tokens, sch.max_batch_size)
+        if taken.expired_call_id.size:
+            self._refuse(taken.expired_call_id, np.full(taken.expired_call_id.size,
+                                                        status_code("DEADLINE_EXCEEDED"), np.int8))
+        n = len(taken)
+        if not n:
+            return None
+        try:
+            out = self.daemon.engine.infer_columns(taken.tenant, taken.ids, taken.offsets,
+                                                   table=self.queue.names)
+            self._send(Results.ok(taken.call_id, out.offsets, out.values))
+        except Exception as e:  # noqa: BLE001 - each tenant's rows alone: its error is its own
+            self._per_tenant(taken, e)
+        self.batches += 1
+        return n, int(taken.offsets[-1])
+
+    def _per_tenant(self, taken, first: Exception) -> None:
+        """After a batch failed: each tenant's rows run alone; a tenant whose rows fail gets
+        its error (a one-tenant batch keeps the first error without a second run)."""
+        tenants = np.unique(taken.tenant)
+        for t in tenants.tolist():
+            rows = np.flatnonzero(taken.tenant == t)
+            ids, offsets = _gather(taken.ids, taken.offsets, rows)
+            try:
+                if tenants.size == 1:
+                    raise first
+                out = self.daemon.engine.infer_columns(taken.tenant[rows], ids, offsets,
+                                                       table=self.queue.names)
+                self._send(Results.ok(taken.call_id[rows], out.offsets, out.values))
+            except Exception as e:  # noqa: BLE001 - the rows' status says what went wrong
+                code = getattr(e, "code", "INTERNAL")
+                if code not in STATUS or code == "OK":
+                    code = "INTERNAL"
+                    log.exception("a column batch failed")
+                    msg = "the batch this request was in failed; the daemon's log has the details"
+                else:
+                    msg = clip(str(e.args[0]) if e.args else code)
+                self._refuse(taken.call_id[rows], np.full(rows.size, status_code(code), np.int8),
+                             msg)
+
+    def _refuse(self, call_id: np.ndarray, status: np.ndarray, message: str | None = None
+                ) -> None:
+        n = call_id.size
+        self.rows_refused += n
+        errors = {i: message or _MESSAGES.get(STATUS[s], STATUS[s])
+                  for i, s in enumerate(status.tolist())}
+        self._send(Results.build(call_id, status, np.zeros(n + 1, np.int64),
+                                 np.zeros(0, np.float32), errors))
+
+    def _send(self, res: Results) -> None:
+        """``res``'s rows to the rings of the ingress processes that sent them."""
+        fe = res.call_id >> FRONTEND_SHIFT
+        first = int(fe[0]) if fe.size else 0
+        parts = ([(first, res)] if (fe == first).all()
+                 else [(int(k), _rows(res, np.flatnonzero(fe == k))) for k in np.unique(fe)])
+        for k, part in parts:
+            if 0 <= k < self.frontends:
+                self._put(k, part)
+            self.rows_answered += len(part)
+
+    def _put(self, k: int, res: Results) -> None:
+        out = self._out[k]
+        if res.nbytes() > out.slot_bytes and len(res) > 1:
+            half = len(res) // 2
+            self._put(k, _rows(res, np.arange(half)))
+            self._put(k, _rows(res, np.arange(half, len(res))))
+            return
+        try:
+            out.put(res, timeout=2.0)
+        except Exception:  # noqa: BLE001 - an ingress process that stopped reading loses its
+            log.warning("ingress process %d does not read its results; %d dropped (its "
+                        "callers time out)", k, len(res))  # calls, nobody else's
+
+
+def _rows(res: Results, rows: np.ndarray) -> Results:
+    """The results of ``rows`` (ascending) of ``res``."""
+    values, offsets = _gather(res.values, res.offsets, rows)
+    if not res.err_row.size:
+        return Results.ok(res.call_id[rows], offsets, values)
+    errs = res.errors()  # failures only: a message each
+    keep = {j: errs[r] for j, r in enumerate(rows.tolist()) if r in errs}
+    return Results.build(res.call_id[rows], res.status[rows], offsets, values, keep)
+
+
+def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The segments ``rows`` of ``values`` (cut by ``offsets``), back to back, and their
+    offsets: three numpy calls, no loop over rows."""
+    lengths = offsets[1:][rows] - offsets[:-1][rows]
+    out = np.zeros(rows.size + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    idx = np.arange(out[-1]) + np.repeat(offsets[:-1][rows] - out[:-1], lengths)
+    return values[idx], out
