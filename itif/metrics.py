@@ -95,7 +95,9 @@ METRIC_NAMES = (
 )
 
 # ---- the tenant of the current call -----------------------------------------------------------
-_CALL_TENANT: ContextVar[list[str] | None] = ContextVar("itif_call_tenant", default=None)
+#: The tenant holder ``[tenant]`` of the current counted call (the gRPC counter in
+#: ``itif.server.call_metrics`` and :func:`call_tenant` set it; :func:`note_tenant` fills it).
+CALL_TENANT: ContextVar[list[str] | None] = ContextVar("itif_call_tenant", default=None)
 
 
 def note_tenant(tenant: str | None) -> None:
@@ -103,7 +105,7 @@ def note_tenant(tenant: str | None) -> None:
 
     The holder is a list shared by reference, so a note made inside ``asyncio.to_thread`` (which
     runs in a copy of the context) still reaches the call's counter."""
-    holder = _CALL_TENANT.get()
+    holder = CALL_TENANT.get()
     if holder is not None and tenant:
         holder[0] = tenant
 
@@ -113,14 +115,16 @@ def call_tenant() -> Iterator[list[str]]:
     """Count a call that no gRPC interceptor sees (an HTTP request): inside, ``note_tenant``
     records into the holder it yields (``[""]`` until the daemon names a tenant)."""
     holder = [""]
-    token = _CALL_TENANT.set(holder)
+    token = CALL_TENANT.set(holder)
     try:
         yield holder
     finally:
-        _CALL_TENANT.reset(token)
+        CALL_TENANT.reset(token)
 
 
-def _code_name(code: Any) -> str | None:
+def status_code_name(code: Any) -> str | None:
+    """The name of a gRPC status code (a ``grpc.StatusCode`` or the raw integer the aio context
+    may report), None for none."""
     if code is None:
         return None
     if isinstance(code, grpc.StatusCode):
@@ -242,6 +246,12 @@ class Metrics:
         ProcessCollector(registry=r)
         GCCollector(registry=r)
 
+    @property
+    def gpus(self) -> tuple[Any, list[tuple[int, Any]]]:
+        """NVML (the module, or what was given) and (index, handle) of each GPU it lists: what
+        the scrape reads utilization and memory from. ``(None, [])`` without NVML."""
+        return self._nvml, self._gpus
+
     # ---- HTTP endpoint ---------------------------------------------------------------------
     def serve(self, listen: str) -> tuple[str, int]:
         """Serve the registry over HTTP on ``host:port`` (``[v6]:port``); returns (host, port)."""
@@ -304,6 +314,15 @@ class Metrics:
     def observe_rpc(self, tenant: str, method: str, code: str, seconds: float) -> None:
         self._child(self.requests, tenant, method, code).inc()
         self._child(self.request_seconds, method).observe(seconds)
+
+    def observe_rpcs(self, calls: dict[tuple[str, str, str], list[float]]) -> None:
+        """Calls counted elsewhere (an ingress process's column calls), in bulk:
+        ``{(tenant, method, code): [seconds of each call]}``."""
+        for (tenant, method, code), seconds in calls.items():
+            self._child(self.requests, tenant, method, code).inc(len(seconds))
+            hist = self._child(self.request_seconds, method)
+            for s in seconds:
+                hist.observe(s)
 
     def observe_http(self, tenant: str, api: str, method: str, status: int,
                      seconds: float) -> None:
@@ -535,7 +554,7 @@ class _StateCollector:
         yield from (nbytes, budget, count)
 
     def _gpu(self):
-        nv, handles = self.m._nvml, self.m._gpus
+        nv, handles = self.m.gpus
         if nv is None or not handles:
             return
         util = GaugeMetricFamily("itif_gpu_utilization_ratio",

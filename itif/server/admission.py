@@ -91,7 +91,7 @@ class Slot:
         self.gated = False  # passed the fair gate (Admission.gate): leaves it when finished
 
     def release(self, _context: Any = None) -> None:
-        self.admission._release(self)
+        self.admission.leave(self)
 
 
 class Admission:
@@ -137,7 +137,9 @@ class Admission:
             self.total += 1
         return Slot(self, tenant, peer)
 
-    def _release(self, slot: Slot) -> None:
+    def leave(self, slot: Slot) -> None:
+        """Count ``slot``'s call out (once; ``Slot.release`` when gRPC reports it finished): its
+        call, its reply bytes and its place at the fair gate go back."""
         with self._lock:
             if slot.released:
                 return

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from itif.metrics import _CALL_TENANT, Metrics, _code_name
+from itif.metrics import CALL_TENANT, Metrics, status_code_name
 from itif.server.handlers import wrap_handler
 
 
@@ -65,7 +65,7 @@ class _Counted:
 
     def __enter__(self) -> "_Counted":
         self.holder, self.start, self.done = [""], time.perf_counter(), False
-        self.token = _CALL_TENANT.set(self.holder)
+        self.token = CALL_TENANT.set(self.holder)
         return self
 
     def count(self, code: str) -> None:
@@ -83,10 +83,10 @@ class _Counted:
         else:  # what gRPC answers for an exception that escapes, unless gRPC had ended the
             code = _ended(self.context) or "UNKNOWN"  # call (then abort itself raises)
         try:
-            _CALL_TENANT.reset(self.token)
+            CALL_TENANT.reset(self.token)
         except ValueError:  # finalised in another context (a dropped stream)
             pass
-        self.count(code or _code_name(self.context.code()) or "OK")
+        self.count(code or status_code_name(self.context.code()) or "OK")
         return False
 
 
@@ -104,5 +104,5 @@ class _AbortCounts:
         return getattr(self._context, name)
 
     async def abort(self, code, details: str = "", *args: Any, **kwargs: Any) -> None:
-        self._counted.count(_ended(self._context) or _code_name(code) or "UNKNOWN")
+        self._counted.count(_ended(self._context) or status_code_name(code) or "UNKNOWN")
         await self._context.abort(code, details, *args, **kwargs)

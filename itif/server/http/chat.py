@@ -177,22 +177,22 @@ class ChatApi:
         stream, include_usage = api.streaming(rest)
         try:
             ids = self._prompt(model, body)
-            req = api.capped(api._request(model, ids, rest), rest)
+            req = api.capped(api.generate_request(model, ids, rest), rest)
             call = await api.start(who, model, req)
         except InvalidRequest as e:
             raise InvalidRequest(_renamed(str(e), field)) from None
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": model}
         if stream:
-            chunks = api._events(call, {**head, "object": "chat.completion.chunk"}, len(ids),
+            chunks = api.events(call, {**head, "object": "chat.completion.chunk"}, len(ids),
                                  include_usage, self._delta())
             return EventStream(chunks, call)
         g = await until_done_or_gone(call, request)
         if g is None:  # the client went away: nobody reads this
             return Response(status_code=499)
-        choices = [self._message(c) for c in api._choices(g, call.words)]
+        choices = [self._message(c) for c in api.choices(g, call.words)]
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                             "usage": api._usage(len(ids), g)})
+                             "usage": api.usage(len(ids), g)})
 
     def routes(self) -> list[Route]:
         return [Route("/v1/chat/completions", self.chat, methods=["POST"])]

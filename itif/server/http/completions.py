@@ -78,7 +78,7 @@ from itif.server.generate import GenerationStream, load_evicted
 from itif.server.http.common import (authorization, bounded_list, endpoint, json_object,
                                      json_type, read_body)
 from itif.server.json_procs import IN_THREAD, JsonProcs
-from itif.server.http.openai import _is_int
+from itif.server.http.openai import is_int
 from itif.server.http.openai import error as openai_error
 
 __all__ = ["CompletionsApi", "EventStream", "error", "until_done_or_gone"]
@@ -181,7 +181,7 @@ class CompletionsApi:
             raise InvalidRequest("prompt: is empty" if isinstance(prompt, list) else
                                  f"prompt: {_SHAPES}, got {json_type(prompt)}")
         bounded_list(prompt, "prompt")
-        if all(_is_int(v) for v in prompt):
+        if all(is_int(v) for v in prompt):
             return list(prompt)
         if all(isinstance(v, (str, list)) for v in prompt):
             raise InvalidRequest(f"prompt: {len(prompt)} prompts in one call are not supported; "
@@ -189,7 +189,9 @@ class CompletionsApi:
         raise InvalidRequest(f"prompt: {_SHAPES}")
 
     @staticmethod
-    def _request(model: str, ids: list[int], body: dict) -> GenerateRequest:
+    def generate_request(model: str, ids: list[int], body: dict) -> GenerateRequest:
+        """The GenerateRequest of a completion's body (its prompt given as ``ids``); an unknown
+        or unsupported parameter is an InvalidRequest naming it."""
         unknown = [k for k in body if k not in _FIELDS]
         if unknown:
             raise InvalidRequest(f"{unknown[0][:64]}: unknown parameter")
@@ -247,8 +249,8 @@ class CompletionsApi:
             out["score"] = score
         return out
 
-    def _choices(self, g: Any, words: Any, sent: dict[int, tuple[str, int]] | None = None
-                 ) -> list[dict]:
+    def choices(self, g: Any, words: Any, sent: dict[int, tuple[str, int]] | None = None
+                ) -> list[dict]:
         """One choice per sequence of ``g``; with ``sent`` (sequence -> text and ids already
         streamed) only what is left of each."""
         reasons = list(getattr(g, "finish_reasons", None) or [])
@@ -266,13 +268,14 @@ class CompletionsApi:
         return out
 
     @staticmethod
-    def _usage(prompt: int, g: Any) -> dict:
+    def usage(prompt: int, g: Any) -> dict:
+        """The ``usage`` object of a reply: ``prompt`` tokens in, the sequences' tokens out."""
         made = sum(len(s) for s in g.sequences)
         return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
-    async def _events(self, call: GenerationStream, head: dict, prompt: int,
-                      include_usage: bool, shape: Callable[[dict], dict] | None = None
-                      ) -> AsyncIterator[bytes]:
+    async def events(self, call: GenerationStream, head: dict, prompt: int,
+                     include_usage: bool, shape: Callable[[dict], dict] | None = None
+                     ) -> AsyncIterator[bytes]:
         """The server-sent events of a streamed completion; ``shape``: each chunk's choice as
         another API sends it (``itif.server.http.chat``: a chat ``delta``)."""
         sent: dict[int, tuple[str, int]] = {}
@@ -286,10 +289,10 @@ class CompletionsApi:
                         choice = shape(self._choice(seq, text, ids, None))
                         yield _sse({**head, "choices": [choice]})
                     continue
-                for choice in self._choices(value, call.words, sent):
+                for choice in self.choices(value, call.words, sent):
                     yield _sse({**head, "choices": [shape(choice)]})
                 if include_usage:
-                    yield _sse({**head, "choices": [], "usage": self._usage(prompt, value)})
+                    yield _sse({**head, "choices": [], "usage": self.usage(prompt, value)})
                 yield b"data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - the status line is sent: the error is an event
             status, code, msg = http_status_of(e)
@@ -340,19 +343,19 @@ class CompletionsApi:
         stream, include_usage = self.streaming(body)
         try:
             ids = self._prompt(model, _get(body, "prompt"))
-            req = self.capped(self._request(model, ids, body), body)
+            req = self.capped(self.generate_request(model, ids, body), body)
         except InvalidRequest as e:
             raise _renamed(e) from None
         call = await self.start(who, model, req)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model}
         if stream:
-            return EventStream(self._events(call, head, len(ids), include_usage), call)
+            return EventStream(self.events(call, head, len(ids), include_usage), call)
         g = await until_done_or_gone(call, request)
         if g is None:  # the client went away: nobody reads this
             return Response(status_code=499)
-        return JSONResponse({**head, "choices": self._choices(g, call.words),
-                             "usage": self._usage(len(ids), g)})
+        return JSONResponse({**head, "choices": self.choices(g, call.words),
+                             "usage": self.usage(len(ids), g)})
 
     def routes(self) -> list[Route]:
         """``/v1/completions``; ``/v1/chat/completions`` is ``itif.server.http.chat.ChatApi``'s,

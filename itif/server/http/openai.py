@@ -58,7 +58,8 @@ def error(status: int, code: str, message: str, param: str | None = None) -> Res
                                    "code": code.lower()}}, status_code=status)
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int, but not a bool (JSON ``true`` passes ``isinstance(v, int)``)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -66,7 +67,7 @@ def _token_list(ids: list, where: str) -> np.ndarray:
     bounded_list(ids, where)
     if not ids:
         raise InvalidRequest(f"{where} is an empty token list")
-    if not all(_is_int(v) for v in ids):
+    if not all(is_int(v) for v in ids):
         raise InvalidRequest(f"{where}: token ids must be integers")
     if min(ids) < 0 or max(ids) >= 2**63:
         raise InvalidRequest(f"{where}: token ids must be non-negative 64-bit integers")
@@ -109,7 +110,7 @@ class OpenAIApi:
         bounded_list(value, "input")
         if all(isinstance(v, str) for v in value):
             return [np.asarray(d.tokenize(v), np.int64) for v in value]
-        if all(_is_int(v) for v in value):
+        if all(is_int(v) for v in value):
             return [_token_list(value, "input")]
         if all(isinstance(v, list) for v in value):
             return [_token_list(v, f"input[{i}]") for i, v in enumerate(value)]
