@@ -1,6 +1,8 @@
-"""Render `itif plan --json` result files as a markdown section (for docs/performance.md).
+"""Render `itif plan --json` result files as a markdown section.
 
-    python bench/plan_table.py bench/results/cpu-plan-*.json >> docs/performance.md
+    python bench/plan_table.py bench/results/cpu-plan-*.json > plans.md
+
+(docs/performance.md renders the committed ones itself: ``python -m itif.bench.perf_doc``.)
 """
 
 from __future__ import annotations

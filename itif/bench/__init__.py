@@ -4,7 +4,7 @@ and inputs, a serving sweep through the real daemon, rooflines, plots and the pe
 Modules: ``workloads`` (what is measured), ``tenants`` (weights, Hugging Face export and models),
 ``systems`` (seq, multi_stream, hf, itif), ``mps`` (process per tenant under MPS), ``offline``
 (per-call measurements), ``serving`` (Poisson load over gRPC), ``roofline``, ``meta`` (what a
-result records), ``thesis`` (Table 5.2 as published), ``plots``, ``report``
-(``python -m itif.bench.report result.json > docs/performance.md``) and ``cli``.
+result records), ``thesis`` (Table 5.2 as published), ``plots``, ``report`` (every table of
+one result file), ``perf_doc`` (docs/performance.md from the committed results) and ``cli``.
 Nothing heavy is imported here.
 """

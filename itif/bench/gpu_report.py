@@ -12,7 +12,7 @@ another call, e.g. hf_compiled where the main call left no time), ``--profile`` 
 ``OUT`` is what ``bench/gpu_suite.sh OUT`` wrote. The section goes between
 ``<!-- gpu-results:begin -->`` and ``<!-- gpu-results:end -->``; the rest of the page is hand
 written. :func:`diagnostics` (launches, the weight bound, the float32 check, CUDA graphs on/off)
-is also what ``itif.bench.report`` appends to docs/performance.md when a result has those fields.
+is also what ``itif.bench.report`` appends to its page when a result has those fields.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""docs/performance.md from a result file, so no number in it is typed by hand.
+"""Every table of one result file as a markdown page, so no number in it is typed by hand.
 
-    python -m itif.bench.report bench/results/<name>.json > docs/performance.md
+    python -m itif.bench.report bench/results/<name>.json > run.md
     python -m itif.bench.report a.json b.json --write bench/results/all.json --plots \
-        > docs/performance.md        # several runs (split to fit a time limit) merged
+        > run.md        # several runs (split to fit a time limit) merged
+
+docs/performance.md itself is generated from every committed result by
+``python -m itif.bench.perf_doc`` (the newest file of each kind).
 
 Every table is computed from the JSON rows (and the thesis' published Table 5.2,
 ``itif.bench.thesis``); plots are linked when the result lists them.
@@ -94,7 +97,7 @@ def render(doc: dict, result_path: str, doc_dir: Path) -> str:
             "not a measurement.\n")
     add("Reproduce: `itif bench [--models ...] [--tenants ...] [--suites ...]` writes "
         "`bench/results/<device>-<date>.json` and its plots; then "
-        "`python -m itif.bench.report bench/results/<file>.json > docs/performance.md`.\n")
+        "`python -m itif.bench.report bench/results/<file>.json > run.md`.\n")
     _systems(add, strat, s.get("fine_tune", "full"), s.get("repeats"))
     _table52(add, rows, strat, doc_dir, meta)
     _strategies(add, rows)
@@ -360,7 +363,7 @@ def placeholder() -> str:
            "> **No measurement yet.** Run `itif bench` (writes "
            "`bench/results/<device>-<date>.json` "
            "and its plots), then `python -m itif.bench.report bench/results/<file>.json > "
-           "docs/performance.md`. Every number below is the thesis' (ITIF, Table 5.2, "
+           "run.md`. Every number below is the thesis' (ITIF, Table 5.2, "
            f"{THESIS_DEVICE}); ours are still to be measured, on the CPU and on a GPU.\n"]
     _systems(out.append, DEFAULT_STRATEGY, "full", "several")
     _table52(out.append, [], DEFAULT_STRATEGY, Path("docs"), {})

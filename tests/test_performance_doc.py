@@ -1,0 +1,115 @@
+"""docs/performance.md is generated from the committed result files (bench/results/) by
+itif.bench.perf_doc: it is exactly what they render to, every table says where its numbers come
+from, and a newer result of a kind replaces the older one on the page."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from itif.bench import perf_doc as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+_SOURCE = re.compile(r"Source: \[`(?P<path>bench/results/[^`]+\.json)`\]\([^)]+\)\. "
+                     r"Command: `(?P<command>[^`]+)`\. Date: (?P<date>20\d\d-\d\d-\d\d\S*)\. "
+                     r"Device: (?P<device>.+?)(; load average \[[^\]]*\])?\.$")
+
+
+def _tables(text: str) -> list[tuple[int, list[str]]]:
+    """(line of the header, the lines since the previous table or heading) of each table."""
+    lines = text.splitlines()
+    out, since = [], []
+    for i, line in enumerate(lines):
+        if line.startswith("|"):
+            if not lines[i - 1].startswith("|"):
+                out.append((i + 1, since))
+                since = []
+            continue
+        since = [] if line.startswith("#") else since + [line]
+    return out
+
+
+def test_committed_doc_is_what_the_committed_results_render_to():
+    text = pd.DOC.read_text()
+    assert text == pd.render(pd.load_results()), (
+        "docs/performance.md is stale (a result under bench/results/ changed or was added): "
+        "run `python -m itif.bench.perf_doc`")
+    assert pd.main(["--check"]) == 0
+
+
+def test_every_table_names_its_source_command_date_and_device():
+    text = pd.DOC.read_text()
+    tables = _tables(text)
+    assert len(tables) >= 10, len(tables)
+    for line, before in tables:
+        found = [m for m in map(_SOURCE.search, before) if m]
+        assert found, f"docs/performance.md:{line}: no Source/Command/Date/Device line above"
+        for m in found:
+            r = pd.Result(m["path"], json.loads((ROOT / m["path"]).read_text()))
+            assert m["command"] == r.command(next((k.script for k in pd.KINDS.values()
+                                                   if k.script and k.accepts(r)), None))
+            assert m["date"] == r.date and m["device"] == r.device, m.group(0)
+            assert r.command() != "?" or "argv" in r.meta, m["path"]
+
+
+def test_kinds_the_issue_names_are_on_the_page():
+    picked = pd.pick(pd.load_results())
+    for key in ("cpu-table", "cpu-serve", "cpu-generate", "cpu-decoder", "cpu-peer",
+                "cpu-hostpath", "gpu-table", "gpu-serve", "gpu-generate"):
+        assert picked[key], f"no committed result of kind {key}"
+    assert picked["cpu-peer"][0].path.startswith("bench/results/cpu-peer-vllm-")
+    assert picked["cpu-decoder"][0].path.startswith("bench/results/cpu-decoder-")
+    assert picked["gpu-table"][0].meta["device"].startswith("NVIDIA H")
+    text = pd.DOC.read_text()
+    assert "n/a (no decoder backbone)" not in text
+    assert "](gpu.md)" in text and "](cpu-peer.md)" in text
+
+
+def _peer(date: str, rate: float) -> dict:
+    rows = [{"suite": "peer", "workload": "one model", "system": s, "dtype": "float32",
+             "status": "ok", "throughput_rps": v, "max_abs_diff_vs_hf_fp32": 1e-7}
+            for s, v in (("itif", rate), ("hf", 100.0))]
+    rows[0]["vs_hf"] = rate / 100.0
+    return {"meta": {"device": "cpu-x86_64-2threads", "date": date, "dtype": "float32",
+                     "command": f"itif bench --suites peer # {date}"}, "rows": rows}
+
+
+def test_the_newest_file_of_a_kind_is_rendered_whatever_its_name(tmp_path):
+    # the older file's name sorts last: the recorded date decides, not the name
+    (tmp_path / "z-old.json").write_text(json.dumps(_peer("2026-11-29T01:38:43+00:00", 50.0)))
+    (tmp_path / "a-new.json").write_text(json.dumps(_peer("2026-11-29T09:00:00+0000", 250.0)))
+    (tmp_path / "broken.json").write_text("{not json")
+    page = pd.render(pd.load_results(tmp_path))
+    assert "a-new.json" in page and "z-old.json" not in page
+    assert "| one model | itif | float32 | 250.0 |  | 2.50× |" in page
+    assert "*No committed result of this kind.*" in page  # kinds with no file say so
+    # and a newer committed result of a kind makes the committed page stale
+    newer = pd.Result("bench/results/cpu-peer-vllm-2099-01-01.json",
+                      _peer("2099-01-01T00:00:00+00:00", 1.0))
+    assert pd.render([*pd.load_results(), newer]) != pd.DOC.read_text()
+
+
+def test_dates_compare_across_their_recorded_forms():
+    def when(d):
+        return pd.Result("x.json", {"meta": {"date": d}}).when
+
+    assert when("2026-11-29T03:14:06+0000") > when("2026-11-29T03:14:05+00:00")
+    assert when("2026-11-29T04:14:06+01:00") == when("2026-11-29T03:14:06Z")
+    assert when("2026-11-30") > when("2026-11-29T23:59:59+00:00") > when("not a date")
+
+
+def test_stdout_prints_and_writes_nothing_check_fails_on_a_stale_page(tmp_path, monkeypatch,
+                                                                      capsys):
+    doc = tmp_path / "performance.md"
+    doc.write_text("old\n")
+    monkeypatch.setattr(pd, "DOC", doc)
+    monkeypatch.setattr(pd, "ROOT", tmp_path)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "p.json").write_text(json.dumps(_peer("2026-11-29T01:00:00+00:00", 9.0)))
+    assert pd.main(["--results", str(tmp_path / "r"), "--stdout"]) == 0
+    assert "# Performance" in capsys.readouterr().out and doc.read_text() == "old\n"
+    assert pd.main(["--results", str(tmp_path / "r"), "--check"]) == 1
+    assert pd.main(["--results", str(tmp_path / "r")]) == 0
+    assert doc.read_text().startswith("# Performance")
+    assert pd.main(["--results", str(tmp_path / "r"), "--check"]) == 0
