@@ -113,3 +113,17 @@ def test_stdout_prints_and_writes_nothing_check_fails_on_a_stale_page(tmp_path, 
     assert pd.main(["--results", str(tmp_path / "r")]) == 0
     assert doc.read_text().startswith("# Performance")
     assert pd.main(["--results", str(tmp_path / "r"), "--check"]) == 0
+
+
+def test_decoder_rows_of_a_cuda_run_render():
+    """The Llama step's rows (issue 66): ms per output token, vLLM skipped, no HF comparison."""
+    base = {"suite": "decoder", "model": "llama3-8b-l2", "adapters": 8, "full": 2, "prompts": 64,
+            "prompt_lengths": "16-64", "new_tokens": 32, "dtype": "bfloat16"}
+    rows = [dict(base, system="itif", status="ok", tokens_per_s=9000.0, latency_ms=227.5,
+                 latency_ms_min=220.0, ms_per_output_token=7.109, vs_hf=3.2, equal_to_hf=None,
+                 compared=0),
+            dict(base, system="vllm", status="skipped", reason="vLLM runs on the CPU only")]
+    out = pd.decoder_table(pd.Result("g.json", {"meta": {"device": "NVIDIA H100"}, "rows": rows}))
+    assert "| itif | 9,000 | 0.228 | 0.220 | 7.11 | 3.20 |  |  |" in out
+    assert "| vllm | skipped |  |  |  |  |  | vLLM runs on the CPU only |" in out
+    assert "ms per output token" in out.splitlines()[2]

@@ -263,17 +263,21 @@ def decoder_table(r: Result) -> str:
     head = (f"{x0.get('model')}: {x0.get('adapters')} LoRA adapters + {x0.get('full')} full "
             f"fine-tunes, {x0.get('prompts')} prompts of {x0.get('prompt_lengths')} tokens, "
             f"{x0.get('new_tokens')} new tokens each, {x0.get('dtype')}.\n\n")
+    per_token = any("ms_per_output_token" in x for x in rows)  # the CUDA runs record it
     body = []
     for x in rows:
         if x.get("status") != "ok":
-            body.append([x["system"], x.get("status"), "", "", "", "", x.get("reason", "")])
+            body.append([x["system"], x.get("status"), *[""] * (4 + per_token),
+                         x.get("reason", "")])
             continue
-        vs = [f"{x[k]:.2f} (fastest: {x[k + '_best']:.2f})" if k in x else ""
-              for k in ("vs_hf", "vs_vllm")]
+        vs = [(f"{x[k]:.2f}" + (f" (fastest: {x[k + '_best']:.2f})" if k + "_best" in x else ""))
+              if k in x else "" for k in ("vs_hf", "vs_vllm")]
+        eq = "" if x.get("equal_to_hf") is None else f"{x['equal_to_hf']}/{x['compared']}"
         body.append([x["system"], f"{x['tokens_per_s']:,.0f}", f"{x['latency_ms'] / 1e3:.3f}",
-                     f"{x['latency_ms_min'] / 1e3:.3f}", *vs,
-                     f"{x['equal_to_hf']}/{x['compared']}"])
-    return head + _table(["system", "tokens/s (median)", "median s", "fastest s", "itif vs hf",
+                     f"{x['latency_ms_min'] / 1e3:.3f}",
+                     *([_ms(x.get("ms_per_output_token"))] if per_token else []), *vs, eq])
+    return head + _table(["system", "tokens/s (median)", "median s", "fastest s",
+                          *(["ms per output token"] if per_token else []), "itif vs hf",
                           "itif vs vllm", "sequences equal to HF + PEFT"], body)
 
 
@@ -289,9 +293,13 @@ def peer_table(r: Result) -> str:
         body.append([x["workload"], x["system"], x["dtype"], f"{x['throughput_rps']:.1f}",
                      _x(x["vs_vllm"]) if "vs_vllm" in x else "",
                      _x(x["vs_hf"]) if "vs_hf" in x else "",
-                     f"{x['max_abs_diff_vs_hf_fp32']:.2e}"])
+                     _sci(x.get("max_abs_diff_vs_hf_fp32"))])
     return _table(["workload", "system", "dtype", "req/s", "vs vllm", "vs hf",
                    "max |Δ logits| vs HF float32"], body)
+
+
+def _sci(v) -> str:
+    return f"{v:.2e}" if isinstance(v, (int, float)) else "–"
 
 
 def hostpath_table(r: Result) -> str:
