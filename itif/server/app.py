@@ -103,7 +103,7 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     ingress = None
     if cfg.server.ingress_processes:
         # the port is the ingress processes'; this server listens on a private socket
-        ingress = await _start_ingress(cfg, server, reg, interceptors)
+        ingress = await _start_ingress(cfg, server, reg, interceptors, metrics)
     else:
         _listen(server, listen, creds)
     http = None
@@ -203,7 +203,8 @@ class _Ingress:
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
-async def _start_ingress(cfg: Config, server, reg: Recorder, interceptors) -> _Ingress:
+async def _start_ingress(cfg: Config, server, reg: Recorder, interceptors,
+                         metrics: Metrics) -> _Ingress:
     """The daemon's gRPC server on a private unix socket, the frame socket, and the pool that
     will serve ``server.listen`` (started once the server is)."""
     host, _, port = cfg.server.listen.rpartition(":")
@@ -216,6 +217,7 @@ async def _start_ingress(cfg: Config, server, reg: Recorder, interceptors) -> _I
     if server.add_insecure_port(target) == 0:
         raise OSError(f"cannot listen on {target}")
     frames = FrameServer(interceptors, reg.generic)
+    frames.on_report = metrics.observe_rpcs  # the column calls the ingress processes answered
     await frames.start(f"{sockets}/frames.sock")
     tls = cfg.server.tls
     spec = dict(listen=cfg.server.listen, frames=f"{sockets}/frames.sock", grpc=target,

@@ -51,7 +51,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from tritonclient.grpc import service_pb2 as kserve_pb2
 
 from itif.server._proto.itif.v1 import itif_pb2
-from itif.server.ingress_columns import ColumnClient, Refused
+from itif.server.ingress_columns import ColumnClient
 
 log = logging.getLogger("itif.server.ingress")
 
@@ -206,6 +206,11 @@ class EngineLink:
             self._waiting.pop(rid, None)
 
 
+    def report(self, counts) -> None:
+        """Tell the daemon about calls answered here (the column path's, counted in bulk)."""
+        if not self.closed.done():
+            self._writer.write((NOTICE, "report", counts))
+
     def _ended(self, rid: int) -> None:
         if not self.closed.done():
             self._writer.write((rid, DONE))
@@ -241,10 +246,10 @@ class Router(grpc.GenericRpcHandler):
             p = None if cols is None else cols.prepare(method, request,
                                                        context.invocation_metadata())
             if p is not None:
-                try:
-                    return await cols.call(p, context.time_remaining())
-                except Refused as r:
-                    await context.abort(r.code, r.details, r.trailers)
+                reply, refused = await cols.counted(p, context)
+                if refused is not None:
+                    await context.abort(refused.code, refused.details, refused.trailers)
+                return reply
             try:
                 code, details, body, trailers = await link.call(
                     method, passed_metadata(context), context.time_remaining(),
@@ -455,7 +460,7 @@ async def serve(spec: dict) -> int:
     ], maximum_concurrent_rpcs=None)
     columns = None
     if spec.get("columns"):
-        columns = ColumnClient(spec["columns"], limit)
+        columns = ColumnClient(spec["columns"], limit, link.report)
         link.on_notice = lambda snap: setattr(columns, "snapshot", snap)
     server.add_generic_rpc_handlers((Router(link, channel, sync_channel, columns),))
     tls = spec.get("tls")

@@ -76,7 +76,7 @@ class _Call:
 class ColumnClient:
     """This process's rings, the last tenant snapshot, and the calls waiting for results."""
 
-    def __init__(self, spec: dict, max_message_bytes: int) -> None:
+    def __init__(self, spec: dict, max_message_bytes: int, report=None) -> None:
         self.index, self.frontends = spec["index"], spec["frontends"]
         self.arrivals = Producer.attach(spec["arrivals"])
         self.results = Consumer.attach(spec["results"])
@@ -92,6 +92,8 @@ class ColumnClient:
         self._total = 0
         self._digests: dict[str, str] = {}  # token -> sha256 (the tokens seen; bounded)
         self.sent_calls = 0  # calls this process sent by columns (tests read it)
+        self._report = report  # sends the counts below to the daemon's metrics
+        self._counts: dict[tuple[str, str, str], list[float]] = {}
         self._closed = False
         threading.Thread(target=self._read, name="itif-ingress-results", daemon=True).start()
 
@@ -148,6 +150,34 @@ class ColumnClient:
         return digest == admin_sha or (bool(token_sha) and digest == token_sha)
 
     # ---- a call ------------------------------------------------------------------------
+    async def counted(self, p: Prepared, context) -> tuple[bytes | None, Refused | None]:
+        """:meth:`call`, counted for the daemon's metrics as its interceptor counts a framed
+        call: (the reply, None) or (None, why it was refused). The counts of one turn of the
+        loop go to the daemon in one report, before the replies are sent."""
+        start = time.perf_counter()
+        code, reply, refused = "OK", None, None
+        try:
+            reply = await self.call(p, context.time_remaining())
+        except Refused as r:
+            refused, code = r, r.code.name
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            left = context.time_remaining()
+            if left is not None and left <= 0 and code != "OK":
+                code = "DEADLINE_EXCEEDED"
+            if not self._counts and self._report is not None:
+                self._loop.call_soon(self._send_counts)
+            key = (p.tenant, p.method.rpartition("/")[2], code)
+            self._counts.setdefault(key, []).append(time.perf_counter() - start)
+        return reply, refused
+
+    def _send_counts(self) -> None:
+        counts, self._counts = self._counts, {}
+        if counts:
+            self._report(counts)
+
     async def call(self, p: Prepared, remaining: float | None) -> bytes:
         """Send ``p`` with this turn's other calls; its reply's bytes, or :class:`Refused`."""
         self._admit(p)

@@ -114,6 +114,9 @@ class FrameServer:
         self._server: asyncio.AbstractServer | None = None
         self._links: set[FrameWriter] = set()  # every ingress process's connection
         self._notice = None  # the last notice published (a new connection gets it first)
+        #: called with each report an ingress process sends (its column calls' counts:
+        #: ``itif.metrics.Metrics.observe_rpcs``)
+        self.on_report = None
         chain = self._servicer
         for icpt in reversed(list(interceptors)):  # the first interceptor outermost, as gRPC
             chain = (lambda i, nxt: lambda d: i.intercept_service(nxt, d))(icpt, chain)
@@ -161,6 +164,10 @@ class FrameServer:
                     task = running.get(frame[0])
                     if task is not None:
                         task.cancel()
+                    continue
+                if len(frame) == 3:  # (0, REPORT, counts): calls it answered itself
+                    if self.on_report is not None:
+                        self.on_report(frame[2])
                     continue
                 if len(frame) == 2:  # (id, DONE): the caller's call ended, its answer read
                     answered.finish(frame[0])
