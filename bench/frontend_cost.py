@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from itif.backbones.spec import load_spec  # noqa: E402
 from itif.bench.daemon_probe import thread_cpu_seconds  # noqa: E402
-from itif.bench.serving import LoadGen, ServeDaemon, _free_ports, write_checkpoints  # noqa: E402
+from itif.bench.serving import LoadGen, ServeDaemon, free_ports, write_checkpoints  # noqa: E402
 from itif.bench.workloads import parse_mix, poisson_arrivals  # noqa: E402
 
 MIX = "uniform:2-100+zipf:1.2"
@@ -48,7 +48,7 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="itif-frontend-") as tmp:
         tmp = Path(tmp)
         files = write_checkpoints(spec, names, tmp)
-        grpc_port, metrics_port = _free_ports(2)
+        grpc_port, metrics_port = free_ports(2)
         extra = (("ingress_processes", args.ingress),) if args.ingress else ()
         daemon = ServeDaemon(tmp / "daemon", grpc_port, "bert-tiny", "cpu", "float32", tokens,
                              "packed", False, 5.0, metrics_port=metrics_port, server_extra=extra)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from itif.bench.daemon_probe import process_cpu_seconds  # noqa: E402
-from itif.bench.serving import _free_ports  # noqa: E402
+from itif.bench.serving import free_ports  # noqa: E402
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc  # noqa: E402
 
 SERVER = r"""
@@ -71,7 +71,7 @@ else:
 
 
 def measure(kind: str, rates: list[float], seconds: float, seed: int = 0) -> list[dict]:
-    addr = f"127.0.0.1:{_free_ports(1)[0]}"
+    addr = f"127.0.0.1:{free_ports(1)[0]}"
     proc = subprocess.Popen([sys.executable, "-c", SERVER, kind, addr, str(ROOT)])
     rows = []
     try:

@@ -39,7 +39,7 @@ import httpx  # noqa: E402
 
 from itif.backbones.spec import load_spec  # noqa: E402
 from itif.bench.meta import _cpu_model  # noqa: E402
-from itif.bench.serving import ServeDaemon, _free_ports, write_checkpoints  # noqa: E402
+from itif.bench.serving import ServeDaemon, free_ports, write_checkpoints  # noqa: E402
 from itif.client import Client  # noqa: E402
 from itif.server.json_procs import JsonProcs, load_embeddings, load_infer  # noqa: E402
 
@@ -172,7 +172,7 @@ def run(processes: list[int], seconds: float, senders: int) -> dict:
         tokens = {"img": "img-token-0123", "probe": "probe-token-0123"}
         files = write_checkpoints(spec, list(tokens), tmp)
         for n in processes:
-            grpc_port, http_port = _free_ports(2)
+            grpc_port, http_port = free_ports(2)
             d = ServeDaemon(tmp / f"d{n}", grpc_port, str(tmp / "vit"), "cpu", "float32", tokens,
                             "packed", False, 2.0,
                             server_extra=(("http_listen", f"127.0.0.1:{http_port}"),

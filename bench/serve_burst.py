@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from itif.backbones.spec import load_spec  # noqa: E402
-from itif.bench.serving import LoadGen, ServeDaemon, _free_ports  # noqa: E402
+from itif.bench.serving import LoadGen, ServeDaemon, free_ports  # noqa: E402
 from itif.bench.tenants import tenant_weights, to_hf  # noqa: E402
 from itif.bench.workloads import parse_mix  # noqa: E402
 from itif.safetensors_io import save_safetensors  # noqa: E402
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         for i, t in enumerate(names):
             files[t] = tmp / f"{t}.safetensors"
             save_safetensors(to_hf(spec, tenant_weights(spec, i, "full")), files[t])
-        d = ServeDaemon(tmp / "d", _free_ports(1)[0], a.model, "cpu", "float32", tokens,
+        d = ServeDaemon(tmp / "d", free_ports(1)[0], a.model, "cpu", "float32", tokens,
                         "packed", a.isolate, 5.0, server_extra=extra)
         d.start()
         try:

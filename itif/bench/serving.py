@@ -57,7 +57,8 @@ from itif.safetensors_io import save_safetensors
 log = logging.getLogger("itif.bench")
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now (bound at once, then released)."""
     socks = []
     try:
         for _ in range(n):
@@ -411,7 +412,7 @@ def serve_sweep(cfg: ServeSettings, progress: Callable[[list[dict]], None] | Non
     with tempfile.TemporaryDirectory(prefix="itif-bench-serve-") as tmp:
         tmp = Path(tmp)
         files = write_checkpoints(spec, names, tmp, cfg.fine_tune, cfg.dtype)
-        ports = _free_ports(2 * len(modes))  # gRPC, then /metrics
+        ports = free_ports(2 * len(modes))  # gRPC, then /metrics
         daemons = [ServeDaemon(tmp / f"d{k}", ports[k], cfg.model, cfg.device, cfg.dtype, tokens,
                                strategy, isolate, cfg.max_wait_ms, sizing,
                                metrics_port=ports[len(modes) + k],

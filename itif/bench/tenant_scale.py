@@ -281,7 +281,7 @@ def run_daemon(cfg: ScaleSettings) -> list[dict]:
     from pathlib import Path  # noqa: PLC0415
 
     from itif.backbones.lora import CONFIG_KEY  # noqa: PLC0415
-    from itif.bench.serving import _free_ports  # noqa: PLC0415
+    from itif.bench.serving import free_ports  # noqa: PLC0415
     from itif.bench.tenants import to_hf  # noqa: PLC0415
     from itif.config import hash_token, parse_config  # noqa: PLC0415
     from itif.daemon import Daemon, Identity  # noqa: PLC0415
@@ -297,7 +297,7 @@ def run_daemon(cfg: ScaleSettings) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="itif-bench-tenants-") as tmp:
         tmp = Path(tmp)
-        lines = ["server:", f"  listen: 127.0.0.1:{_free_ports(1)[0]}", "  data_dir: ./data",
+        lines = ["server:", f"  listen: 127.0.0.1:{free_ports(1)[0]}", "  data_dir: ./data",
                  f"  admin_token_sha256: {hash_token('admin')}", "backbone:",
                  f"  config: {cfg.model}", f"  device: {cfg.device}", f"  dtype: {cfg.dtype}",
                  "tenants:", f"  - id: base\n    token_sha256: {hash_token('base')}"]
