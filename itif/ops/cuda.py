@@ -235,14 +235,14 @@ def masked_softmax(
     ``softmax_oracle`` hold its oracle).
 
     Semantics:
-        b = r // rows_per_seq;  live(r, j) = j < lengths[b] and key_mask[b, j]
-        scores[r, j] = exp(scale scores[r, j]) / sum_{k live} exp(scale scores[r, k])  (j live)
-        scores[r, j] = 0                                                    (j dead)
+        scores[t, j] = exp(scale scores[t, j]) / sum_{k live} exp(scale scores[t, k])  (j live)
+        scores[t, j] = 0                                                              (j dead)
+        live(t, j) = j < lengths[b] and key_mask[b, j],  b = t // rows_per_seq
 
     A row with no live key is all zeros. Returns scores.
 
     Args:
-        scores: Shape: [n * rows_per_seq, L]. DType: float. Written in place and returned.
+        scores: Shape: [n * rows_per_seq, L], rows t. DType: float. Written in place and returned.
         rows_per_seq: Type: int, rows of one sequence (heads x queries).
         lengths: Shape: [n], or None (every key live). DType: int64. Read only.
         key_mask: Shape: n * L elements ([n, L] or [n, 1, 1, L]), or None. DType: bool.

@@ -167,8 +167,24 @@ def usable(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
 
 def run(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tensor,
         function=None) -> torch.Tensor:
-    """``out[s:e] = x[s:e] @ w[slot].T`` for every segment, in one call. ``function`` stands in
-    for cuBLAS's (tests). Raises Refused (a RuntimeError) with cuBLAS's status when it refuses."""
+    """Every segment's product in one ``cublasGemmGroupedBatchedEx`` call (float32 compute).
+    Raises Refused (a RuntimeError) with cuBLAS's status when it refuses.
+
+    Semantics:
+        out[t, n] = sum_k x[t, k] w[slot[i], n, k]    (start[i] <= t < end[i], every segment i)
+
+    Rows no segment covers are left as they are. Returns out.
+
+    Args:
+        x: Shape: [T, K], rows dense (``usable``). DType: float16, bfloat16 or float32.
+            Read only.
+        w: Shape: [C, N, K], each slot dense. DType: x's. Read only.
+        start: Type: sequence of int, each segment's first row (``Segments.start``).
+        end: Type: sequence of int, each segment's end row, exclusive.
+        slot: Type: sequence of int, each segment's slot of w, in [0, C).
+        out: Shape: [T, N], rows dense. DType: x's. Written in place and returned.
+        function: Type: callable or None: stands in for cuBLAS's function (tests).
+    """
     fn = function if function is not None else _function()
     N, K = w.shape[1], w.shape[2]
     p = problems(start, end, slot, N, K, w.stride(0), x.element_size())
@@ -195,10 +211,11 @@ def run(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tensor,
 
 
 def run_or_refuse(x: torch.Tensor, w: torch.Tensor, segs, out: torch.Tensor) -> bool:
-    """:func:`run` over ``segs`` (``Segments``); False where cuBLAS refuses the call (a status,
-    :class:`Refused`), so the caller runs the loop, which writes every row of ``out`` again.
-    The device and dtype are then left to the loop for the rest of the process (one warning,
-    not one a product). Any other error (out of memory, say) propagates as the loop's would."""
+    """:func:`run` (its contract) over ``segs`` (``Segments``); False where cuBLAS refuses the
+    call (a status, :class:`Refused`), so the caller runs the loop, which writes every row of
+    ``out`` again. The device and dtype are then left to the loop for the rest of the process
+    (one warning, not one a product). Any other error (out of memory, say) propagates as the
+    loop's would."""
     try:
         run(x, w, segs.start, segs.end, segs.slot, out)
     except Refused as e:

@@ -1,8 +1,11 @@
 """Per-slot GEMMs over the token buffer without copying weights: one plan, a few backends.
 
-Rows of the token buffer are ordered so each tenant's rows are contiguous; a parameter kind's
-slot table turns those runs into *segments* ``(start, end, slot)``: rows ``start:end`` multiply
-slot ``slot`` of the kind's weight buffer ``w [capacity, N, K]``. Adjacent runs whose tenants
+Rows of the token buffer are ordered so each tenant's rows are contiguous (``row_tenant [T]``:
+each row's position in the batch's tenant list); a parameter kind's slot table (``[tenants]``:
+the slot of each tenant) turns those runs into *segments* ``(start, end, slot)``: rows
+``start:end`` multiply slot ``slot`` of the kind's weight buffer ``w [capacity, N, K]``. The
+words and index notation are those of the ops (``itif.ops.dispatch``): a *slot* is the index
+a row reads its tenant's parameters at. Adjacent runs whose tenants
 share the slot (frozen or identical layers) merge into one segment, so shared weights cost one
 GEMM, not one per tenant.
 
@@ -10,12 +13,13 @@ GEMM, not one per tenant.
 reads the same slot table reuses it); ``run_gemm`` launches it. Every backend reads the weight
 buffer in place (views, never a gathered copy):
 
-| backend | when | launches |
-| --- | --- | --- |
-| ``mm`` | one segment (one tenant, or every tenant shares the slot) | 1 |
-| ``bmm`` | equal-length segments whose slots step evenly (``slot0 + i*step``): the buffer's slots are a strided view ``w[slot0::step]`` | 1 |
-| ``grouped_mm`` | strictly increasing slots, any lengths: ``torch._grouped_mm`` over the slot range, unused slots as empty groups (offsets are precomputed, so nothing is read on the host) | 1 |
-| ``loop`` | anything else: one ``torch.mm`` per segment | segments |
+* ``mm``, 1 launch: one segment (one tenant, or every tenant shares the slot);
+* ``bmm``, 1 launch: equal-length segments whose slots step evenly (``slot0 + i*step``): the
+  buffer's slots are a strided view ``w[slot0::step]``;
+* ``grouped_mm``, 1 launch: strictly increasing slots, any lengths:
+  ``torch.nn.functional.grouped_mm`` over the slot range, unused slots as empty groups
+  (offsets are precomputed, so nothing is read on the host);
+* ``loop``, a launch per segment: anything else, one ``torch.mm`` per segment.
 
 On CUDA a ``loop`` plan runs as one ``cublasGemmGroupedBatchedEx`` call for all its segments
 (``itif.runtime.cublas_grouped``; ``ITIF_GROUPED_GEMM=loop`` keeps the loop).
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from itif.ops.rows import broadcast_rows
 from itif.runtime import cpu_gemm, cublas_grouped
@@ -90,7 +95,8 @@ def tenant_runs(row_tenant: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return start, end, row_tenant[start]
 
 
-def segments_for(runs: tuple[np.ndarray, np.ndarray, np.ndarray], slot_table: np.ndarray) -> Segments:
+def segments_for(runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 slot_table: np.ndarray) -> Segments:
     """Merge tenant runs into slot segments. slot_table: [n_batch_tenants] slot of each tenant."""
     start, end, tenant = runs
     slot = slot_table[tenant]
@@ -103,10 +109,11 @@ def segments_for(runs: tuple[np.ndarray, np.ndarray, np.ndarray], slot_table: np
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """``torch._grouped_mm`` exists and runs this dtype here: float32 and bfloat16 on the CPU;
-    on CUDA bfloat16 only (sm90 has a bf16 kernel; float16 runs, but slower than a loop there,
-    and float32 copies between host and device inside, which a CUDA graph cannot capture)."""
-    if not hasattr(torch, "_grouped_mm"):
+    """``torch.nn.functional.grouped_mm`` (torch's public name for its ``_grouped_mm``) exists
+    and runs this dtype here: float32 and bfloat16 on the CPU; on CUDA bfloat16 only (sm90 has
+    a bf16 kernel; float16 runs, but slower than a loop there, and float32 copies between host
+    and device inside, which a CUDA graph cannot capture)."""
+    if not hasattr(F, "grouped_mm"):
         return False
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
@@ -172,10 +179,21 @@ def _weight_first(x: torch.Tensor, N: int, rows: int) -> bool:
 
 def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """``y[s:e] = x[s:e] @ w[slot].T`` for every segment of ``plan``.
+    """Each segment's rows times its slot's weight matrix, on the plan's backend; every
+    backend reads ``w`` in place (views, never a gathered copy).
 
-    x: [rows, K]; w: [capacity, N, K] weight buffer (read in place); offs: the plan's offsets as
-    an int32 tensor on x's device (grouped_mm only). Returns [rows, N] (``out`` if given).
+    Semantics:
+        out[t, n] = sum_k x[t, k] w[slot_i, n, k]    (start_i <= t < end_i, every segment i)
+
+    where ``(start_i, end_i, slot_i)`` are ``plan.segs``, which tile the rows. Returns out.
+
+    Args:
+        x: Shape: [T, K]. DType: float. Read only.
+        w: Shape: [C, N, K], a weight kind's buffer. DType: x's. Read only.
+        plan: Type: ``GemmPlan`` of T rows (``plan_gemm``), chosen once per segment list.
+        offs: Shape: [hi - lo + 1], the plan's ``offs`` on x's device; None unless the
+            backend is grouped_mm. DType: int32. Read only.
+        out: Shape: [T, N], or None (a new tensor). DType: x's. Written in place and returned.
     """
     rows, N = x.shape[0], w.shape[1]
     if cpu_gemm.applies(plan.max_rows, x.device, x.dtype) and cpu_gemm.usable(x, w):
@@ -188,7 +206,7 @@ def run_gemm(x: torch.Tensor, w: torch.Tensor, plan: GemmPlan, offs: torch.Tenso
         return dst
     b = plan.backend
     if b == "grouped_mm":
-        y = torch._grouped_mm(x, w[plan.lo : plan.hi + 1].transpose(1, 2), offs=offs)
+        y = F.grouped_mm(x, w[plan.lo : plan.hi + 1].transpose(1, 2), offs=offs)
         if out is not None:
             out.copy_(y)
             return out

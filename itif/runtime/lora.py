@@ -98,9 +98,25 @@ def plan_lora(tables: dict[str, tuple[LoraTable, ...]], row_tenant: np.ndarray, 
 
 def apply_lora(y: torch.Tensor, x: torch.Tensor, groups: tuple[LoraGroup, ...], buffers, get,
                offs) -> torch.Tensor:
-    """``y[rows] += (x[rows] A^T) B^T`` per group, each row with its tenant's adapter.
-    ``buffers``: the store view's buffers; ``get(name)``: a packed device array; ``offs(name)``:
-    its int32 form (grouped-mm offsets)."""
+    """Each adapted row's low-rank update, added in place: Punica's SGMV, as two planned
+    grouped products (``run_gemm``) over the rows gathered per group.
+
+    Semantics:
+        y[t, n] += sum_r (sum_k x[t, k] A[a_slot(t), r, k]) B[b_slot(t), n, r]
+
+    for every row t of every group (``{g.name}.rows``), where A and B are the group's kind
+    buffers and ``a_slot(t)``, ``b_slot(t)`` the slots of row t's tenant (``plan_a.segs``,
+    ``plan_b.segs``; the scale is folded into B). Other rows are left as they are. Returns y.
+
+    Args:
+        y: Shape: [T, N], the base product. DType: float. Written in place and returned.
+        x: Shape: [T, K], the base product's input. DType: y's. Read only.
+        groups: Type: tuple of ``LoraGroup`` (``plan_lora``), one per adapter kind present.
+        buffers: Type: mapping kind -> buffer, the store view's: A [C, R, K] and B [C, N, R]
+            in y's dtype (read only).
+        get: Type: callable, packed name -> device tensor (``{name}.rows``: [rows] int64).
+        offs: Type: callable, packed name -> its int32 form (grouped_mm plans' offsets).
+    """
     for g in groups:
         rows = get(g.name + ".rows")
         xs = x.index_select(0, rows)

@@ -122,11 +122,27 @@ def _kernels():
 def run(x: torch.Tensor, w: torch.Tensor, tiles: torch.Tensor, bm: int,
         bias: torch.Tensor | None = None, bias_slot: torch.Tensor | None = None,
         act: str = "none", out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[s:e] = act(x[s:e] @ w[slot].T + bias[bias_slot[row]])`` for every tile.
+    """The per-slot product with each row's own bias and the activation in its epilogue, in one
+    launch. Launches only: nothing is read on the host.
 
-    x: [rows, K] dense; w: [capacity, N, K] with dense slots; tiles: ``tile_table(segs, bm)``
-    on x's device (int32 or int64, flattened or not); bias: [capacity_b, N] and bias_slot: [rows]
-    (both or neither). Launches only: nothing is read on the host.
+    Semantics:
+        out[t, n] = act(sum_k x[t, k] w[slot_i, n, k] + bias[bias_slot[t], n])
+                    (start_i <= t < end_i, every tile i)
+
+    where ``(start_i, end_i, slot_i)`` are the rows of ``tiles``, which tile the rows; without
+    a bias its term drops. Returns out.
+
+    Args:
+        x: Shape: [T, K]. DType: float16 or bfloat16 (float32 too under the interpreter).
+            Read only (copied first if not contiguous).
+        w: Shape: [C, N, K], each slot dense. DType: x's. Read only.
+        tiles: Shape: [tiles, 3] or flattened, ``tile_table(segs, bm)`` on x's device.
+            DType: int32 or int64. Read only.
+        bm: Type: int, rows a tile holds (``block_rows``), at least the longest tile's.
+        bias: Shape: [C_b, N], or None. DType: x's. Read only.
+        bias_slot: Shape: [T], or None (given with bias, or neither). DType: int64. Read only.
+        act: Type: str, a key of ``ACT_CODES``.
+        out: Shape: [T, N], or None (a new tensor). DType: x's. Written in place and returned.
     """
     x = x.contiguous()  # a no-op for the forward's operands
     rows, K = x.shape
