@@ -7,8 +7,8 @@
   ``Type:`` for anything else;
 - an op's parameters are declared once, by its torch reference: ``dispatch`` defines no
   function of its own for an op (the name is an instance of the op's class, whose signature is
-  the reference's), and the CUDA wrapper of an op takes exactly the reference's parameters and
-  does not restate the contract;
+  the reference's), the CUDA wrapper of an op takes exactly the reference's parameters and
+  does not restate the contract, and its validators take them in the same order;
 - what a contract says about writes holds: the reference leaves each "Read only" argument as it
   was and returns the "Written in place and returned" one itself;
 - calling an op hands both forwards every argument positionally, defaults filled in;
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from itif.ops import cuda, dispatch, reference
+from itif.ops import cuda, dispatch, reference, validate
 from itif.ops.reference import AttnGroup, RotParam
 from itif.runtime import cublas_grouped, gemm, lora, triton_gemm
 
@@ -152,6 +152,15 @@ def test_each_cuda_wrapper_takes_the_reference_parameters_and_no_contract(name):
     doc = wrapper.__doc__ or ""
     assert "Semantics:" not in doc and "Shape:" not in doc, "the contract is the op class's"
     assert f"dispatch.{type(getattr(dispatch, name)).__name__}" in doc, "name the op's class"
+
+
+@pytest.mark.parametrize("name", dispatch.OPS)
+def test_each_kernel_validator_takes_the_reference_parameters_in_order(name):
+    ref = list(inspect.signature(getattr(reference, name)).parameters)
+    check = list(inspect.signature(getattr(validate, f"validate_{name}")).parameters)
+    sig = list(inspect.signature(getattr(validate, f"sig_{name}")).parameters)
+    assert check[-1] == "require_cuda" and check[:-1] == ref[: len(check) - 1]
+    assert sig == check[:-1]
 
 
 # ---- the contracts' writes hold -------------------------------------------------------------
