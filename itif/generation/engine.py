@@ -23,7 +23,14 @@ row, ``itif.generation.search``). The iteration loop, each step:
    again, so only a request that fails alone fails (its rows leave), and the others go on;
 4. ``SearchBatch.step`` over all rows' logits decides each row's token and the row it continues;
    the row table is reordered with those parents (indices, never cache contents);
-5. finished requests leave: their results are delivered and their blocks freed.
+5. the step's new tokens of streaming requests (greedy, one-row sampling) are handed out, one
+   array per consumer (``itif.generation.streams``; a request without one: a "tokens" event to
+   its own callback); finished requests leave: their results are delivered, blocks freed.
+
+Every part of a decode step works on tensors or numpy arrays over all rows (the search, the
+row table, block growth, the streamed tokens), so one step makes the same number of Python calls
+whatever the number of running requests (``tests/test_decode_step_calls.py``); what is done per
+request is done once per event: a request joining, finishing, cancelled or preempted.
 
 ``generate`` runs the loop inline until its requests are done (when the background loop is not
 started); ``start`` runs it on a thread for ``submit``/``cancel`` (the daemon).
@@ -46,7 +53,7 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
-from itif.generation import deltas, lora
+from itif.generation import deltas, lora, streams
 from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
@@ -102,7 +109,8 @@ class GenEngine(StepParts):
         self._resume: deque[Ticket] = deque()  # preempted requests, resumed before any other
         self.preemptions = 0  # requests preempted for lack of KV blocks, since the start
         self._running: dict[int, Ticket] = {}
-        self._streaming: dict[int, Ticket] = {}  # running requests whose tokens are streamed
+        self._sinks = streams.Sinks()  # the streamed tokens' consumers
+        self._restream: list[Ticket] = []  # consumers given (``stream_to``) since the last step
         self._cancel: list[Ticket] = []
         self._step_lock = threading.Lock()  # one iteration at a time
         self._thread: threading.Thread | None = None
@@ -198,8 +206,6 @@ class GenEngine(StepParts):
         if self._sb is not None:
             self._sb.remove(keys)
         self._batch.remove(keys)
-        for k in keys:
-            self._streaming.pop(k, None)
         return held + [self._running.pop(k) for k in keys]
 
     def _fail(self, tickets: list[Ticket], err: ItifError) -> None:
@@ -308,15 +314,27 @@ class GenEngine(StepParts):
                 raise ev.error
         return [ev.generation for ev in out]
 
-    def submit(self, request: GenerateRequest, on_event: Callable[[GenEvent], None]) -> Ticket:
+    def submit(self, request: GenerateRequest, on_event: Callable[[GenEvent], None],
+               sink: streams.Consumer | None = None) -> Ticket:
         """Queue ``request`` (validated now: InvalidRequest raises here); events come from the
-        loop thread and ``on_event`` must not block."""
+        loop thread and ``on_event`` must not block. ``sink``: the consumer its streamed tokens
+        go to, in bulk with its other requests' (``itif.generation.streams``; held weakly);
+        without one they come to ``on_event`` as "tokens" events."""
         t = self._prepare(request)
-        t.on_event = on_event
+        t.on_event, t.sink = on_event, sink
         with self._cv:
             self._enqueue(t)
             self._cv.notify_all()
         return t
+
+    def stream_to(self, ticket: Ticket, sink: streams.Consumer) -> None:
+        """Hand ``ticket``'s streamed tokens to ``sink`` from the next step on, rather than to
+        its callback: for a caller whose ticket came through a front door that takes a
+        callback only (``Daemon.submit_generate``). Tokens decided before came through the
+        callback, each token once either way, in order."""
+        with self._cv:
+            ticket.sink = sink
+            self._restream.append(ticket)
 
     def _enqueue(self, t: Ticket) -> None:
         """Queue ``t`` at its fair place; its cost is its token budget (see ``admission``)."""
@@ -423,6 +441,7 @@ class GenEngine(StepParts):
         sb = self._sb
         with self._cv:
             cancel, self._cancel = self._cancel, []
+            restream, self._restream = self._restream, []
             for t in cancel:  # preempted after its cancel came: it waits no more
                 if t in self._resume:
                     self._resume.remove(t)
@@ -434,8 +453,10 @@ class GenEngine(StepParts):
             batch.remove(keys)
             for t in gone:
                 del self._running[t.id]
-                self._streaming.pop(t.id, None)
                 t.done = True
+        for t in restream:  # a consumer for a running request (a waiting one: when it joins)
+            if t.id in self._running and t.stream:
+                sb.stream(t.id, t.id, self._sinks.slot(t.sink))
         self._preempt(batch, sb)  # room for the running rows' next blocks (decode takes them)
         with self._cv:
             joins: list[Ticket] = []
@@ -464,14 +485,11 @@ class GenEngine(StepParts):
                 parts.append(logits)
         if joins:
             joins = self._admit(batch, sb, joins, parts)
-            for t in joins:
-                if t.stream:
-                    self._streaming[t.id] = t
         if not parts:  # every join failed and nothing was running
             return
         res = sb.step(torch.cat(parts) if len(parts) > 1 else parts[0])
         batch.apply(res.tokens, res.parent)
-        self._stream()
+        self._stream(res.streamed)
         if res.finished:
             keys = list(res.finished)
             results, keep = sb.remove(keys)
@@ -480,18 +498,25 @@ class GenEngine(StepParts):
                 raise ItifError("search and cache disagree on the surviving rows")
             for k in keys:
                 t = self._running.pop(k)
-                self._streaming.pop(k, None)
                 t.done = True
                 if not t.cancelled:
                     self._emit(t, GenEvent("done", generation=self._generation(t, results[k])))
 
-    def _stream(self) -> None:
-        """New tokens of streaming (greedy, sampling) requests, one event per request."""
-        live = {t.id: t for t in self._streaming.values() if not t.cancelled}
-        for key, new in self._sb.new_tokens({k: t.sent for k, t in live.items()}).items():
-            t = live[key]
-            t.sent += len(new)
-            self._emit(t, GenEvent("tokens", tokens=new))
+    def _stream(self, streamed) -> None:
+        """This step's new tokens of streaming requests: one array to each consumer, a
+        "tokens" event to each request that has none (``itif.generation.streams``). Requests
+        cancelled during the step get nothing more."""
+        with self._cv:
+            gone = [t.id for t in self._cancel]
+        ids, toks = self._sinks.hand_out(streamed, gone, self._consumer_failed)
+        for key, tok in zip(ids, toks):
+            self._emit(self._running[key], GenEvent("tokens", tokens=[tok]))
+
+    def _consumer_failed(self, ids, err: Exception) -> None:
+        """A consumer raised (its event loop closed, say): its requests of the step end, as a
+        callback that raises ends its own request (``_emit``)."""
+        for key in ids.tolist():
+            self.cancel(self._running[key])
 
     @staticmethod
     def _generation(t: Ticket, g: Any) -> Generation:
@@ -507,7 +532,6 @@ class GenEngine(StepParts):
         cannot be emptied is made again (here, else at the next step)."""
         running = list(self._running.values())
         self._running.clear()
-        self._streaming.clear()
         self._sb = None
         self._fail(running, err)
         try:

@@ -2,7 +2,7 @@
 ``itif.generation.engine``): preempting requests when the KV pool is full, the decode of the
 running rows (apart, when it fails together), joining requests into the search and the batch.
 ``StepParts`` is a mixin of ``GenEngine``: its methods use the engine's state (``_running``,
-``_streaming``, ``_resume``, ``_cv``, ``_fail``)."""
+``_sinks``, ``_resume``, ``_cv``, ``_fail``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ class StepParts:
             if not torch.equal(keep.to(self.device), batch.remove([key]).to(self.device)):
                 raise ItifError("search and cache disagree on the surviving rows")
             t = self._running.pop(key)
-            self._streaming.pop(key, None)
             n = len(state.histories[0])
             t.admission = replace(t.admission, histories=state.histories)
             t.resume = state
@@ -66,7 +65,6 @@ class StepParts:
         keep = batch.remove(keys)
         for k, e in failed.items():
             t = self._running.pop(k)
-            self._streaming.pop(k, None)
             log.warning("generation request %s (tenant %s) failed in its decode step: %r", k,
                         t.request.tenant, e)
             self._fail([t], error_for(e, "the device ran out of memory running this generation's "
@@ -120,6 +118,8 @@ class StepParts:
                 t.resume = None
             else:
                 sb.add(t.id, t.params, t.history)
+            if t.stream:  # its tokens handed out at each step (``itif.generation.streams``)
+                sb.stream(t.id, t.id, self._sinks.slot(t.sink))
         except Exception as e:  # noqa: BLE001 - one request's parameters must not end the others'
             log.warning("generation request %s refused by the search: %r", t.id, e)
             del self._running[t.id]

@@ -122,11 +122,13 @@ def search_params(request: GenerateRequest, defaults: GenerationDefaults, encode
 class StepResult:
     """What one step decided. ``tokens`` [rows]: the token each row appends; ``parent`` [rows]:
     the row (pre-step order) whose history and cache the row continues; ``finished``: keys whose
-    search ended at this step (their rows stay until ``remove``)."""
+    search ended at this step (their rows stay until ``remove``); ``streamed``: (sid, sink,
+    token) [k] of the streaming rows (``SearchBatch.stream``) that appended a token."""
 
     tokens: torch.Tensor
     parent: torch.Tensor
     finished: list[Hashable]
+    streamed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -148,7 +150,7 @@ class SearchResult:
 _FIELDS: dict[str, tuple[torch.dtype, float, bool]] = {
     **{n: (torch.int64, 0, False) for n in (
         "req", "ridx", "mode", "nb", "K", "plen", "gen", "max_new", "min_new", "ngram", "pad",
-        "fbos", "feos", "topk", "seed", "es", "fin_len")},
+        "fbos", "feos", "topk", "seed", "es", "fin_len", "sid", "sink")},
     **{n: (torch.float32, 0.0, False) for n in ("temp", "topp_cut", "run_score", "fin_score")},
     **{n: (torch.bool, False, False) for n in (
         "use_topp", "row_done", "req_done", "fin_flag", "heur", "never_pos")},
@@ -265,6 +267,7 @@ class SearchBatch:
             feos=params.forced_eos_token_id if params.forced_eos_token_id is not None else -1,
             topk=min(params.top_k, v) if mode == SAMPLE else 0, seed=seed,  # k >= vocab: all
             es={False: 0, True: 1, "never": 2}[params.early_stopping], fin_len=len(hist),
+            sid=-1, sink=-1,
             temp=params.temperature if mode == SAMPLE else 1.0, fin_score=_FAR,
             use_topp=mode == SAMPLE and params.top_p < 1.0, row_done=False, req_done=False,
             fin_flag=False, heur=True, never_pos=params.early_stopping == "never" and lp > 0.0)
@@ -334,6 +337,16 @@ class SearchBatch:
         new = dict(p.state)
         new["req"] = torch.full_like(new["req"], rid)
         return self._join(key, rid, p.params, new)
+
+    def stream(self, key: Hashable, sid: int, sink: int) -> None:
+        """From the next step on, hand ``key``'s tokens out as they are appended, tagged with
+        the caller's numbers ``sid`` (the request) and ``sink`` (its consumer), all streaming
+        rows' together (``StepResult.streamed``). Only a one-row greedy or sampling request
+        streams (a beam's history changes as beams swap): other keys are left as they are."""
+        p = self._reqs[key].params
+        if p.rows == 1 and p.mode != "beam":
+            rows = self._t["req"] == self._reqs[key].id
+            self._t["sid"][rows], self._t["sink"][rows] = sid, sink
 
     def _count(self, p: SearchParams, sign: int) -> None:
         for counter, k in ((self._ngrams, p.no_repeat_ngram_size), (self._modes, _MODES[p.mode])):
@@ -417,12 +430,15 @@ class SearchBatch:
         logits = logits.to(device=self.device, dtype=torch.float32)
         tokens = t["pad"].clone()
         parent = torch.arange(n, device=self.device)
+        grew = torch.zeros(n, dtype=torch.bool, device=self.device)  # rows that appended one
         finished: list[int] = []
         if self._modes.get(GREEDY) or self._modes.get(SAMPLE):
-            finished += self._step_single(logits, tokens)
+            finished += self._step_single(logits, tokens, grew)
         for nb, k in sorted(self._groups):
             finished += self._step_beam(logits, tokens, parent, nb, k)
-        return StepResult(tokens=tokens, parent=parent, finished=[self._keys[i] for i in finished])
+        out = torch.nonzero(grew & (t["sid"] >= 0)).view(-1)  # streaming rows (never beams)
+        return StepResult(tokens=tokens, parent=parent, finished=[self._keys[i] for i in finished],
+                          streamed=(t["sid"][out], t["sink"][out], tokens[out]))
 
     def _process(self, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """generate()'s logits processors, in its order, on the rows ``idx``."""
@@ -451,8 +467,10 @@ class SearchBatch:
         """``tok`` [rows, k] in each row's ``eos`` [rows, E] list."""
         return (tok.unsqueeze(-1) == eos.unsqueeze(1)).any(-1)
 
-    def _step_single(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[int]:
-        """Greedy and sampling rows (``_sample`` of generate())."""
+    def _step_single(self, logits: torch.Tensor, tokens: torch.Tensor, grew: torch.Tensor
+                     ) -> list[int]:
+        """Greedy and sampling rows (``_sample`` of generate()); ``grew``: set where a row
+        appended a token."""
         t = self._t
         idx = torch.nonzero(~t["req_done"] & (t["mode"] != BEAM)).view(-1)
         if idx.numel() == 0:
@@ -468,6 +486,7 @@ class SearchBatch:
         was_done = t["row_done"][idx]
         tok = torch.where(was_done, t["pad"][idx], tok)
         self._append(idx, tok, ~was_done)
+        grew[idx] = ~was_done
         done = was_done | self._is_eos(tok.view(-1, 1), t["eos"][idx]).view(-1) | (t["gen"][idx] >= t["max_new"][idx])
         t["row_done"][idx] = done
         tokens[idx] = tok

@@ -36,7 +36,7 @@ class Ticket:
     admission: Admission | None = field(default=None, repr=False)
     history: list[int] = field(default_factory=list, repr=False)
     stream: bool = False
-    sent: int = 0  # tokens streamed so far
+    sink: Any = field(default=None, repr=False)  # its streamed tokens' consumer (or on_event)
     resume: Any = field(default=None, repr=False)  # preempted: its search state (search.Preempted)
     cancelled: bool = False
     done: bool = False

@@ -5,10 +5,13 @@ A call is authenticated and admitted like Infer (``itif.server.service.AuthInter
 Then :meth:`itif.daemon.Daemon.submit_generate`, the daemon's front door for Generate,
 validates it (an encoder daemon: UNIMPLEMENTED; an unknown tenant: NOT_FOUND; bad parameters:
 INVALID_ARGUMENT naming the field), reserves its reply bytes through the callback it is given,
-and hands it to the GenEngine's iteration loop, whose thread
-reports each step's new tokens through a callback; the callback only posts them to this call's
-queue on the event loop, and this handler turns them into ``tokens`` messages (greedy search
-and sampling), then one ``result`` message at the end.
+and hands it to the GenEngine's iteration loop. Each step's new tokens of every call on one
+event loop reach that loop in bulk: the loop's consumer (``_LoopTokens``,
+``itif.generation.streams``) is handed one array per step by the GenEngine's thread, posts it
+to the loop in one callback, and there gives each call its token (tokens decided before the
+consumer was given, and the result or error, come through the call's own callback); this
+handler turns them into ``tokens`` messages (greedy search and sampling), then one ``result``
+message at the end.
 
 Leaving early frees the work: a client that cancels or goes away cancels the handler's task,
 a deadline that passes ends it with DEADLINE_EXCEEDED, and either way the request's ticket is
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 
@@ -126,6 +129,49 @@ class _Text:
         return text[len(before):]
 
 
+@dataclass(frozen=True)
+class _StepTokens:
+    """A "tokens" event of one call as its loop's consumer hands it: one step's token."""
+
+    tokens: list[int]
+    kind: str = "tokens"
+    sequence: int = 0
+
+
+class _LoopTokens:
+    """The token consumer of one event loop (``itif.generation.streams``): the GenEngine's
+    thread hands it a step's tokens of every streaming call on this loop in one ``put``; one
+    callback on the loop then gives each call its token. Calls register by ticket id."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.calls: dict[int, asyncio.Queue] = {}
+
+    def put(self, ids: Any, tokens: Any) -> None:  # the GenEngine's thread: never blocks
+        self.loop.call_soon_threadsafe(self._deliver, ids, tokens)
+
+    def _deliver(self, ids: Any, tokens: Any) -> None:
+        calls = self.calls
+        for key, tok in zip(ids.tolist(), tokens.tolist()):
+            q = calls.get(key)
+            if q is not None:  # a call that ended meanwhile wants nothing more
+                q.put_nowait(_StepTokens([tok]))
+
+
+_CONSUMERS: dict[int, _LoopTokens] = {}  # id(event loop) -> its consumer
+
+
+def _loop_tokens(loop: asyncio.AbstractEventLoop) -> _LoopTokens:
+    """``loop``'s consumer, made on its first call (closed loops' consumers dropped then)."""
+    c = _CONSUMERS.get(id(loop))
+    if c is None or c.loop is not loop:
+        for key, other in list(_CONSUMERS.items()):
+            if other.loop.is_closed():
+                _CONSUMERS.pop(key, None)
+        c = _CONSUMERS[id(loop)] = _LoopTokens(loop)
+    return c
+
+
 async def load_evicted(daemon: Any, who: Any, tenant: str) -> None:
     """Load ``tenant`` on a worker thread when the weight tiers evicted it (on the host or
     disk), before its :class:`GenerationStream` is submitted: there it would be loaded on the
@@ -172,6 +218,12 @@ class GenerationStream:
         self.ticket = daemon.submit_generate(who, tenant, req, on_event, text=text,
                                              reserve=reserve)
         self.words = _Text(daemon.engine.tokenizer_of(tenant))
+        self._tokens: _LoopTokens | None = None
+        gen = getattr(daemon, "generator", None)
+        if hasattr(gen, "stream_to"):  # the step's tokens in bulk, with the loop's other calls'
+            self._tokens = _loop_tokens(loop)
+            self._tokens.calls[self.ticket.id] = self._events
+            gen.stream_to(self.ticket, self._tokens)
 
     async def events(self, deadline: float | None = None) -> AsyncIterator[tuple[str, Any]]:
         metrics, tenant = self.daemon.metrics, self.tenant
@@ -218,6 +270,8 @@ class GenerationStream:
     def close(self) -> None:
         """Free the request's rows now unless it finished (cancelled, disconnected, expired or
         failed)."""
+        if self._tokens is not None:
+            self._tokens.calls.pop(self.ticket.id, None)
         if not self.finished:
             self.finished = True
             self.daemon.cancel_generate(self.ticket)
