@@ -108,7 +108,7 @@ class ColumnDoor:
                 labels = self._labels[key] = eng.tenant_info(t.id).num_labels or 0
             limit = min(t.max_seq_len or eng.max_seq_len, eng.max_seq_len)
             tenants[t.id] = (i, t.token_sha256, st.sha256, labels, limit,
-                             t.max_inflight or 2 * t.max_queue)
+                             t.max_inflight or 2 * t.max_queue, t.max_queue)
         return {"admin": cfg.server.admin_token_sha256, "tenants": tenants,
                 "hidden": eng.spec.hidden, "vocab": eng.spec.vocab_size,
                 "retry_after_ms": cfg.server.retry_after_ms,

@@ -118,11 +118,14 @@ class ColumnClient:
         entry = snap["tenants"].get(req.tenant)
         if entry is None or req.outputs or not inputs or req.priority > 127:
             return None
-        index, token_sha, sha, labels, limit, _ = entry
+        index, token_sha, sha, labels, limit, _, max_queue = entry
+        # more rows than the tenant may queue, or than a ring slot holds: the servicer's answer
+        if len(inputs) > max_queue or 40 * len(inputs) > self.arrivals.slot_bytes // 2:
+            return None
         if not self._may_see(metadata, snap["admin"], token_sha):
             return None
         ids = []
-        vocab = snap["vocab"]
+        tokens, vocab = 0, snap["vocab"]
         for inp in inputs:
             if inp.WhichOneof("input") != "input_ids" or inp.input_ids.token_type_ids:
                 return None
@@ -130,6 +133,9 @@ class ColumnClient:
             if not 1 <= a.size <= limit or a.min() < 0 or a.max() >= vocab:
                 return None
             ids.append(a)
+            tokens += a.size
+        if 40 * len(inputs) + 4 * tokens > self.arrivals.slot_bytes // 2:
+            return None
         output, width = ("logits", labels) if labels else ("pooled", snap["hidden"])
         return Prepared(method, req.tenant, index, ids, sha, output, width, req.priority)
 
