@@ -7,9 +7,12 @@
 - the layers run one way: every import goes down :data:`LAYERS` or stays inside its package;
 - the scheduler, the request types and the HTTP JSON workers' module load without torch; the
   daemon loads neither grpc nor the metrics (the server layer wires those up);
-- no module reads the daemon's or the engine's private members (``daemon._visible``,
-  ``engine._validate_text``) outside the class's own file, but for an allow-list that may
-  only shrink: the servers go through the daemon's public front door (``Daemon.admit``).
+- no module uses another object's or module's private names: ``other._x`` (anything but
+  ``self``, ``cls``, ``super()`` or a class of the same file), ``getattr(other, "_x")``, or an
+  import of ``_helper`` or through a private module from outside its package. Where a file needs
+  one, its owner gets a public method or name (``Daemon.admit``, ``Scheduler.expire``); torch's
+  and the standard library's internals that itif must use are listed with a reason each, and
+  reads in files other changes owned when the rule came in are listed to shrink.
 """
 
 from __future__ import annotations
@@ -310,86 +313,179 @@ def test_daemon_loads_neither_grpc_nor_metrics():
     assert not _has(loaded, "itif.server")
 
 
-# ---- private members read from outside their class ----------------------------------------
-#: The classes whose private members stay theirs: file -> class.
-PRIVATE_OWNERS = {"itif/daemon.py": "Daemon", "itif/runtime/engine.py": "Engine"}
-#: Receivers taken for a Daemon or an Engine: these names (``d._x``, ``self.daemon._x``, ...),
-#: and any parameter annotated ``Daemon`` or ``Engine`` whatever its name.
-RECEIVERS = {"daemon", "d", "engine", "eng"}
-#: What still reads them, file -> {expression: times}. It may only shrink: a new read fails the
-#: test, and so does an entry that is no longer read (delete it). 22 reads at 7cd3de2, none now.
-PRIVATE_READS_ALLOWED: dict[str, dict[str, int]] = {}
+# ---- private names used outside their owner -------------------------------------------------
+#: A private package that is everyone's to import all the same: its name -> why.
+OPEN_PRIVATE_MODULES = {
+    "itif.server._proto": "the generated gRPC stubs (``itif.server.gen``), private so the API "
+                          "docs skip them; the client, the CLI and the benchmarks speak the "
+                          "protocol through them",
+}
+#: Internals of torch, Hugging Face and the standard library that itif must use, having no
+#: public way to do the same: file -> {what is read: why}. An entry nothing reads any more
+#: fails the test (delete it).
+FOREIGN_INTERNALS: dict[str, dict[str, str]] = {
+    "itif/bench/offline.py": {
+        "torch._dynamo": "the recompile limits of torch.compile live only in its config",
+    },
+    "itif/bench/systems.py": {
+        "torch._inductor": "Inductor's mode options and config keys, to bound max-autotune",
+        "first.config._attn_implementation": "the attention Transformers picked (reported "
+                                             "beside the timings); read, never set",
+        "torch.utils._python_dispatch": "TorchDispatchMode counts aten ops (no public home)",
+    },
+    "itif/ops/cuda_loader.py": {
+        "torch._C": "the raw cudaStream_t of torch's current stream, for the CuPy kernels",
+        "torch._C._cuda_getCurrentRawStream": "the same, as a function",
+    },
+    "itif/platform.py": {
+        "cpu._is_avx512_bf16_supported": "torch.cpu's probes of native bf16/fp16 matmuls, to "
+                                         "warn of emulation",
+        "cpu._is_amx_tile_supported": "the same probe, AMX",
+        "cpu._is_amx_fp16_supported": "the same probe, AMX-FP16",
+    },
+    "itif/weights/store.py": {
+        "t._version": "torch.Tensor's in-place version counter: a digest goes stale when its "
+                      "tensor is changed in place",
+    },
+    "itif/hostpath/ring.py": {
+        "shm._name": "SharedMemory's name as registered with the resource tracker (with its "
+                     "leading slash), to unregister an attached segment (Python 3.11)",
+    },
+    "itif/runtime/cpu_linear.py": {
+        "torch.ops.mkldnn._linear_pointwise": "oneDNN's matmul with the bias, activation or "
+                                              "residual fused in (the op Inductor's CPU freezing "
+                                              "uses); torch has no public name for it",
+        "torch.ops.mkldnn._is_mkldnn_bf16_supported": "whether that op runs bf16 natively",
+    },
+    "itif/runtime/cpu_gemm.py": {
+        "torch.utils.cpp_extension._get_build_directory": "where torch builds the extension, "
+                                                          "to find it again",
+    },
+}
+#: Private reads in files other engineers owned when this rule came in, each to be fixed at
+#: its owner with a public name: file -> {what is read: why}. It may only shrink: a new read
+#: fails the test, and so does an entry nothing reads any more (delete it). A file not in the
+#: tree is passed over (one a parallel change is adding: its entries were written with it).
+OWNED_ELSEWHERE: dict[str, dict[str, str]] = {
+    "itif/hostpath/ring.py": {
+        "end._release_views": "owned elsewhere today: the ring's ends release each other's "
+                              "views",
+    },
+    "itif/bench/perf_doc.py": {
+        "itif.bench.report._ms": "owned elsewhere today (with itif/bench/report.py): the table "
+                                 "helpers perf_doc shares with report need public names",
+        "itif.bench.report._table": "owned elsewhere today: the same",
+        "itif.bench.report._x": "owned elsewhere today: the same",
+    },
+    "itif/ops/cuda.py": {
+        "itif.ops.cuda_loader._Module": "owned elsewhere today: re-exported for callers of the "
+                                        "pre-split module",
+    },
+    "itif/ops/selftest.py": {
+        "dispatch._cuda_backend": "owned elsewhere today: needs a public name in "
+                                  "itif/ops/dispatch.py (tests/test_selftest.py patches it)",
+    },
+}
+_CALLS_BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 
 
-def _private_members(tree: ast.Module, cls: str) -> set[str]:
-    """The private names of class ``cls``: its ``_methods``, class attributes and the
-    ``self._attrs`` it assigns (dunders aside)."""
-    names: set[str] = set()
-    for node in tree.body:
-        if not (isinstance(node, ast.ClassDef) and node.name == cls):
+def _private(name: str) -> bool:
+    """``_x`` and ``__x``, not ``__x__`` (nor ``_``)."""
+    return name.startswith("_") and name != "_" and not (
+        name.startswith("__") and name.endswith("__"))
+
+
+def _own(receiver: ast.expr, classes: set[str]) -> bool:
+    """An object's own members: through ``self``, ``cls``, ``super()`` or a class of the file."""
+    if isinstance(receiver, ast.Name):
+        return receiver.id in {"self", "cls"} | classes
+    return (isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Name)
+            and receiver.func.id == "super")
+
+
+def _private_path(path: str, importer: str) -> str | None:
+    """The dotted path up to the first private part of ``path`` the importer may not import
+    (a private module is its package's: open to the modules inside it), or None."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if not _private(part):
             continue
-        for n in ast.walk(node):
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                names.add(n.name)
-            elif (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-                  and isinstance(n.value, ast.Name) and n.value.id == "self"):
-                names.add(n.attr)
-            elif isinstance(n, ast.Assign):  # ``_a = ...`` and ``_a, _b = ...``
-                names.update(t.id for target in n.targets for t in ast.walk(target)
-                             if isinstance(t, ast.Name))
-            elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
-                names.add(n.target.id)
-    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+        owner, upto = ".".join(parts[:i]), ".".join(parts[: i + 1])
+        if not (importer == owner or importer.startswith(owner + ".")
+                or upto in OPEN_PRIVATE_MODULES):
+            return upto
+    return None
 
 
-def _private_reads(tree: ast.Module, members: set[str]) -> Counter:
-    """Expression -> times, of ``<receiver>.<member>`` in ``tree``: a receiver named as in
-    :data:`RECEIVERS` (or ``<anything>.<such a name>``), or a parameter annotated with one of
-    :data:`PRIVATE_OWNERS`' classes."""
-    owners = set(PRIVATE_OWNERS.values())
-    typed = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg) and a.annotation is not None
-             and ast.unparse(a.annotation).strip("'\"").split("|")[0].strip() in owners}
+def _private_uses(tree: ast.Module, module: str, is_pkg: bool = False) -> Counter:
+    """What module ``module`` reads of other objects' and modules' private names, each as a
+    dotted expression -> times: ``<expr>._x`` (read, written or called) where ``<expr>`` is not
+    the object itself (:func:`_own`), ``getattr(<expr>, "_x")`` and its kin, and imports of a
+    private name or through a private module (``from m import _helper``, ``import torch._C``)."""
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     found: Counter = Counter()
     for n in ast.walk(tree):
-        if not (isinstance(n, ast.Attribute) and n.attr in members):
-            continue
-        v = n.value
-        if ((isinstance(v, ast.Name) and v.id in RECEIVERS | typed)
-                or (isinstance(v, ast.Attribute) and v.attr in RECEIVERS)):
+        if isinstance(n, ast.Attribute) and _private(n.attr) and not _own(n.value, classes):
             found[ast.unparse(n)] += 1
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in _CALLS_BY_NAME and len(n.args) >= 2
+              and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)
+              and _private(n.args[1].value) and not _own(n.args[0], classes)):
+            found[f"{ast.unparse(n.args[0])}.{n.args[1].value}"] += 1
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            if isinstance(n, ast.Import):
+                paths = [a.name for a in n.names]
+            else:
+                base = n.module or ""
+                if n.level:
+                    parent = module.split(".") if is_pkg else module.split(".")[:-1]
+                    parent = parent[: len(parent) - (n.level - 1)]
+                    base = ".".join(parent + ([base] if base else []))
+                paths = [f"{base}.{a.name}" for a in n.names if a.name != "*"]
+            for path in paths:
+                bad = _private_path(path, module)
+                if bad is not None:
+                    found[bad] += 1
     return found
 
 
-def test_private_read_finder_finds_them():
-    members = _private_members(ast.parse(
-        "class Daemon:\n    _k, _j = 1, 2\n    def __init__(self):\n        self._lock = None\n"
-        "    def _visible(self):\n        return self.__class__\n"), "Daemon")
-    assert members == {"_j", "_k", "_lock", "_visible"}
-    src = ("def f(d, daemon: 'Daemon', x: Daemon, y):\n"
-           "    d._lock; daemon._visible(); x._k; self.daemon._lock; y._lock; d._other\n"
-           "    d.__class__; d.public\n")
-    assert _private_reads(ast.parse(src), members) == Counter(
-        {"d._lock": 1, "daemon._visible": 1, "x._k": 1, "self.daemon._lock": 1})
+def test_private_use_finder_finds_them():
+    src = ("import os, torch._C\nfrom itif.x import _helper, public\nfrom . import _sibling\n"
+           "from ..other import _far\nfrom itif.server._proto import stub\n"
+           "class K:\n    _k = 1\n    def m(self, other):\n"
+           "        self._a; cls._b; K._k; super()._c; self.__class__; other.__dict__\n"
+           "        other._d; self.peer._e = 1; other._f(); getattr(other, '_g', None)\n"
+           "        getattr(self, '_h'); hasattr(other, 'public'); x[0]._i; other._d\n")
+    assert _private_uses(ast.parse(src), "itif.pkg.mod") == Counter({
+        "torch._C": 1, "itif.x._helper": 1, "itif.other._far": 1, "other._d": 2,
+        "self.peer._e": 1, "other._f": 1, "other._g": 1, "x[0]._i": 1})
+    # a package's own private module is open to it; the stubs to everyone
+    assert _private_uses(ast.parse("from . import _kernels\n"), "itif.pkg", is_pkg=True) == {}
+    assert _private_uses(ast.parse("from itif.pkg import _kernels\n"), "itif.other.m") == {
+        "itif.pkg._kernels": 1}
 
 
-def test_no_private_daemon_or_engine_reads_outside_their_class():
-    members: set[str] = set()
-    for rel, cls in PRIVATE_OWNERS.items():
-        members |= _private_members(ast.parse((REPO / rel).read_text(encoding="utf-8")), cls)
-    assert "_visible" in members and "_validate" in members, "the member finder is broken"
-    found = {}
-    for path in _modules().values():
-        rel = path.relative_to(REPO).as_posix()
-        if _generated(path) or rel in PRIVATE_OWNERS:
+def test_no_module_uses_another_objects_private_names():
+    """Where a file needs another object's ``_`` member (or another module's ``_helper``), its
+    owner gets a public method or name: issue 64, item 2."""
+    allowed: dict[str, set[str]] = {}
+    for table in (FOREIGN_INTERNALS, OWNED_ELSEWHERE):
+        for rel, reads in table.items():
+            allowed.setdefault(rel, set()).update(reads)
+    found: dict[str, set[str]] = {}
+    for name, path in _modules().items():
+        if _generated(path):
             continue
-        reads = _private_reads(ast.parse(path.read_text(encoding="utf-8")), members)
-        if reads:
-            found[rel] = dict(reads)
-    new = {f: {e: n for e, n in r.items() if n > PRIVATE_READS_ALLOWED.get(f, {}).get(e, 0)}
-           for f, r in found.items()}
-    new = {f: r for f, r in new.items() if r}
-    assert not new, (f"private members of {sorted(PRIVATE_OWNERS.values())} read from outside "
-                     f"their class (use or add a public method): {new}")
-    assert found == PRIVATE_READS_ALLOWED, (
-        "fewer private reads than allowed: shrink PRIVATE_READS_ALLOWED to what is left: "
-        f"{found}")
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        uses = _private_uses(tree, name, path.name == "__init__.py")
+        if uses:
+            found[path.relative_to(REPO).as_posix()] = set(uses)
+    assert found, "the finder found no private use at all (torch._C is one): it is broken"
+    new = {f: sorted(u - allowed.get(f, set())) for f, u in found.items()}
+    new = {f: u for f, u in new.items() if u}
+    assert not new, ("private names of other objects or modules used (give the owner a public "
+                     f"method or name): {new}")
+    gone = {f: sorted(a - found.get(f, set())) for f, a in allowed.items()
+            if (REPO / f).is_file()}
+    gone = {f: a for f, a in gone.items() if a}
+    assert not gone, f"no longer used: delete from FOREIGN_INTERNALS / OWNED_ELSEWHERE: {gone}"
