@@ -358,7 +358,8 @@ class Attention(Op):
         qkv: Shape: [T, 3H], Q, K and V side by side, bias added. DType: float. Read only.
         groups: Type: a sequence of ``AttnGroup`` (view or gather form; see its docstring).
         heads: Type: int, dividing H.
-        out: Shape: [T, H], or None (a new zero tensor). DType: qkv's. Written in place.
+        out: Shape: [T, H], or None (a new zero tensor). DType: qkv's. Written in place and
+            returned (the rows the groups cover).
         varlen: Type: (boundaries [S+1] int32, longest) or None: the same sequences for a
             backend that runs them in one call (``PreparedBatch.varlen_L``); the reference
             runs ``groups``.
