@@ -110,6 +110,10 @@ def bias_residual_layernorm(
     x: [T, H]. With ``keep_sum`` the pre-norm sum is also written into ``x`` (pre-LN blocks need
     it as the next residual); otherwise x is left unchanged.
     """
+    if bias is None and residual is None and not keep_sum:
+        y = _layernorm_segments(x, gamma, beta, eps)
+        if y is not None:
+            return y
     s = _wide(x, copy=not keep_sum)
     if bias is not None:
         _apply(s, bias, "add_")
@@ -119,6 +123,34 @@ def bias_residual_layernorm(
         x.copy_(s)
     y = F.layer_norm(s, (s.shape[-1],), eps=eps)
     return _apply(_apply(y, gamma, "mul_"), beta, "add_").to(x.dtype)
+
+
+#: At most this many segments of rows normalise with their own gamma and beta in one
+#: ``layer_norm`` call each (``_layernorm_segments``); more go through per-row values.
+LN_MAX_SEGMENTS = 64
+
+
+def _layernorm_segments(x: torch.Tensor, gamma: RotParam, beta: RotParam,
+                        eps: float) -> torch.Tensor | None:
+    """``LayerNorm(x) * gamma[row] + beta[row]`` as one ``layer_norm`` call per segment of the
+    plan, gamma and beta passed to it (on the CPU, bias, GELU and residual already sit in the
+    product that made ``x``, ``itif.runtime.cpu_linear``: two more passes over [T, H] for
+    gamma and beta were then a fifth of the rest). ``layer_norm`` keeps float32 arithmetic for
+    float16 / bfloat16 input and rounds once, as this module's contract asks. None when the
+    plan has no segments both parameters follow (the caller then applies them per row)."""
+    pg, pb = gamma.plan, beta.plan
+    if (pg is None or pb is None or gamma.buf.dim() != 2 or beta.buf.dim() != 2
+            or gamma.buf.dtype != x.dtype or beta.buf.dtype != x.dtype):
+        return None
+    sg, sb = pg.segs, pb.segs
+    if (not 0 < len(sg) <= LN_MAX_SEGMENTS or (sg.start, sg.end) != (sb.start, sb.end)
+            or sg.start[0] != 0 or sg.end[-1] != x.shape[0] or sg.start[1:] != sg.end[:-1]):
+        return None  # the segments must tile the rows, in order
+    H = (x.shape[-1],)
+    if len(sg) == 1:
+        return F.layer_norm(x, H, gamma.buf[sg.slot[0]], beta.buf[sb.slot[0]], eps)
+    return torch.cat([F.layer_norm(x[s:e], H, gamma.buf[kg], beta.buf[kb], eps)
+                      for s, e, kg, kb in zip(sg.start, sg.end, sg.slot, sb.slot)])
 
 
 def bias_residual(x: torch.Tensor, bias: RotParam, residual: torch.Tensor) -> torch.Tensor:

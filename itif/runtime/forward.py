@@ -28,15 +28,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from itif.backbones.spec import BackboneSpec
 from itif.ops import dispatch as ops
 from itif.ops.reference import AttnGroup, RotParam
 from itif.platform import attention_backends
-from itif.runtime import triton_gemm
+from itif.runtime import cpu_linear, triton_gemm
 from itif.runtime.batch import PreparedBatch
-from itif.runtime.gemm import GemmPlan, broadcast_rows, run_gemm
+from itif.runtime.gemm import GemmPlan, Segments, broadcast_rows, plan_gemm, run_gemm
 from itif.runtime.lora import apply_lora
 
 
@@ -65,21 +66,29 @@ class _Bound:
 
     def rot(self, name: str) -> RotParam:
         k = self.P.index(name)
-        return RotParam(self.P.buffer(name), self.slot_rows[k], self.P.plans[k])
+        return RotParam(self.P.buffer(name), self.slot_rows[k], self.plan_of(k))
+
+    def plan_of(self, k: int) -> GemmPlan:
+        """The GEMM plan of slot table ``k`` over this forward's rows."""
+        return self.P.plans[k]
 
     def linear(self, x: torch.Tensor, name: str, bias: str | None = None,
                act: str = "none") -> torch.Tensor:
         """``act(x @ W[slot].T + bias[slot])`` of each row, W and bias the parameters ``name``
         and ``bias``: one launch where the batch packed a Triton tile table for the product
-        (``itif.runtime.triton_gemm``), else the GEMM plan, then ``bias_act``."""
+        (``itif.runtime.triton_gemm``); on the CPU one oneDNN call with bias and activation
+        inside where that applies (:meth:`fused`); else the GEMM plan, then ``bias_act``."""
         k = self.P.index(name)
-        plan = self.P.plans[k]
+        plan = self.plan_of(k)
         groups = self.b.lora.get(name)
         bm = self.b.tile_rows.get(k)
         if not groups and bm:
             rot = self.rot(bias) if bias is not None else None
             return triton_gemm.run(x, self.P.buffer(name), self.get(f"tiles{k}"), bm,
                                    rot.buf if rot else None, rot.slot if rot else None, act)
+        y = self.fused(x, name, bias, act)
+        if y is not None:
+            return y
         offs = self.offs(f"offs{k}") if plan.backend == "grouped_mm" else None
         y = run_gemm(x, self.P.buffer(name), plan, offs)
         if groups:  # LoRA tenants' low-rank updates of their rows (itif.runtime.lora)
@@ -87,6 +96,27 @@ class _Bound:
         if bias is not None:
             y = ops.bias_act(y, self.rot(bias), act)
         return y
+
+    def fused(self, x: torch.Tensor, name: str, bias: str | None, act: str = "none",
+              residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``act(x @ W[slot].T + bias[slot]) (+ residual)`` in one oneDNN call per segment on
+        the CPU (``itif.runtime.cpu_linear``: float32 / bfloat16, long segments), rounded once;
+        None where that does not apply (LoRA or Triton tiles on the product, the bias's slots
+        not following the weight's segments, short segments): the caller runs the plain
+        product and the memory-bound ops, whose rounding this then matches."""
+        k = self.P.index(name)
+        plan, w = self.plan_of(k), self.P.buffer(name)
+        if (self.b.lora.get(name) or self.b.tile_rows.get(k) or act not in cpu_linear.ACTS
+                or (residual is not None and act != "none")
+                or not cpu_linear.usable(x, w, plan)):
+            return None
+        b = bslots = None
+        if bias is not None:
+            bsegs = self.plan_of(self.P.index(bias)).segs
+            if (bsegs.start, bsegs.end) != (plan.segs.start, plan.segs.end):
+                return None
+            b, bslots = self.P.buffer(bias), bsegs.slot
+        return cpu_linear.linear(x, w, plan, b, bslots, act, residual)
 
     def varlen(self) -> tuple[torch.Tensor, int] | None:
         """The batch's attention as sequence boundaries (int32 [S+1]) and the longest sequence,
@@ -110,6 +140,52 @@ class _Bound:
             else:
                 out.append(AttnGroup(n=g.n, L=g.L, start=g.start, key_mask=mask))
         return out
+
+
+class _Rows(_Bound):
+    """The batch restricted to the rows ``sel`` (sorted, host int64): each parameter's per-row
+    slots and GEMM plans over those rows only. On the CPU the last encoder layer of a
+    classifier runs here on the [CLS] rows (``_cls_only``): its attention needs every row's
+    keys and values, but nothing after it reads another row, so the attention output's
+    projection, both LayerNorms and the FFN (about 15% of the forward's FLOPs at 4 layers)
+    run on n rows instead of T."""
+
+    def __init__(self, d: _Bound, sel: np.ndarray, dtype: torch.dtype) -> None:
+        self.__dict__.update(d.__dict__)
+        self.sel, self.dtype = sel, dtype
+        self.slot_rows = d.slot_rows.index_select(1, torch.from_numpy(sel))
+        self._plans: dict[int, GemmPlan] = {}
+        self._offs = {}
+
+    def plan_of(self, k: int) -> GemmPlan:
+        plan = self._plans.get(k)
+        if plan is None:
+            segs = self.P.plans[k].segs
+            a = np.searchsorted(self.sel, segs.start)
+            b = np.searchsorted(self.sel, segs.end)
+            keep = b > a
+            sub = Segments(tuple(a[keep].tolist()), tuple(b[keep].tolist()),
+                           tuple(np.asarray(segs.slot)[keep].tolist()))
+            plan = self._plans[k] = plan_gemm(sub, len(self.sel), self.ints.device, self.dtype)
+        return plan
+
+    def offs(self, name: str) -> torch.Tensor:
+        o = self._offs.get(name)
+        if o is None:  # grouped_mm offsets of this subset's plans ("offs{k}" only)
+            k = int(name.removeprefix("offs"))
+            o = self._offs[name] = torch.tensor(self.plan_of(k).offs, dtype=torch.int32)
+        return o
+
+
+def _cls_only(spec: BackboneSpec, d: _Bound, ints: torch.Tensor) -> np.ndarray | None:
+    """The [CLS] rows (sorted) when the last layer may run on them alone: a post-LN text model
+    on the CPU whose batch wants no per-token hidden state and has no LoRA tenants (their
+    updates index rows of the full buffer); else None."""
+    b = d.b
+    if (ints.device.type != "cpu" or not spec.is_text or spec.pre_ln or b.want_hidden or b.lora
+            or b.tile_rows or not (b.want_logits or b.want_pooled)):
+        return None
+    return np.sort(d.get("cls_rows").numpy())
 
 
 class _LazyGroups(Sequence):
@@ -164,13 +240,17 @@ def _embed(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     return x
 
 
-def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
-    """Embeddings and every encoder layer; returns the last hidden state [T, H]."""
+def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype,
+           cls: np.ndarray | None = None) -> torch.Tensor:
+    """Embeddings and every encoder layer; returns the last hidden state [T, H], or with
+    ``cls`` (sorted rows, ``_cls_only``) the last layer's output of those rows only [n, H]."""
     eps, heads = spec.layer_norm_eps, spec.heads
     x = _embed(spec, d, dtype)
     varlen = d.varlen()
     groups = _LazyGroups(d)
     T, H = x.shape
+    if x.device.type == "cpu" and not spec.pre_ln:
+        return _encode_cpu(spec, d, x, groups, varlen, cls)
     if spec.pre_ln:
         # ViT: LN before each block; the sum of each residual add is kept in place (keep_sum)
         # and the next LayerNorm is fused into that add.
@@ -205,6 +285,40 @@ def encode(spec: BackboneSpec, d: _Bound, dtype: torch.dtype) -> torch.Tensor:
     return a if spec.pre_ln else x
 
 
+def _encode_cpu(spec: BackboneSpec, d: _Bound, x: torch.Tensor, groups, varlen,
+                cls: np.ndarray | None) -> torch.Tensor:
+    """The post-LN layers on the CPU: each product with its bias, GELU or residual add in one
+    oneDNN call where that applies (``_Bound.linear``), so LayerNorm reads a finished sum; and
+    with ``cls``, the last layer after its attention on those rows only (``_Rows``)."""
+    eps = spec.layer_norm_eps
+    T, H = x.shape
+    for layer in range(spec.layers):
+        p = f"layers.{spec.layer_params(layer)}."
+        qkv = d.linear(x, p + "qkv.weight", p + "qkv.bias")
+        ctx = ops.attention(qkv, groups, spec.heads, torch.empty(T, H, dtype=qkv.dtype), varlen)
+        r = d
+        if cls is not None and layer == spec.layers - 1:
+            idx = torch.from_numpy(cls)
+            r, ctx, x = _Rows(d, cls, x.dtype), ctx.index_select(0, idx), x.index_select(0, idx)
+        y = _out_norm(r, ctx, p + "attn_out", x, p + "ln1", eps)
+        f = r.linear(y, p + "ffn_in.weight", p + "ffn_in.bias", spec.hidden_act)
+        x = _out_norm(r, f, p + "ffn_out", y, p + "ln2", eps)
+    return x
+
+
+def _out_norm(d: _Bound, x: torch.Tensor, proj: str, residual: torch.Tensor, ln: str,
+              eps: float) -> torch.Tensor:
+    """``LayerNorm(x @ W.T + bias + residual)`` (``proj`` W and bias, ``ln`` gamma and beta):
+    bias and residual inside the oneDNN call where it applies, else in the reference's one
+    float32 pass before LayerNorm (float16, few rows: their rounding as before)."""
+    gamma, beta = d.rot(ln + ".weight"), d.rot(ln + ".bias")
+    h = d.fused(x, proj + ".weight", proj + ".bias", residual=residual)
+    if h is not None:
+        return ops.bias_residual_layernorm(h, None, None, gamma, beta, eps)
+    h = d.linear(x, proj + ".weight")
+    return ops.bias_residual_layernorm(h, d.rot(proj + ".bias"), residual, gamma, beta, eps)
+
+
 def _add_rows(y: torch.Tensor, buf: torch.Tensor, plan: GemmPlan, slots: torch.Tensor) -> None:
     """``y += buf[slot of each row]``: a broadcast view when the plan allows, else a gather."""
     view = broadcast_rows(buf, plan)
@@ -216,14 +330,17 @@ def _add_rows(y: torch.Tensor, buf: torch.Tensor, plan: GemmPlan, slots: torch.T
         y += view
 
 
-def heads(spec: BackboneSpec, d: _Bound, hidden: torch.Tensor, out: torch.Tensor) -> None:
+def heads(spec: BackboneSpec, d: _Bound, hidden: torch.Tensor, out: torch.Tensor,
+          cls_index: torch.Tensor | None = None) -> None:
     """Pooler and classification heads into the flat output buffer: one grouped product per
-    head kind (tenants with the same label count), never a loop over tenants."""
+    head kind (tenants with the same label count), never a loop over tenants. ``cls_index``:
+    where each [CLS] row (cls order) sits in ``hidden`` when that holds those rows only."""
     b = d.b
     view = b.params.view
     H = spec.hidden
-    n_logits, n_pooled, n_hidden = b.out_sizes
-    cls = hidden.index_select(0, d.get("cls_rows"))  # [n, H] in cls order
+    n_logits, n_pooled, _ = b.out_sizes
+    # [n, H] in cls order
+    cls = hidden.index_select(0, d.get("cls_rows") if cls_index is None else cls_index)
     pooled = cls
     if b.pooler_plans is not None:
         pw, pb = b.pooler_plans
@@ -261,7 +378,11 @@ def run(spec: BackboneSpec, b: PreparedBatch, ints: torch.Tensor,
     with torch.inference_mode(), attention_backends(ints.device):
         d = _Bound(b, ints, floats)
         dtype = next(iter(b.params.view.buffers.values())).dtype
-        hidden = encode(spec, d, dtype)
+        cls = _cls_only(spec, d, ints)
+        hidden = encode(spec, d, dtype, cls)
         out = torch.empty(sum(b.out_sizes), dtype=torch.float32, device=hidden.device)
-        heads(spec, d, hidden, out)
+        cls_index = None
+        if cls is not None:  # hidden holds the sorted [CLS] rows only
+            cls_index = torch.from_numpy(np.searchsorted(cls, d.get("cls_rows").numpy()))
+        heads(spec, d, hidden, out, cls_index)
         return out
