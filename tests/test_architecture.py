@@ -377,14 +377,6 @@ OWNED_ELSEWHERE: dict[str, dict[str, str]] = {
         "itif.bench.report._table": "owned elsewhere today: the same",
         "itif.bench.report._x": "owned elsewhere today: the same",
     },
-    "itif/ops/cuda.py": {
-        "itif.ops.cuda_loader._Module": "owned elsewhere today: re-exported for callers of the "
-                                        "pre-split module",
-    },
-    "itif/ops/selftest.py": {
-        "dispatch._cuda_backend": "owned elsewhere today: needs a public name in "
-                                  "itif/ops/dispatch.py (tests/test_selftest.py patches it)",
-    },
 }
 _CALLS_BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 

@@ -43,7 +43,6 @@ from itif.ops.cuda_loader import (
     COMPILE_OPTIONS,
     SUPPORTED_DTYPES,
     KernelBuildError,
-    _Module,  # noqa: F401 - re-exported: callers of the pre-split module name it
     kernel_dir,
     kernel_files,
     kernel_names,

@@ -153,6 +153,12 @@ def _cuda_backend():
         return None
 
 
+def cuda_backend():
+    """``itif.ops.cuda`` where its kernels can run here (CuPy sees a GPU and the kernel sources
+    exist; detected once), else None: what the self-test checks."""
+    return _cuda_backend()
+
+
 def _backend_for(t: torch.Tensor):
     if not t.is_cuda:
         return None
@@ -473,6 +479,7 @@ __all__ = [
     "bias_residual",
     "bias_residual_layernorm",
     "clear_kernel_states",
+    "cuda_backend",
     "disable",
     "embed_text",
     "fallbacks",

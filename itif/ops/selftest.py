@@ -225,7 +225,7 @@ def self_test(
                 for dt in dtypes for op in CHECKS]
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    be = backend if backend is not None else dispatch._cuda_backend()
+    be = backend if backend is not None else dispatch.cuda_backend()
     results: list[KernelCheck] = []
     for dt in dtypes:
         if be is None or dt not in getattr(be, "SUPPORTED_DTYPES", TOLERANCE):
