@@ -42,8 +42,9 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 log = logging.getLogger("itif.faults")
 
@@ -115,12 +116,14 @@ def install(engine: Any, environ: Mapping[str, str] = os.environ, daemon: Any = 
         gen.before_forward = _gen_oom(faults.oom_tenants)
     if faults.oom_tenants or faults.slow_ms:
         engine.infer = _faulty(engine.infer, faults)  # instance attribute: this engine only
+        if hasattr(engine, "infer_columns"):  # the column path's batches (issue 61)
+            engine.infer_columns = _faulty_columns(engine.infer_columns, faults)
     if faults.commit_pause_ms:
         engine.add_tenant = _paused(engine.add_tenant, faults.commit_pause_ms / 1000.0)
     if faults.stop_delay_ms and daemon is not None:
         daemon.stop = _paused(daemon.stop, faults.stop_delay_ms / 1000.0)  # this daemon only
     if faults.kill_at:
-        from itif.weights import blobstore  # noqa: PLC0415 - test-only, when armed
+        from itif.weights import blobstore
 
         blobstore.fault_point = _killer(faults.kill_at)
     return faults
@@ -146,7 +149,7 @@ def _paused(add_tenant: Callable, seconds: float) -> Callable:
 
 
 def _oom(tenants: set[str] | frozenset[str]) -> BaseException:
-    import torch  # noqa: PLC0415
+    import torch
 
     return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by "
                                   f"{ENV} for tenant(s) {sorted(tenants)})")
@@ -167,5 +170,18 @@ def _faulty(infer: Callable, faults: Faults) -> Callable:
         if faults.oom_tenants and any(r.tenant in faults.oom_tenants for r in requests):
             raise _oom(faults.oom_tenants & {r.tenant for r in requests})
         return infer(requests, *args, **kwargs)
+
+    return run
+
+
+def _faulty_columns(infer_columns: Callable, faults: Faults) -> Callable:
+    def run(tenant, ids, offsets, *args, table=None, **kwargs):
+        if faults.slow_ms:
+            time.sleep(faults.slow_ms / 1000.0)
+        if faults.oom_tenants:
+            names = {table[int(i)] for i in set(tenant)} if table is not None else set(tenant)
+            if names & faults.oom_tenants:
+                raise _oom(faults.oom_tenants & names)
+        return infer_columns(tenant, ids, offsets, *args, table=table, **kwargs)
 
     return run

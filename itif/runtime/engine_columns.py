@@ -133,6 +133,8 @@ class ColumnsMixin:
                 wants = [(output,)]
             elif logits is True:
                 wants = [("logits",)]
+            elif logits is False:  # no tenant of the batch has a head
+                wants = [("pooled",)]
             else:
                 wants = [("logits",), ("pooled",)] if logits.any() else [("pooled",)]
             inputs = _ColumnInputs(tenant_idx, lengths, ids64, wants)

@@ -30,10 +30,11 @@ import threading
 
 import numpy as np
 
-from itif.errors import clip
+from itif.errors import ItifError, clip
 from itif.hostpath.colqueue import ColumnQueue
 from itif.hostpath.columns import STATUS, Arrivals, Results, status_code
 from itif.hostpath.ring import Ring
+from itif.scheduler.outcomes import wrap
 from itif.scheduler.tickets import TenantQuota
 from itif.server.ingress_columns import FRONTEND_SHIFT
 
@@ -47,6 +48,7 @@ _MESSAGES = {
     "RESOURCE_EXHAUSTED": "the tenant's queue is full (max_queue); retry",
     "DEADLINE_EXCEEDED": "deadline exceeded before the request could run",
     "UNAVAILABLE": "the daemon is shutting down",
+    "INTERNAL": "the daemon could not queue the request; its log has the details",
 }
 _OK = 0
 
@@ -140,9 +142,7 @@ class ColumnDoor:
             self.daemon.scheduler.attach_columns(None)
         if self._watcher is not None:
             self._watcher.join(2.0)
-        for end in (*self._in, *self._out):
-            end.close()
-        for ring in (*self.arrivals, *self.results):
+        for ring in (*self.arrivals, *self.results):  # its ends too (they share its mapping)
             ring.close()
 
     def _watch(self) -> None:
@@ -192,17 +192,31 @@ class ColumnDoor:
             views = c.ready()
             if not views:
                 continue
-            a = Arrivals.concat([Arrivals.unpack(v) for v in views])
-            if stopping:
-                status = np.full(len(a), status_code("UNAVAILABLE"), np.int8)
-            else:
-                status = self.queue.push(a, now)
-            call_id = a.call_id.copy()
-            c.release(len(views))
+            try:
+                a = Arrivals.concat([Arrivals.unpack(v) for v in views])
+                call_id = a.call_id.copy()
+                status = (np.full(len(a), status_code("UNAVAILABLE"), np.int8) if stopping
+                          else self.queue.push(a, now))
+            except Exception:
+                log.exception("arrivals could not be queued; their calls fail INTERNAL")
+                status, call_id = self._unreadable(views)
+            finally:
+                a = None  # no view of a slot outlives its release
+                c.release(len(views))
             self.rows_in += call_id.size
             bad = status != _OK
             if bad.any():
                 self._refuse(call_id[bad], status[bad])
+
+    @staticmethod
+    def _unreadable(views) -> tuple[np.ndarray, np.ndarray]:
+        """(INTERNAL, call ids) for the rows of slots that failed to queue, read as plainly as
+        can be; none when even that fails (their callers time out)."""
+        try:
+            ids = np.concatenate([Arrivals.unpack(v).call_id for v in views])
+        except Exception:  # noqa: BLE001 - a slot that cannot be read at all
+            ids = np.zeros(0, np.int64)
+        return np.full(ids.size, status_code("INTERNAL"), np.int8), ids
 
     def run(self) -> tuple[int, int] | None:
         sch = self.daemon.config.scheduler
@@ -236,13 +250,12 @@ class ColumnDoor:
                                                        table=self.queue.names)
                 self._send(Results.ok(taken.call_id[rows], out.offsets, out.values))
             except Exception as e:  # noqa: BLE001 - the rows' status says what went wrong
-                code = getattr(e, "code", "INTERNAL")
-                if code not in STATUS or code == "OK":
-                    code = "INTERNAL"
-                    log.exception("a column batch failed")
-                    msg = "the batch this request was in failed; the daemon's log has the details"
-                else:
-                    msg = clip(str(e.args[0]) if e.args else code)
+                err = wrap(e, ())  # as the ticket path types it (out of memory, internal)
+                if not isinstance(e, ItifError):
+                    log.warning("a column batch of tenant %s failed: %s: %s",
+                                self.queue.names[t], type(e).__name__, e)
+                code = err.code if err.code in STATUS else "INTERNAL"
+                msg = clip(str(err.args[0]) if err.args else code)
                 self._refuse(taken.call_id[rows], np.full(rows.size, status_code(code), np.int8),
                              msg)
 

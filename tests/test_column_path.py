@@ -1,0 +1,279 @@
+"""The column path (issue 61): ingress processes' Infer calls as columns through shared memory.
+
+Two levels. In-process: a started daemon (bert-tiny, no server) and its ``ColumnDoor``, whose
+rings the test writes arrivals into and reads results from as two ingress processes would; the
+answers are compared with ``Engine.infer`` of the same rows. End to end: a real daemon behind
+ingress processes, whose answers are compared with Hugging Face's model, and whose log says how
+many rows came by columns (calls that the path does not take come by frame, as before).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import itif
+from itif.backbones.spec import load_spec
+from itif.bench.tenants import tenant_weights
+from itif.config import hash_token, parse_config
+from itif.daemon import Daemon as InProcessDaemon
+from itif.daemon_state import State
+from itif.hostpath.columns import STATUS, Arrivals, Results, status_code
+from itif.safetensors_io import save_safetensors
+from itif.server.column_door import ColumnDoor
+from itif.server.ingress_columns import FRONTEND_SHIFT
+from tests.daemon_harness import Daemon
+from tests.oracle import make_hf_model, reference
+
+
+# ---- in process: the door and its rings ---------------------------------------------------
+@pytest.fixture
+def door(tmp_path):
+    cfg = parse_config(
+        "server:\n  listen: 127.0.0.1:1\n  data_dir: ./data\n"
+        f"  admin_token_sha256: {hash_token('admin')}\n"
+        "backbone:\n  config: bert-tiny\n  device: cpu\n  dtype: float32\n"
+        "scheduler:\n  max_wait_ms: 1\n"
+        "tenants:\n" + "".join(f"  - id: {t}\n    token_sha256: {hash_token(t)}\n"
+                              "    max_queue: 8\n    max_seq_len: 40\n"
+                              for t in ("a", "b")), tmp_path)
+    engine = itif.Engine("bert-tiny")
+    spec = load_spec("bert-tiny")
+    for i, t in enumerate(("a", "b")):
+        engine.add_tenant(t, tenant_weights(spec, i))
+    d = InProcessDaemon(cfg, engine)
+    d.start()
+    for t in ("a", "b"):
+        d.status[t].state, d.status[t].sha256 = State.READY, f"sha-{t}"
+    door = ColumnDoor(2, result_slot_bytes=4096)
+    assert door.bind(d)
+    ends = ([r.producer() for r in door.arrivals], [r.consumer() for r in door.results])
+    yield d, door, ends
+    door.close()
+    d.stop(0)
+
+
+def _arrivals(rows, frontend=0, deadline=None):
+    """rows: [(call, tenant index, ids)]."""
+    offsets = np.cumsum([0] + [len(ids) for _, _, ids in rows])
+    return Arrivals.build([(frontend << FRONTEND_SHIFT) | c for c, _, _ in rows],
+                          [t for _, t, _ in rows], offsets,
+                          np.concatenate([np.asarray(ids) for _, _, ids in rows]),
+                          deadline=deadline)
+
+
+def _collect(consumer, want_rows: int, timeout: float = 20.0) -> dict[int, list]:
+    """call id -> [(status, values, message)] of every row, in arrival order."""
+    got: dict[int, list] = {}
+    end = time.monotonic() + timeout
+    n = 0
+    while n < want_rows and time.monotonic() < end:
+        if not consumer.wait(0.2):
+            continue
+        views = consumer.ready()
+        for v in views:
+            res = Results.unpack(bytes(v))
+            errs = res.errors()
+            for i, cid in enumerate(res.call_id.tolist()):
+                got.setdefault(cid, []).append(
+                    (STATUS[res.status[i]], res.row(i).copy(), errs.get(i, "")))
+                n += 1
+        consumer.release(len(views))
+    assert n == want_rows, f"{n} of {want_rows} rows came back: {got}"
+    return got
+
+
+def test_rows_of_two_front_ends_come_back_to_their_own_ring_equal_to_infer(door):
+    d, door, (prod, cons) = door
+    rng = np.random.default_rng(0)
+    rows = [[(c, c % 2, rng.integers(0, 1000, rng.integers(2, 30))) for c in range(1, 6)],
+            [(c, (c + 1) % 2, rng.integers(0, 1000, rng.integers(2, 30))) for c in range(1, 4)]]
+    for fe in (0, 1):
+        assert prod[fe].try_put(_arrivals(rows[fe], fe))
+    for fe in (0, 1):
+        got = _collect(cons[fe], len(rows[fe]))
+        assert set(got) == {(fe << FRONTEND_SHIFT) | c for c, _, _ in rows[fe]}
+        for c, t, ids in rows[fe]:
+            ((status, values, _),) = got[(fe << FRONTEND_SHIFT) | c]
+            want = d.engine.infer([itif.Request("ab"[t], input_ids=ids)])[0].logits
+            assert status == "OK"
+            np.testing.assert_allclose(values, want, rtol=1e-5, atol=1e-6)
+    assert door.rows_in == 8 and door.rows_answered == 8 and door.batches >= 1
+
+
+def test_a_call_of_several_rows_comes_back_in_order_even_split_over_slots(door):
+    """Results larger than a slot (4 KiB here) go in parts; a call's rows keep their order."""
+    d, door, (prod, cons) = door
+    d.config.scheduler.max_wait_ms  # the door reads the live config
+    rows = [(7, 0, np.arange(1, 1 + n)) for n in (3, 9, 27, 5, 8, 2, 30, 4)]
+    assert prod[0].try_put(_arrivals(rows))
+    got = _collect(cons[0], len(rows))[7]
+    assert [s for s, _, _ in got] == ["OK"] * len(rows)
+    want = d.engine.infer([itif.Request("a", input_ids=ids) for _, _, ids in rows])
+    for (_, values, _), w in zip(got, want):
+        np.testing.assert_allclose(values, w.logits, rtol=1e-5, atol=1e-6)
+
+
+def test_refusals_name_their_reason(door):
+    d, door, (prod, cons) = door
+    past = time.monotonic() - 1.0
+    prod[0].try_put(_arrivals([(1, 9, [5, 6])]))  # no tenant 9
+    prod[0].try_put(_arrivals([(2, 0, np.arange(1, 60))]))  # over a's max_seq_len 40
+    prod[0].try_put(_arrivals([(3, 1, [5, 6])], deadline=[past]))
+    prod[0].try_put(_arrivals([(4, 0, [1, 2])] * 9))  # nine rows of one call: max_queue 8
+    got = _collect(cons[0], 12)
+    assert got[1][0][0] == "NOT_FOUND"
+    assert got[2][0][0] == "INVALID_ARGUMENT" and "max_seq_len" in got[2][0][2]
+    assert got[3][0][0] == "DEADLINE_EXCEEDED"
+    assert {s for s, _, _ in got[4]} == {"RESOURCE_EXHAUSTED"} and "max_queue" in got[4][0][2]
+    assert door.rows_refused == 12
+
+
+def test_a_failing_tenant_fails_only_its_own_rows(door):
+    """Tenant b's weights gone from the engine mid-flight: its rows NOT_FOUND, a's answered."""
+    d, door, (prod, cons) = door
+    d.engine.remove_tenant("b")
+    prod[0].try_put(_arrivals([(1, 0, [3, 4, 5]), (2, 1, [3, 4, 5]), (3, 0, [7, 8])]))
+    got = _collect(cons[0], 3)
+    assert got[1][0][0] == "OK" and got[3][0][0] == "OK"
+    assert got[2][0][0] == "NOT_FOUND" and "'b'" in got[2][0][2]
+
+
+def test_an_injected_out_of_memory_is_retryable_and_its_own(door, monkeypatch):
+    from itif import faults
+
+    d, door, (prod, cons) = door
+    faults.install(d.engine, {faults.ENV: "oom:b"})
+    prod[0].try_put(_arrivals([(1, 0, [3, 4, 5]), (2, 1, [3, 4, 5])]))
+    got = _collect(cons[0], 2)
+    assert got[1][0][0] == "OK"
+    assert got[2][0][0] == "RESOURCE_EXHAUSTED" and "memory" in got[2][0][2]
+
+
+def test_the_snapshot_lists_ready_tenants_only(door):
+    d, door, _ = door
+    snap = door.snapshot()
+    assert set(snap["tenants"]) == {"a", "b"}
+    index, token_sha, sha, labels, limit, inflight, max_queue = snap["tenants"]["a"]
+    assert (token_sha, sha, labels, limit, inflight, max_queue) == (
+        hash_token("a"), "sha-a", 2, 40, 16, 8)
+    assert door.queue.names[index] == "a"
+    d.status["b"].state = State.LOADING
+    assert set(door.snapshot()["tenants"]) == {"a"}
+    assert status_code("NOT_FOUND") == STATUS.index("NOT_FOUND")
+
+
+# ---- end to end: a daemon behind ingress processes ----------------------------------------
+TOKENS = {"acme": "acme-tok", "beta": "beta-tok"}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("column-weights")
+    out = {}
+    for t, labels, seed in (("acme", 3, 5), ("beta", None, 6)):
+        m = make_hf_model("bert-tiny", labels, seed=seed)
+        f = root / f"{t}.safetensors"
+        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, f)
+        out[t] = (m, f)
+    return out
+
+
+def _column_rows(d: Daemon) -> int:
+    found = re.findall(r"column path: (\d+) rows in", d.logs())
+    assert found, d.logs()[-3000:]
+    return int(found[-1])
+
+
+def _wait_snapshot(c, tenant, ids):
+    """Calls right after an upload may still go by frame until the next snapshot (0.2 s)."""
+    time.sleep(0.6)
+    c.infer(tenant, ids)
+
+
+def test_infer_calls_go_by_columns_and_equal_hf(tmp_path, weights):
+    d = Daemon(tmp_path, dict(TOKENS), server_extra={"ingress_processes": 2}).start()
+    try:
+        with d.client(TOKENS["acme"]) as c:
+            c.upload("acme", weights["acme"][1])
+        with d.client(TOKENS["beta"]) as c:
+            c.upload("beta", weights["beta"][1])
+            _wait_snapshot(c, "beta", [1, 2])
+        rng = np.random.default_rng(1)
+        calls = 0
+        for t, out in (("acme", "logits"), ("beta", "pooled")):
+            m = weights[t][0]
+            for _ in range(6):
+                with d.client(TOKENS[t]) as c:  # new connections: both ingress processes
+                    ids = rng.integers(0, 1000, rng.integers(2, 50)).tolist()
+                    got = c.infer(t, ids)
+                    assert set(got) == {out}
+                    np.testing.assert_allclose(got[out], reference(m, itif.Request(t, ids))[out],
+                                               atol=1e-4)
+                    batch = [rng.integers(0, 1000, n).tolist() for n in (3, 17, 40)]
+                    res = c.infer_batch(t, [c.make_input(b, None, None, None) for b in batch])
+                    for b, r in zip(batch, res):
+                        np.testing.assert_allclose(
+                            r[out], reference(m, itif.Request(t, b))[out], atol=1e-4)
+                    calls += 1
+        # calls the path does not take are answered by frame, exactly as before
+        with d.client(TOKENS["acme"]) as c:
+            ids = [5, 6, 7, 8]
+            got = c.infer("acme", ids, token_type_ids=[0, 0, 1, 1])
+            want = reference(weights["acme"][0], itif.Request("acme", ids, token_type_ids=[0, 0, 1, 1]))
+            np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4)
+            assert set(c.infer("acme", ids, outputs=["pooled"])) == {"pooled"}
+            with pytest.raises(grpc.RpcError) as e:
+                c.infer("acme", [5, 10**6])
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "vocabulary" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                c.infer("beta", [5, 6])  # beta's tenant: not acme's to see
+            assert e.value.code() is grpc.StatusCode.NOT_FOUND
+        with d.client("wrong-token") as c, pytest.raises(grpc.RpcError) as e:
+            c.infer("acme", [5, 6])
+        assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        d.stop()
+    # every Infer of ids without options came by columns (4 rows a round), none of the others
+    assert _column_rows(d) == 1 + 4 * calls, d.logs()[-3000:]
+
+
+def test_calls_over_the_tenants_in_flight_share_are_refused_with_a_retry_hint(tmp_path, weights):
+    """max_inflight 2 and one ingress process: with each forward taking 300 ms, of 6 calls at
+    once at most 2 are in flight; the rest are RESOURCE_EXHAUSTED with the retry hint, from
+    the ingress process, and are counted in the daemon's metrics."""
+    d = Daemon(tmp_path, dict(TOKENS), faults="slow:300",
+               tenant_extra={"acme": {"max_inflight": 2}},
+               server_extra={"ingress_processes": 1}).start()
+    try:
+        with d.client(TOKENS["acme"]) as c:
+            c.upload("acme", weights["acme"][1])
+            _wait_snapshot(c, "acme", [1, 2])
+        codes, trailers = [], []
+
+        def one():
+            with d.client(TOKENS["acme"]) as c:
+                try:
+                    c.infer("acme", [3, 4, 5], timeout=20)
+                    codes.append("OK")
+                except grpc.RpcError as e:
+                    codes.append(e.code().name)
+                    trailers.append(dict(e.trailing_metadata() or ()))
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert codes.count("OK") >= 2 and codes.count("RESOURCE_EXHAUSTED") >= 1, codes
+        assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+        assert all(t.get("grpc-retry-pushback-ms") == "200" for t in trailers), trailers
+    finally:
+        d.stop()
+    assert _column_rows(d) >= 3
