@@ -109,7 +109,6 @@ def test_rows_of_two_front_ends_come_back_to_their_own_ring_equal_to_infer(door)
 def test_a_call_of_several_rows_comes_back_in_order_even_split_over_slots(door):
     """Results larger than a slot (4 KiB here) go in parts; a call's rows keep their order."""
     d, door, (prod, cons) = door
-    d.config.scheduler.max_wait_ms  # the door reads the live config
     rows = [(7, 0, np.arange(1, 1 + n)) for n in (3, 9, 27, 5, 8, 2, 30, 4)]
     assert prod[0].try_put(_arrivals(rows))
     got = _collect(cons[0], len(rows))[7]
@@ -120,7 +119,7 @@ def test_a_call_of_several_rows_comes_back_in_order_even_split_over_slots(door):
 
 
 def test_refusals_name_their_reason(door):
-    d, door, (prod, cons) = door
+    _, door, (prod, cons) = door
     past = time.monotonic() - 1.0
     prod[0].try_put(_arrivals([(1, 9, [5, 6])]))  # no tenant 9
     prod[0].try_put(_arrivals([(2, 0, np.arange(1, 60))]))  # over a's max_seq_len 40
@@ -144,7 +143,7 @@ def test_a_failing_tenant_fails_only_its_own_rows(door):
     assert got[2][0][0] == "NOT_FOUND" and "'b'" in got[2][0][2]
 
 
-def test_an_injected_out_of_memory_is_retryable_and_its_own(door, monkeypatch):
+def test_an_injected_out_of_memory_is_retryable_and_its_own(door):
     from itif import faults
 
     d, door, (prod, cons) = door
