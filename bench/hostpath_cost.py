@@ -6,10 +6,12 @@
 Issue #61's target: on this CPU, bert-tiny x16, the serving mix (lengths 2-100, zipf 1.2) at
 1,000 req/s, the engine process's CPU a request, minus what ``Engine.infer`` alone costs for
 the same batches, is at most 30 us. The engine side here is what the engine process would run
-(``itif.hostpath``): read the front ends' ring slots (``Arrivals.unpack`` where they lie, one
-``concat``, release), ``ColumnQueue.push``, ``ColumnQueue.due`` / ``take``,
-``Engine.infer_columns``, ``Results`` built and packed into the result ring's slot. The front
-ends' side (packing arrivals, reading results) runs untimed: it is another process's CPU.
+(``itif.hostpath``): read the front ends' ring slots (``Arrivals.unpack_many``: the slots one
+wake-up finds, copied into one batch; release), ``ColumnQueue.push``, ``ColumnQueue.due`` (once
+a batch: the decision that runs it) and ``take``, ``Engine.infer_columns``, ``Results`` built
+and packed into the result ring's slot. The front ends' side (packing arrivals, reading
+results) runs untimed: it is another process's CPU. A wake-up's own cost (the pipe's poll and
+read) is measured apart (``wakeup_us``).
 
 How: the arrivals (Poisson at ``--rate``, the serving mix, ``--frontends`` front ends each
 sending one ring batch a ``--flush-ms`` window) are first scheduled in virtual time: the engine
@@ -123,7 +125,9 @@ def engine_side(engine, names, sent, steps, quota, rings) -> dict:
     producers = [r.producer() for r in rings["in"]]
     consumers = [r.consumer() for r in rings["in"]]
     out_p, out_c = rings["out"].producer(), rings["out"].consumer()
-    cpu = {"read_push": 0.0, "take": 0.0, "infer_columns": 0.0, "results": 0.0, "infer": 0.0}
+    cpu = {"read_push": 0.0, "due": 0.0, "take": 0.0, "infer_columns": 0.0, "results": 0.0,
+           "infer": 0.0}
+    est = BatchTimeEstimate()
     i = 0
     clock = time.process_time
     for k, (upto, now) in enumerate(steps):
@@ -132,14 +136,20 @@ def engine_side(engine, names, sent, steps, quota, rings) -> dict:
             i += 1
         c0 = clock()
         slots = [c.ready() for c in consumers]  # every batch published since the last step
-        parts = [Arrivals.unpack(v) for vs in slots for v in vs]
-        if parts:  # one push for all of them; push copies, so the slots are free after it
-            status = q.push(Arrivals.concat(parts), now)
-            del parts
-        for c, vs in zip(consumers, slots):
-            c.release(len(vs))
+        views = [v for vs in slots for v in vs]
+        if views:  # one batch of them all, copied: the slots are free right after
+            a = Arrivals.unpack_many(views)
+            del views
+            for c, vs in zip(consumers, slots):
+                c.release(len(vs))
+            status = q.push(a, now)
+            del a
         del slots
         c1 = clock()
+        run, _ = q.due(now, max_tokens=MAX_TOKENS, max_rows=MAX_ROWS, max_wait_ms=MAX_WAIT_MS,
+                       last_end=now, estimate_ms=est)
+        c1b = clock()
+        assert run  # last_end=now: hungry, as the schedule found it
         b = q.take(MAX_TOKENS, MAX_ROWS, now)
         c2 = clock()
         reqs = [Request(names[t], input_ids=b.ids[b.offsets[j]:b.offsets[j + 1]])
@@ -159,7 +169,8 @@ def engine_side(engine, names, sent, steps, quota, rings) -> dict:
             engine.infer(reqs)
             infer = clock() - c5
         cpu["read_push"] += c1 - c0
-        cpu["take"] += c2 - c1
+        cpu["due"] += c1b - c1
+        cpu["take"] += c2 - c1b
         cpu["infer_columns"] += c3 - c2b
         cpu["results"] += c4 - c3
         cpu["infer"] += infer
@@ -218,7 +229,8 @@ def measure(args) -> dict:
             print(f"repeat {rep}: {n_req} requests in {len(steps)} batches; engine side "
                   f"{row['engine_side_us_per_request']} us a request, Engine.infer "
                   f"{row['infer_us_per_request']}, extra {row['extra_us_per_request']} "
-                  f"(read+push {row['read_push_us_per_request']}, take "
+                  f"(read+push {row['read_push_us_per_request']}, due "
+                  f"{row['due_us_per_request']}, take "
                   f"{row['take_us_per_request']}, infer_columns "
                   f"{row['infer_columns_us_per_request']}, results "
                   f"{row['results_us_per_request']})", flush=True)

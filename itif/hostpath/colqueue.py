@@ -30,6 +30,16 @@ the number of tenants, never the number of rows). ``due`` is one pass of numpy. 
 growing column arrays (and their token ids in one flat arena) compacted, vectorised, when dead
 rows outnumber live ones. Not thread-safe: one engine loop owns it.
 
+The engine calls these for every batch of a few rows, where a numpy call's fixed cost (about a
+microsecond) is the whole cost, so the common case is kept to few calls (bench/hostpath_cost.py
+measures it): Python ints count the queue's rows and tokens, the oldest arrival and the next
+deadline while they are exact; a push of rows that all pass checks its limits with one gather
+and two reductions; a take that finds every queued row alive, none due to expire and all of
+them within the budget (the queue drained by each batch, under a moderate load) reads the
+columns by slices, skips the budget walk and starts the columns over, with nothing to mark
+dead; ``due`` then decides from those counters without a numpy call. Otherwise each falls back
+to the general path, which computes the same values (tests/test_hostpath_fastpaths.py).
+
 Tenants are indices into a table that only grows (``add_tenant`` appends; ``remove_tenant``
 marks the index dead, and it is never reused), so a front end's arrivals made with an older
 version of the table still name the right tenants.
@@ -53,15 +63,17 @@ OK, INVALID, NOT_FOUND, EXHAUSTED, EXPIRED = (STATUS.index(c) for c in (
     "OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"))
 
 _ROW_COLS = (("call_id", np.int64), ("tenant", np.int32), ("start", np.int64),
-             ("length", np.int64), ("deadline", np.float64), ("priority", np.int8),
-             ("seq", np.int64), ("enqueued", np.float64), ("alive", np.bool_),
-             ("key", np.int64))
+             ("length", np.int64), ("deadline", np.float64), ("enqueued", np.float64),
+             ("alive", np.bool_), ("key", np.int64))
 _TENANT_COLS = (("weight", np.float64), ("max_queue", np.int64), ("max_seq_len", np.int64),
-                ("_limit", np.int64),
+                ("_limit", np.int64), ("_half_target", np.float64),
                 ("target_s", np.float64), ("tag", np.float64), ("depth", np.int64),
                 ("live", np.bool_), ("parked", np.bool_), ("submitted", np.int64),
                 ("rejected", np.int64), ("expired", np.int64), ("taken", np.int64),
                 ("tokens_run", np.int64))
+# the ufuncs' own reductions: a fraction of what the ndarray methods (.min(), .all()) cost
+_MIN, _MAX, _COUNT = np.minimum.reduce, np.maximum.reduce, np.count_nonzero
+_CUMSUM = np.add.accumulate
 
 
 @dataclass
@@ -93,11 +105,13 @@ def _grow(a: np.ndarray, n: int) -> np.ndarray:
 
 def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Indices of the concatenated ranges ``[starts[i], starts[i] + lengths[i])``."""
-    ends = np.cumsum(lengths)
+    ends = _CUMSUM(lengths)
     total = int(ends[-1]) if ends.size else 0
     if total == 0:
         return _NONE_I8
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+    idx = (starts - (ends - lengths)).repeat(lengths)
+    idx += np.arange(total)
+    return idx
 
 
 class ColumnQueue:
@@ -113,17 +127,23 @@ class ColumnQueue:
         self.names: list[str] = []
         self.version = 0
         self.vtime = 0.0
-        self._next_deadline = math.inf
         self._parked_n = 0
         self._n = 0  # rows used in the row columns (alive or dead)
         self._live_rows = 0
-        self._next_seq = 0
+        self._live_tokens = 0
+        # the earliest deadline pushed since the last scan: a bound, exact while
+        # ``_deadline_exact``; the oldest live row's arrival, None when not known
+        self._next_deadline = math.inf
+        self._deadline_exact = True
+        self._oldest: float | None = math.inf
         self._arena = np.zeros(1 << 16, np.int32)
         self._arena_used = 0
         for name, dtype in _ROW_COLS:
             setattr(self, "_" + name, np.zeros(256, dtype))
         for name, dtype in _TENANT_COLS:
             setattr(self, name, np.zeros(0, dtype))
+        self._limits()
+        self.version = 0
 
     # ---- the tenant table ------------------------------------------------------------------
     def add_tenant(self, name: str, quota: TenantQuota | None = None) -> int:
@@ -144,14 +164,22 @@ class ColumnQueue:
         # the longest row it takes: its own max_seq_len within the engine's positions
         self._limit[i] = min(quota.max_seq_len or 1 << 62, self.max_len or 1 << 62)
         self.target_s[i] = quota.latency_target_ms / 1000.0
+        self._half_target[i] = self.target_s[i] / 2.0
         self.live[i] = True
         self._limits()
         return i
 
     def _limits(self) -> None:
-        """The longest row each tenant takes, -1 for a removed one, and -1 at index T for an
-        index outside the table: ``push`` checks a row with one gather."""
-        self._row_limit = np.append(np.where(self.live, self._limit, -1), -1)
+        """What ``push`` and ``due`` check with one gather or none: the longest row each
+        tenant takes as an unsigned cap (0 for a removed one and, at index T, for an index
+        outside the table: ``length - 1 < cap`` holds for exactly the rows that fit), the
+        smallest ``max_queue`` (a push that keeps the queue within it needs no per-tenant
+        check) and the starvation guard's half target when every tenant has the same."""
+        self._row_cap = np.append(np.where(self.live, self._limit, 0), 0).astype(np.uint64)
+        self._queue_min = int(_MIN(self.max_queue)) if self.names else 0
+        half = self._half_target
+        self._half_const = (float(half[0]) if half.size and _COUNT(half != half[0]) == 0
+                            else None)
         self.version += 1
 
     def remove_tenant(self, name: str) -> None:
@@ -179,18 +207,28 @@ class ColumnQueue:
         n, T = len(a), len(self.names)
         if n == 0 or T == 0:
             return np.full(n, NOT_FOUND, np.int8)
-        t = a.tenant
-        slot = np.minimum(t.view(np.uint32), T)  # a negative index wraps past T
+        t, ids = a.tenant, a.ids
         lengths = a.offsets[1:] - a.offsets[:-1]
-        good = (lengths >= 1) & (lengths <= self._row_limit[slot]) & (a.deadline > now)
-        ids_ok = (not a.ids.size or self.vocab is None
-                  or (a.ids.min() >= 0 and a.ids.max() < self.vocab))
-        if ids_ok and good.all():  # the common case: a few numpy calls for the whole batch
+        if lengths.dtype != np.int64:
+            lengths = lengths.astype(np.int64)
+        # a negative index wraps past T, where the cap is 0, as it is for a removed tenant
+        fits = (lengths - 1).view(np.uint64) < self._row_cap.take(t.view(np.uint32),
+                                                                   mode="clip")
+        dmin = float(_MIN(a.deadline))
+        if self.vocab is None or not ids.size:
+            ids_ok = True
+        elif ids.dtype == np.int32:  # a negative id is past the vocabulary as unsigned
+            ids_ok = int(_MAX(ids.view(np.uint32))) < self.vocab
+        else:
+            ids_ok = int(_MIN(ids)) >= 0 and int(_MAX(ids)) < self.vocab
+        if ids_ok and dmin > now and _COUNT(fits) == n:  # the common case
             got = np.bincount(t, minlength=T)
-            if (got <= self.max_queue - self.depth).all():
+            if (self._live_rows + n <= self._queue_min
+                    or not _COUNT(got > self.max_queue - self.depth)):
                 self.submitted += got
-                self._append(a, None, t, lengths, now, got)
+                self._append(a, None, t, lengths, now, got, dmin)
                 return np.zeros(n, np.int8)
+        slot = np.minimum(t.view(np.uint32), T)
         known = slot < T
         if not known.all():
             t = np.where(known, t, 0)
@@ -230,51 +268,57 @@ class ColumnQueue:
         return status
 
     def _append(self, a: Arrivals, rows: np.ndarray | None, t: np.ndarray,
-                lengths: np.ndarray, now: float, got: np.ndarray) -> None:
-        """Append the arrivals' ``rows`` (None: all) of tenants ``t``; ``got``: rows a tenant."""
+                lengths: np.ndarray, now: float, got: np.ndarray,
+                dmin: float | None = None) -> None:
+        """Append the arrivals' ``rows`` (None: all) of tenants ``t``; ``got``: rows a tenant;
+        ``dmin``: their earliest deadline, when known."""
         k = len(a) if rows is None else rows.size
         if self._n + k > self._call_id.size:
             self._compact(self._n + k)
         src = a.ids if rows is None else a.ids[_segments(a.offsets[rows], lengths)]
-        need = self._arena_used + src.size
+        base = self._arena_used
+        need = base + src.size
         if need > self._arena.size:
             self._compact(self._n + k, need)
-            need = self._arena_used + src.size
-        self._arena[self._arena_used : need] = src
+            base = self._arena_used
+            need = base + src.size
+        self._arena[base:need] = src
         s = slice(self._n, self._n + k)
         if rows is None:
             self._start[s] = a.offsets[:-1]
-            self._start[s] += self._arena_used
             self._call_id[s] = a.call_id
             self._deadline[s] = a.deadline
-            self._priority[s] = a.priority
+            prio = a.priority
         else:
-            np.cumsum(lengths, out=self._start[s])
-            self._start[s] += self._arena_used - lengths
+            _CUMSUM(lengths, out=self._start[s])
+            self._start[s] -= lengths
             self._call_id[s] = a.call_id[rows]
             self._deadline[s] = a.deadline[rows]
-            self._priority[s] = a.priority[rows]
-        self._arena_used = need
+            prio = a.priority[rows]
+            dmin = float(_MIN(self._deadline[s]))
+        if base:
+            self._start[s] += base
         self._tenant[s] = t
         self._length[s] = lengths
-        seq = self._seq[s]
-        seq[:] = np.arange(self._next_seq, self._next_seq + k)
-        # the queue order as one sort key: tenant, then priority (higher first), then arrival
+        # the queue order as one sort key: tenant, then priority (higher first); a stable sort
+        # of the rows (kept in arrival order) on it breaks the ties by arrival
         key = self._key[s]
-        np.left_shift(t, 48, out=key, dtype=np.int64, casting="unsafe")
-        key |= (127 - self._priority[s].astype(np.int64)) << 40
-        key |= seq & ((1 << 40) - 1)
+        np.multiply(t, 256, out=key, dtype=np.int64)
+        key -= prio
         self._enqueued[s] = now
         self._alive[s] = True
-        self._next_deadline = min(self._next_deadline, float(a.deadline[rows].min()
-                                                             if rows is not None
-                                                             else a.deadline.min()))
-        self._next_seq += k
+        self._arena_used = need
+        self._next_deadline = min(self._next_deadline, dmin)
+        if self._oldest is not None:
+            self._oldest = min(self._oldest, float(now))
+        idle = got > 0  # (re)activated: no credit for the idle time
+        if self._live_rows:
+            idle &= self.depth == 0
+        np.maximum(self.tag, self.vtime, out=self.tag, where=idle)
+        self.depth += got
         self._n += k
         self._live_rows += k
-        woke = (got > 0) & (self.depth == 0)  # (re)activated: no credit for the idle time
-        self.tag[woke] = np.maximum(self.tag[woke], self.vtime)
-        self.depth += got
+        self._live_tokens += need - base
 
     def _compact(self, rows_needed: int, arena_needed: int = 0) -> None:
         """Drop dead rows and their ids; size the columns for ``rows_needed`` rows and the
@@ -288,7 +332,7 @@ class ColumnQueue:
             new = np.zeros(rows, old.dtype)
             new[: live.size] = old[live]
             setattr(self, "_" + name, new)
-        self._start[: live.size] = np.cumsum(lengths) - lengths
+        self._start[: live.size] = _CUMSUM(lengths) - lengths
         ids = max(1 << 16, 2 * (keep.size + max(arena_needed - self._arena_used, 0)))
         self._arena = np.zeros(ids, np.int32)
         self._arena[: keep.size] = keep
@@ -297,11 +341,13 @@ class ColumnQueue:
 
     # ---- out -------------------------------------------------------------------------------
     def _live(self) -> np.ndarray:
-        return np.flatnonzero(self._alive[: self._n])
+        return self._alive[: self._n].nonzero()[0]
 
     def _drop(self, rows: np.ndarray, t: np.ndarray) -> None:
         self._alive[rows] = False
         self._live_rows -= rows.size
+        self._live_tokens -= int(self._length[rows].sum())
+        self._oldest = None
         self.depth -= np.bincount(t, minlength=len(self.names))
         if self._n > 2 * self._live_rows + 4096:
             self._compact(self._n)
@@ -316,6 +362,7 @@ class ColumnQueue:
         due = deadlines <= now
         later = deadlines[~due]
         self._next_deadline = float(later.min()) if later.size else math.inf
+        self._deadline_exact = True
         if not due.any():
             return live, _NONE_I8, _NONE_I4
         gone = live[due]
@@ -333,32 +380,51 @@ class ColumnQueue:
         """Form one batch (the module docstring's policy): the chosen rows' columns, copied
         out, and the rows that expired on the way."""
         now = self._clock() if now is None else now
-        live, exp_call, exp_tenant = self._expire(self._live(), now)
-        if live.size and self._parked_n:
-            live = live[~self.parked[self._tenant[live]]]
-        if not live.size or max_rows < 1:
-            return self._taken(_NONE_I8, _NONE_I4, exp_call, exp_tenant)
-        rows = live[np.argsort(self._key[live])]  # queue order (``_append``'s key)
+        n = self._n
+        if now < self._next_deadline and not self._parked_n and n == self._live_rows:
+            live = None  # rows [0, n), all alive, none due: slices, not gathers
+            exp_call, exp_tenant = _NONE_I8, _NONE_I4
+        else:
+            live, exp_call, exp_tenant = self._expire(self._live(), now)
+            if live.size and self._parked_n:
+                live = live[~self.parked[self._tenant[live]]]
+            n = live.size
+        if not n or max_rows < 1:
+            return self._taken(_NONE_I8, _NONE_I4, _NONE_I8, exp_call, exp_tenant)
+        if live is None:
+            rows = self._key[:n].argsort(kind="stable")  # queue order (``_append``'s key)
+        else:
+            rows = live[self._key[live].argsort(kind="stable")]
         t = self._tenant[rows]
         lengths = self._length[rows]
-        cost = np.maximum(lengths, 1) / self.weight[t]
-        cum = np.cumsum(cost)
-        first = np.searchsorted(t, t, side="left")  # each row's tenant's first position
-        start_tag = cum - cost
+        cost = lengths / self.weight[t]  # every row has at least one token (``push``)
+        start_tag = _CUMSUM(cost)
+        start_tag -= cost
+        first = t.searchsorted(t)  # each row's tenant's first position
         start_tag += self.tag[t] - start_tag[first]  # tenant's tag + its earlier rows' cost
         # start-tag order; a stable sort keeps ties in (tenant, queue) order
-        pick = np.argsort(start_tag, kind="stable")
-        chosen = self._budget(pick, t, lengths, max_tokens, max_rows)
-        got, tc = rows[chosen], t[chosen]
+        pick = start_tag.argsort(kind="stable")
+        if live is None and n <= max_rows and self._live_tokens <= max_tokens:
+            chosen = pick  # everything fits
+        else:
+            chosen = self._budget(pick, t, lengths, max_tokens, max_rows)
+        got, tc, lc = rows[chosen], t[chosen], lengths[chosen]
         T = len(self.names)
         self.vtime = max(self.vtime, float(start_tag[chosen[-1]]))
-        self.tag += np.bincount(tc, weights=cost[chosen], minlength=T)
+        self.tag += np.bincount(tc, cost[chosen], T)
         n_t = np.bincount(tc, minlength=T)
         self.taken += n_t
-        self.tokens_run += np.bincount(tc, weights=lengths[chosen], minlength=T).astype(np.int64)
-        out = self._taken(got, tc, exp_call, exp_tenant)
+        np.add(self.tokens_run, np.bincount(tc, lc, T), out=self.tokens_run, casting="unsafe")
+        out = self._taken(got, tc, lc, exp_call, exp_tenant)
+        if got.size == self._live_rows:  # the queue is empty: its columns start over
+            self._n = self._arena_used = self._live_rows = self._live_tokens = 0
+            self._next_deadline, self._deadline_exact, self._oldest = math.inf, True, math.inf
+            self.depth[:] = 0
+            return out
         self._alive[got] = False
         self._live_rows -= got.size
+        self._live_tokens -= int(out.offsets[-1])
+        self._deadline_exact, self._oldest = False, None
         self.depth -= n_t
         if self._n > 2 * self._live_rows + 4096:
             self._compact(self._n)
@@ -374,12 +440,12 @@ class ColumnQueue:
         used_tok = used_rows = 0
         pos = pick
         window = pos[:max_rows]
-        cum = np.cumsum(lengths[window])
+        cum = _CUMSUM(lengths[window])
         if cum[-1] <= max_tokens:  # the common case: everything up to max_rows fits
             return window
         while pos.size and used_rows < max_rows and (used_rows == 0 or used_tok < max_tokens):
             window = pos[: max_rows - used_rows]
-            cum = used_tok + np.cumsum(lengths[window])
+            cum = used_tok + _CUMSUM(lengths[window])
             over = cum > max_tokens
             if used_rows == 0:
                 over[0] = False  # the first row of a batch always fits
@@ -396,13 +462,20 @@ class ColumnQueue:
             return np.zeros(0, np.int64)
         return chosen[0] if len(chosen) == 1 else np.concatenate(chosen)
 
-    def _taken(self, rows: np.ndarray, tenant: np.ndarray, exp_call: np.ndarray,
-               exp_tenant: np.ndarray) -> Taken:
-        lengths = self._length[rows]
-        offsets = np.zeros(rows.size + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        ids = self._arena[_segments(self._start[rows], lengths)]
-        return Taken(self._call_id[rows], tenant, offsets, ids, self._enqueued[rows],
+    def _taken(self, got: np.ndarray, tenant: np.ndarray, lengths: np.ndarray,
+               exp_call: np.ndarray, exp_tenant: np.ndarray) -> Taken:
+        """The rows ``got`` (of ``tenant`` and ``lengths``) copied out, in that order."""
+        offsets = np.empty(got.size + 1, np.int64)
+        offsets[0] = 0
+        _CUMSUM(lengths, out=offsets[1:])
+        total = int(offsets[-1])
+        if total:
+            idx = (self._start[got] - offsets[:-1]).repeat(lengths)
+            idx += np.arange(total)
+            ids = self._arena[idx]
+        else:
+            ids = _NONE_I4
+        return Taken(self._call_id[got], tenant, offsets, ids, self._enqueued[got],
                      exp_call, exp_tenant)
 
     # ---- when a batch runs -----------------------------------------------------------------
@@ -410,35 +483,62 @@ class ColumnQueue:
             last_end: float, estimate_ms: Callable[[int, int], float],
             stopping: bool = False) -> tuple[bool, float | None]:
         """(run a batch now?, else when to look again): the triggers of
-        ``itif.scheduler.triggers`` on the columns."""
+        ``itif.scheduler.triggers`` on the columns. From the counters alone while they are
+        exact (no parked tenant, every tenant the same latency target)."""
+        if not self._live_rows:
+            return False, None
+        half = self._half_const
+        if self._parked_n or half is None or self._oldest is None or not self._deadline_exact:
+            return self._due_scan(now, max_tokens, max_rows, max_wait_ms, last_end,
+                                  estimate_ms, stopping)
+        next_deadline = self._next_deadline if self._next_deadline < math.inf else None
+        return self._triggers(now, self._live_rows, self._live_tokens, self._oldest,
+                              self._oldest + half, next_deadline, max_tokens, max_rows,
+                              max_wait_ms, last_end, estimate_ms, stopping)
+
+    def _due_scan(self, now, max_tokens, max_rows, max_wait_ms, last_end, estimate_ms,
+                  stopping) -> tuple[bool, float | None]:
+        """``due`` over the live rows' columns (parked tenants, mixed targets, or counters
+        not known since a partial batch)."""
         live = self._live()
-        next_deadline = float(self._deadline[live].min()) if live.size else None
-        if next_deadline is not None and not math.isfinite(next_deadline):
+        next_deadline = float(_MIN(self._deadline[live]))
+        if not self._parked_n:
+            self._next_deadline, self._deadline_exact = next_deadline, True
+        if not math.isfinite(next_deadline):
             next_deadline = None
-        if live.size:
+        if self._parked_n:
             live = live[~self.parked[self._tenant[live]]]
-        if not live.size:
-            return False, next_deadline
+            if not live.size:
+                return False, next_deadline
+        enq = self._enqueued[live]
+        oldest = float(_MIN(enq))
+        if not self._parked_n:
+            self._oldest = oldest
+        # the tenants' guards at their oldest rows: the earliest is the rows' earliest
+        guard = float(_MIN(enq + self._half_target[self._tenant[live]]))
+        return self._triggers(now, live.size, int(self._length[live].sum()), oldest, guard,
+                              next_deadline, max_tokens, max_rows, max_wait_ms, last_end,
+                              estimate_ms, stopping)
+
+    @staticmethod
+    def _triggers(now, queued, tokens, oldest, guard, next_deadline, max_tokens, max_rows,
+                  max_wait_ms, last_end, estimate_ms, stopping) -> tuple[bool, float | None]:
+        """The decision from the queue's totals: ``oldest`` arrival, the earliest tenant's
+        ``guard`` (its oldest arrival plus half its latency target)."""
         if stopping:
             return True, None
-        queued, tokens = live.size, int(self._length[live].sum())
         if tokens >= max_tokens or queued >= max_rows:
             return True, None  # full
         est_s = estimate_ms(min(queued, max_rows), min(tokens, max_tokens)) / 1000.0
-        t = self._tenant[live]
-        oldest = np.full(len(self.names), np.inf)
-        np.minimum.at(oldest, t, self._enqueued[live])
-        busy = np.isfinite(oldest)
-        guard_at = oldest[busy] + self.target_s[busy] / 2.0 - est_s
-        if (now >= guard_at).any():
+        guard_at = guard - est_s
+        if now >= guard_at:
             return True, None  # starvation guard
-        oldest_all = float(oldest[busy].min())
-        if oldest_all <= last_end:
+        if oldest <= last_end:
             return True, None  # hungry
-        lazy_at = oldest_all + max_wait_ms / 1000.0
+        lazy_at = oldest + max_wait_ms / 1000.0
         if now >= lazy_at:
             return True, None  # lazy timeout
-        wake = min(float(guard_at.min()), lazy_at)
+        wake = min(guard_at, lazy_at)
         if next_deadline is not None:
             wake = min(wake, next_deadline)
         return False, wake
