@@ -58,7 +58,7 @@ def test_kinds_the_issue_names_are_on_the_page():
     for key in ("cpu-table", "cpu-serve", "cpu-generate", "cpu-decoder", "cpu-peer",
                 "cpu-hostpath", "gpu-table", "gpu-serve", "gpu-generate"):
         assert picked[key], f"no committed result of kind {key}"
-    assert picked["cpu-peer"][0].path.startswith("bench/results/cpu-peer-vllm-")
+    assert picked["cpu-peer"][0].path.startswith("bench/results/cpu-peer-")
     assert picked["cpu-decoder"][0].path.startswith("bench/results/cpu-decoder-")
     assert picked["gpu-table"][0].meta["device"].startswith("NVIDIA H")
     text = pd.DOC.read_text()
