@@ -311,25 +311,29 @@ def test_the_servers_consumer_hands_a_loops_calls_their_tokens_in_one_put(tmp_pa
     """``itif.server.generate.GenerationStream`` (what gRPC Generate and /v1/completions run),
     the GenEngine on its own thread: the calls of one event loop share the loop's consumer,
     every step hands it one array holding each running call's token, and each call's
-    "tokens" events add up to its result."""
+    "tokens" events add up to its result. A second engine's call on the same loop (its ticket
+    ids are its own: the same numbers) goes through a consumer of its own."""
     import asyncio
     from types import SimpleNamespace
 
     from itif.server import generate as served
 
-    eng, tenants = _gpt2(tmp_path)
+    eng, tenants = _gpt2(tmp_path / "one")
+    other, _ = _gpt2(tmp_path / "two")
     reqs = [k(i) for i, k in enumerate(_kinds(tenants)) if i in (0, 1, 3, 5)]
     reqs = [replace(r, max_new_tokens=8) for r in reqs]
+    alone = replace(reqs[0], input_ids=[40, 41, 42])
 
     class Daemon:  # what GenerationStream reads of the daemon
-        generator, metrics = eng, None
-        engine = SimpleNamespace(tokenizer_of=lambda tenant: None)
+        def __init__(self, gen: GenEngine) -> None:
+            self.generator, self.metrics = gen, None
+            self.engine = SimpleNamespace(tokenizer_of=lambda tenant: None)
 
         def submit_generate(self, who, tenant, req, on_event, text=None, reserve=None):
-            return eng.submit(req, on_event)
+            return self.generator.submit(req, on_event)
 
         def cancel_generate(self, ticket) -> None:
-            eng.cancel(ticket)
+            self.generator.cancel(ticket)
 
     puts: list[int] = []
 
@@ -343,18 +347,24 @@ def test_the_servers_consumer_hands_a_loops_calls_their_tokens_in_one_put(tmp_pa
         return toks, done
 
     async def main():
-        calls = [served.GenerationStream(Daemon(), None, r.tenant, r) for r in reqs]
-        consumer = served._loop_tokens(asyncio.get_running_loop())
+        calls = [served.GenerationStream(Daemon(eng), None, r.tenant, r) for r in reqs]
+        calls.append(served.GenerationStream(Daemon(other), None, alone.tenant, alone))
+        assert calls[0].ticket.id == calls[-1].ticket.id  # each engine numbers its own
+        consumer = served._loop_tokens(asyncio.get_running_loop(), eng)
         put = consumer.put
         consumer.put = lambda ids, toks: (puts.append(len(ids)), put(ids, toks))
-        eng.start()
+        for g in (eng, other):
+            g.start()
         try:
             return await asyncio.gather(*(collect(c) for c in calls))
         finally:
-            eng.stop()
+            for g in (eng, other):
+                g.stop()
 
-    for toks, done in asyncio.run(main()):
+    outs = asyncio.run(main())
+    for toks, done in outs:
         assert len(toks) == 8 and toks == done.sequences[0]
+    assert outs[0][0] != outs[-1][0]  # different prompts, different tokens
     assert puts == [len(reqs)] * 8
 
 

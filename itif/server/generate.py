@@ -27,9 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
-
 
 from itif.errors import DeadlineExceeded, InvalidRequest, ItifError, Unavailable
 from itif.generation.api import HF_TOP_K, GenerateRequest
@@ -139,12 +139,13 @@ class _StepTokens:
 
 
 class _LoopTokens:
-    """The token consumer of one event loop (``itif.generation.streams``): the GenEngine's
-    thread hands it a step's tokens of every streaming call on this loop in one ``put``; one
-    callback on the loop then gives each call its token. Calls register by ticket id."""
+    """The token consumer of one event loop and one GenEngine (``itif.generation.streams``;
+    ticket ids are an engine's own): the engine's thread hands it a step's tokens of every
+    streaming call on this loop in one ``put``; one callback on the loop then gives each call
+    its token. Calls register by ticket id."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, gen: Any) -> None:
+        self.loop, self.gen = loop, weakref.ref(gen)
         self.calls: dict[int, asyncio.Queue] = {}
 
     def put(self, ids: Any, tokens: Any) -> None:  # the GenEngine's thread: never blocks
@@ -158,17 +159,19 @@ class _LoopTokens:
                 q.put_nowait(_StepTokens([tok]))
 
 
-_CONSUMERS: dict[int, _LoopTokens] = {}  # id(event loop) -> its consumer
+_CONSUMERS: dict[tuple[int, int], _LoopTokens] = {}  # (id(loop), id(engine)) -> consumer
 
 
-def _loop_tokens(loop: asyncio.AbstractEventLoop) -> _LoopTokens:
-    """``loop``'s consumer, made on its first call (closed loops' consumers dropped then)."""
-    c = _CONSUMERS.get(id(loop))
-    if c is None or c.loop is not loop:
-        for key, other in list(_CONSUMERS.items()):
-            if other.loop.is_closed():
-                _CONSUMERS.pop(key, None)
-        c = _CONSUMERS[id(loop)] = _LoopTokens(loop)
+def _loop_tokens(loop: asyncio.AbstractEventLoop, gen: Any) -> _LoopTokens:
+    """The consumer of ``loop`` and ``gen``, made on their first call (those of closed loops
+    and of engines gone are dropped then)."""
+    key = (id(loop), id(gen))
+    c = _CONSUMERS.get(key)
+    if c is None or c.loop is not loop or c.gen() is not gen:
+        for k, other in list(_CONSUMERS.items()):
+            if other.loop.is_closed() or other.gen() is None:
+                _CONSUMERS.pop(k, None)
+        c = _CONSUMERS[key] = _LoopTokens(loop, gen)
     return c
 
 
@@ -221,7 +224,7 @@ class GenerationStream:
         self._tokens: _LoopTokens | None = None
         gen = getattr(daemon, "generator", None)
         if hasattr(gen, "stream_to"):  # the step's tokens in bulk, with the loop's other calls'
-            self._tokens = _loop_tokens(loop)
+            self._tokens = _loop_tokens(loop, gen)
             self._tokens.calls[self.ticket.id] = self._events
             gen.stream_to(self.ticket, self._tokens)
 
