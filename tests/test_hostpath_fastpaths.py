@@ -21,11 +21,13 @@ COLS = ("call_id", "tenant", "offsets", "ids", "deadline", "priority")
 
 
 def _random_arrivals(rng, n: int, tenants: int, call0: int, now: float = 0.0,
-                     max_len: int = 40, vocab: int = 1000) -> Arrivals:
+                     max_len: int = 40, vocab: int = 1000, one: bool = False) -> Arrivals:
+    """``n`` random rows of ``tenants`` (``one``: all of one of them)."""
     lengths = rng.integers(1, max_len + 1, n)
     off = np.concatenate(([0], np.cumsum(lengths)))
     deadline = np.where(rng.random(n) < 0.3, now + rng.random(n) * 0.05, np.inf)
-    return Arrivals.build(np.arange(call0, call0 + n), rng.integers(0, tenants, n), off,
+    tenant = np.full(n, rng.integers(0, tenants)) if one else rng.integers(0, tenants, n)
+    return Arrivals.build(np.arange(call0, call0 + n), tenant, off,
                           rng.integers(0, vocab, int(off[-1])), deadline,
                           rng.integers(-2, 3, n), table_version=int(rng.integers(0, 5)))
 
@@ -114,6 +116,14 @@ def test_column_queue_fast_paths_equal_the_general_path(seed, monkeypatch):
         return scan(self, *args)
 
     monkeypatch.setattr(ColumnQueue, "_due_scan", counting)
+    taken_one = {"multi": 0}
+    take_one = ColumnQueue._take_one
+
+    def counting_one(self, i, rows, *args):
+        taken_one["multi"] += rows.size > 1
+        return take_one(self, i, rows, *args)
+
+    monkeypatch.setattr(ColumnQueue, "_take_one", counting_one)
     now, call = 0.0, 0
     decided = 0
 
@@ -123,8 +133,9 @@ def test_column_queue_fast_paths_equal_the_general_path(seed, monkeypatch):
     for _ in range(120):
         now += float(rng.random() * 0.01)
         op = rng.random()
-        if op < 0.45:
-            a = _random_arrivals(rng, int(rng.integers(1, 8)), T, call, now, max_len=50)
+        if op < 0.4 or (op < 0.8 and not fast.queued):
+            a = _random_arrivals(rng, int(rng.integers(1, 8)), T, call, now, max_len=50,
+                                 one=rng.random() < 0.5)
             call += len(a)
             want = general.push(_with_unknown_row(a, T), now)
             assert want[-1] == NOT_FOUND
@@ -145,4 +156,11 @@ def test_column_queue_fast_paths_equal_the_general_path(seed, monkeypatch):
             assert fast.due(now, **kw) == general.due(now, **kw)
             decided += 1
         _same_state(fast, general, T)
+    for q in (fast, general):  # and one tenant's rows alone in the queue, taken all at once
+        q.take(10**9, 10**6, now)
+        q.push(_random_arrivals(np.random.default_rng(seed), 4, T, call, now, one=True), now)
+    got, want = fast.take(10**9, 256, now), general.take(10**9, 256, now)
+    assert got.call_id.tolist() == want.call_id.tolist() and np.array_equal(got.ids, want.ids)
+    _same_state(fast, general, T)
     assert decided and scans["fast"] < decided  # the counters decided some of them
+    assert taken_one["multi"], "no take found one tenant's rows only"

@@ -398,29 +398,29 @@ class ColumnQueue:
         t = self._tenant[rows]
         lengths = self._length[rows]
         cost = lengths / self.weight[t]  # every row has at least one token (``push``)
-        start_tag = _CUMSUM(cost)
-        start_tag -= cost
+        cum = _CUMSUM(cost)
+        start_tag = cum - cost
+        T = len(self.names)
+        whole = live is None and n <= max_rows and self._live_tokens <= max_tokens
+        if whole and t[0] == t[-1]:  # one tenant's rows, all of them: tag order is queue order
+            return self._take_one(int(t[0]), rows, t, lengths, cum, start_tag)
         first = t.searchsorted(t)  # each row's tenant's first position
         start_tag += self.tag[t] - start_tag[first]  # tenant's tag + its earlier rows' cost
         # start-tag order; a stable sort keeps ties in (tenant, queue) order
         pick = start_tag.argsort(kind="stable")
-        if live is None and n <= max_rows and self._live_tokens <= max_tokens:
+        if whole:
             chosen = pick  # everything fits
         else:
             chosen = self._budget(pick, t, lengths, max_tokens, max_rows)
         got, tc, lc = rows[chosen], t[chosen], lengths[chosen]
-        T = len(self.names)
         self.vtime = max(self.vtime, float(start_tag[chosen[-1]]))
         self.tag += np.bincount(tc, cost[chosen], T)
         n_t = np.bincount(tc, minlength=T)
         self.taken += n_t
         np.add(self.tokens_run, np.bincount(tc, lc, T), out=self.tokens_run, casting="unsafe")
         out = self._taken(got, tc, lc, exp_call, exp_tenant)
-        if got.size == self._live_rows:  # the queue is empty: its columns start over
-            self._n = self._arena_used = self._live_rows = self._live_tokens = 0
-            self._next_deadline, self._deadline_exact, self._oldest = math.inf, True, math.inf
-            self.depth[:] = 0
-            return out
+        if got.size == self._live_rows:
+            return self._drained(out)
         self._alive[got] = False
         self._live_rows -= got.size
         self._live_tokens -= int(out.offsets[-1])
@@ -428,6 +428,27 @@ class ColumnQueue:
         self.depth -= n_t
         if self._n > 2 * self._live_rows + 4096:
             self._compact(self._n)
+        return out
+
+    def _take_one(self, i: int, rows: np.ndarray, t: np.ndarray, lengths: np.ndarray,
+                  cum: np.ndarray, start_tag: np.ndarray) -> Taken:
+        """``take`` of every queued row when they are all tenant ``i``'s: what the general
+        path computes (the start tags are its tag plus the costs before them, so they keep
+        the queue order; its tag grows by the costs' sum, accumulated in the same order),
+        without the tag sort and the per-tenant bincounts."""
+        start_tag += self.tag[i]
+        self.vtime = max(self.vtime, float(start_tag[-1]))
+        self.tag[i] += cum[-1]
+        self.taken[i] += rows.size
+        out = self._taken(rows, t, lengths, _NONE_I8, _NONE_I4)
+        self.tokens_run[i] += int(out.offsets[-1])
+        return self._drained(out)
+
+    def _drained(self, out: Taken) -> Taken:
+        """The queue is empty after ``out``: its columns start over (no row to mark dead)."""
+        self._n = self._arena_used = self._live_rows = self._live_tokens = 0
+        self._next_deadline, self._deadline_exact, self._oldest = math.inf, True, math.inf
+        self.depth[:] = 0
         return out
 
     @staticmethod
