@@ -27,9 +27,12 @@ at most :data:`MAX_SEGMENTS` of them. ``ITIF_CPU_ONEDNN=0`` turns it off.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger("itif.runtime")
 
 __all__ = ["ACTS", "MAX_SEGMENTS", "MIN_ROWS", "enabled", "linear", "usable"]
 
@@ -64,6 +67,10 @@ def enabled(dtype: torch.dtype) -> bool:
               and (dtype == torch.float32
                    or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
         _state[dtype] = ok
+        if dtype == torch.bfloat16:  # issue 65: say what bfloat16 products run on
+            log.info("CPU bfloat16 products: %s", "oneDNN (native AVX512-BF16 / AMX kernels)"
+                     if ok else "MKL / PyTorch (no native oneDNN bfloat16 here, or "
+                     "ITIF_CPU_ONEDNN=0)")
     return ok
 
 
