@@ -193,6 +193,11 @@ class Metrics:
         self.http_seconds = Histogram(
             "itif_http_request_duration_seconds", "HTTP request duration in the server",
             ("api", "method"), buckets=_LATENCY_BUCKETS, registry=r)
+        self.column_rows = Counter("itif_column_rows", "Rows the column path ran (ingress "
+                                   "processes' Infer calls, itif.server.column_door)", registry=r)
+        self.column_forward_cpu = Counter(
+            "itif_column_forward_cpu_seconds", "CPU of the column path's forwards (its thread's; "
+            "the daemon's CPU beyond it is its per-call overhead)", registry=r)
         self.rows = Counter(
             "itif_inference_rows", "Inference rows (one input of a call) that left the queue, by "
             "tenant and outcome", ("tenant", "code"), registry=r)
@@ -320,9 +325,12 @@ class Metrics:
         ``{(tenant, method, code): [seconds of each call]}``."""
         for (tenant, method, code), seconds in calls.items():
             self._child(self.requests, tenant, method, code).inc(len(seconds))
-            hist = self._child(self.request_seconds, method)
             for s in seconds:
-                hist.observe(s)
+                self._child(self.request_seconds, method).observe(s)
+
+    def observe_column_batch(self, rows: int, forward_cpu_s: float) -> None:
+        self.column_rows.inc(rows)
+        self.column_forward_cpu.inc(forward_cpu_s)
 
     def observe_http(self, tenant: str, api: str, method: str, status: int,
                      seconds: float) -> None:

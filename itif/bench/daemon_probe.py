@@ -56,6 +56,8 @@ _FIGURES = {  # figure -> (metric sample, label that must match, or None: summed
     "graph_replays": ("itif_cuda_graph_forwards_total", ("path", "replay")),
     "graph_eager": ("itif_cuda_graph_forwards_total", ("path", "eager")),
     "graph_captures": ("itif_cuda_graph_captures_total", None),
+    "column_rows": ("itif_column_rows_total", None),
+    "column_forward_cpu_s": ("itif_column_forward_cpu_seconds_total", None),
 }
 
 

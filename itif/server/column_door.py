@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import threading
+import time
 
 import numpy as np
 
@@ -76,6 +77,7 @@ class ColumnDoor:
         self._watcher: threading.Thread | None = None
         #: rows taken in / answered / refused, batches run (tests and the serve bench read them)
         self.rows_in = self.rows_answered = self.rows_refused = self.batches = 0
+        self.decisions = 0  # times the scheduler asked whether a batch is due
 
     # ---- the ingress processes' side -------------------------------------------------------
     def spec(self, index: int) -> dict:
@@ -135,8 +137,9 @@ class ColumnDoor:
 
     def close(self) -> None:
         if self.daemon is not None:
-            log.info("column path: %d rows in, %d answered, %d refused, %d batches",
-                     self.rows_in, self.rows_answered, self.rows_refused, self.batches)
+            log.info("column path: %d rows in, %d answered, %d refused, %d batches, %d decisions",
+                     self.rows_in, self.rows_answered, self.rows_refused, self.batches,
+                     self.decisions)
         self._stop.set()
         if self.daemon is not None and self.daemon.scheduler is not None:
             self.daemon.scheduler.attach_columns(None)
@@ -177,6 +180,7 @@ class ColumnDoor:
     # ---- the scheduler's source (``itif.scheduler.sources.ColumnSource``) --------------------
     def decide(self, now: float, *, last_end: float, estimate_ms, stopping: bool
                ) -> tuple[bool, float | None]:
+        self.decisions += 1
         cfg = self.daemon.config
         if cfg is not self._config:
             self._sync(cfg)
@@ -227,13 +231,18 @@ class ColumnDoor:
         n = len(taken)
         if not n:
             return None
+        cpu = time.thread_time()
         try:
             out = self.daemon.engine.infer_columns(taken.tenant, taken.ids, taken.offsets,
                                                    table=self.queue.names)
+            cpu = time.thread_time() - cpu
             self._send(Results.ok(taken.call_id, out.offsets, out.values))
         except Exception as e:  # noqa: BLE001 - each tenant's rows alone: its error is its own
+            cpu = time.thread_time() - cpu
             self._per_tenant(taken, e)
         self.batches += 1
+        if self.daemon.metrics is not None:
+            self.daemon.metrics.observe_column_batch(n, cpu)
         return n, int(taken.offsets[-1])
 
     def _per_tenant(self, taken, first: Exception) -> None:

@@ -42,6 +42,11 @@ __all__ = ["ColumnClient", "Prepared"]
 FRONTEND_SHIFT = 48
 INFER, INFER_BATCH = "/itif.v1.Itif/Infer", "/itif.v1.Itif/InferBatch"
 _CODES = {name: getattr(grpc.StatusCode, name) for name in STATUS}
+#: seconds an ingress process gathers calls into one batch of arrivals: one ring slot and one
+#: wake-up of the daemon for all of them (the daemon's work per batch is mostly fixed)
+FLUSH_S = 0.001
+#: seconds between an ingress process's reports of its column calls to the daemon's metrics
+REPORT_S = 0.1
 
 
 class Refused(Exception):
@@ -158,8 +163,9 @@ class ColumnClient:
     # ---- a call ------------------------------------------------------------------------
     async def counted(self, p: Prepared, context) -> tuple[bytes | None, Refused | None]:
         """:meth:`call`, counted for the daemon's metrics as its interceptor counts a framed
-        call: (the reply, None) or (None, why it was refused). The counts of one turn of the
-        loop go to the daemon in one report, before the replies are sent."""
+        call: (the reply, None) or (None, why it was refused). The counts go to the daemon in
+        one report every :data:`REPORT_S` (one a call would wake the daemon's event loop a
+        call): a column call shows in /metrics up to that much after its answer."""
         start = time.perf_counter()
         code, reply, refused = "OK", None, None
         try:
@@ -173,8 +179,8 @@ class ColumnClient:
             left = context.time_remaining()
             if left is not None and left <= 0 and code != "OK":
                 code = "DEADLINE_EXCEEDED"
-            if not self._counts and self._report is not None:
-                self._loop.call_soon(self._send_counts)
+            if not self._counts and self._report is not None:  # at most one report a period
+                self._loop.call_later(REPORT_S, self._send_counts)
             key = (p.tenant, p.method.rpartition("/")[2], code)
             self._counts.setdefault(key, []).append(time.perf_counter() - start)
         return reply, refused
@@ -185,14 +191,15 @@ class ColumnClient:
             self._report(counts)
 
     async def call(self, p: Prepared, remaining: float | None) -> bytes:
-        """Send ``p`` with this turn's other calls; its reply's bytes, or :class:`Refused`."""
+        """Send ``p`` with the other calls of the next :data:`FLUSH_S`; its reply's bytes, or
+        :class:`Refused`."""
         self._admit(p)
         self._next += 1
         cid = (self.index << FRONTEND_SHIFT) | self._next
         fut = self._loop.create_future()
         self._calls[cid] = _Call(fut, len(p.ids))
-        if not self._pending:
-            self._loop.call_soon(self._flush)
+        if not self._pending:  # the calls of the next FLUSH_S go in one batch of arrivals
+            self._loop.call_later(FLUSH_S, self._flush)
         deadline = math.inf if remaining is None else time.monotonic() + remaining
         self._pending.append((cid, p, deadline))
         try:
@@ -237,7 +244,8 @@ class ColumnClient:
         return raw
 
     def _flush(self) -> None:
-        """This turn's calls as arrivals, in as few ring slots as they fit."""
+        """The calls gathered since the first of them, as arrivals, in as few ring slots as
+        they fit."""
         pending, self._pending = self._pending, []
         chunk: list[tuple[int, Prepared, float]] = []
         size = 0
