@@ -310,16 +310,14 @@ def hostpath_table(r: Result) -> str:
             f"{d.get('wakeup_us')} µs. Median of the repeats: **{d['median_extra_us_per_request']}"
             f" µs a request, {d['median_extra_us_per_batch']} µs a batch** beyond "
             "`Engine.infer` on the same batches.\n\n")
-    cols = [("engine_side_us_per_request", "engine side µs/request"),
-            ("infer_us_per_request", "infer µs/request"),
-            ("extra_us_per_request", "extra µs/request"),
-            ("extra_us_per_batch", "extra µs/batch"),
-            ("read_push_us_per_request", "read + push µs/request"),
-            ("take_us_per_request", "take µs/request"),
-            ("infer_columns_us_per_request", "infer_columns µs/request"),
-            ("results_us_per_request", "results µs/request")]
-    body = [[x["repeat"], x["requests"], x["batches"], *[x[k] for k, _ in cols]] for x in r.rows]
-    return head + _table(["repeat", "requests", "batches", *[h for _, h in cols]], body)
+    # every timed part the file records, in its order (newer files time more parts, e.g. due)
+    keys = [k for k in dict.fromkeys(k for x in r.rows for k in x)
+            if k.endswith(("_us_per_request", "_us_per_batch"))]
+    heads = [k.replace("_us_per_request", " µs/request").replace("_us_per_batch", " µs/batch")
+             .replace("_", " ") for k in keys]
+    body = [[x.get("repeat"), x.get("requests"), x.get("batches"), *[x.get(k, "–") for k in keys]]
+            for x in r.rows]
+    return head + _table(["repeat", "requests", "batches", *heads], body)
 
 
 def plan_table(r: Result) -> str:
