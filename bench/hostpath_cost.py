@@ -18,7 +18,10 @@ sending one ring batch a ``--flush-ms`` window) are first scheduled in virtual t
 takes a batch when ``due`` says so (the scheduler's triggers, 5 ms lazy wait, 8192 tokens, 256
 rows) and is then busy for as long as its forward took in CPU time (what it would take on a
 core of its own; on a shared machine the wall clock would overstate it and grow the batches).
-That fixes every batch. Then, per repeat, the engine side replays that schedule (measured
+That fixes every batch; the batches therefore depend on the forward's speed (at 1,000 req/s
+this CPU sits near the point where a slower forward tips it into batches of tens of rows,
+which hide a per-batch cost), so ``--save-schedule`` keeps a run's schedule and ``--schedule``
+replays it: the same batches for the engine side of another commit. Then, per repeat, the engine side replays that schedule (measured
 with ``time.process_time``, the process's CPU in every thread, torch held to one thread),
 and ``Engine.infer`` runs each batch as a ``Request`` list (built untimed) right beside its
 ``infer_columns``, the order alternating from batch to batch, so that the drift of a shared machine's load cancels.
@@ -209,8 +212,19 @@ def measure(args) -> dict:
     sent = frames(args, spec, rng)
     n_req = sum(len(a) for _, _, a in sent)
     steps = schedule(engine, names, sent, quota)  # also warms the engine up
+    if args.save_schedule:
+        args.save_schedule.write_text(json.dumps({"argv": sys.argv[1:], "steps": steps}) + "\n")
+    if args.schedule:  # a saved schedule of the same arrivals: the same batches, whatever
+        saved = json.loads(args.schedule.read_text())["steps"]  # the forward's speed today
+        if saved[-1][0] > len(sent):
+            raise SystemExit(f"{args.schedule}: steps past the {len(sent)} ring batches of "
+                             "these arguments")
+        steps = [(int(i), float(now)) for i, now in saved]
     tune_gc()  # the collector's settings of ``itif serve``, once startup is done
-    rings = {"in": [Ring(slots=max(64, len(sent)), slot_bytes=64 << 10)
+    # each ring as the daemon's would be, a few slots reused over and over (so hot in the
+    # caches), but enough for every batch a front end sends between two steps
+    most = max(b[0] - a[0] for a, b in zip([(0, 0.0), *steps], steps))
+    rings = {"in": [Ring(slots=max(16, most + 1), slot_bytes=64 << 10)
                     for _ in range(args.frontends)],
              "out": Ring(slots=4, slot_bytes=4 << 20)}
     rows = []
@@ -243,7 +257,8 @@ def measure(args) -> dict:
             "itif": str(ROOT), "cpu_count": os.cpu_count(), "mix": MIX, "model": "bert-tiny",
             "tenants": args.tenants, "rate": args.rate, "frontends": args.frontends,
             "flush_ms": args.flush_ms, "torch_threads": torch.get_num_threads(),
-            "load_average": os.getloadavg()}
+            "load_average": os.getloadavg(),
+            "schedule": str(args.schedule) if args.schedule else "formed by this run"}
     return {"meta": meta, "rows": rows, "mean_batch_rows": round(n_req / len(steps), 2),
             "ring_batches": len(sent), "wakeup_us": round(wake * 1e6, 2),
             "median_extra_us_per_request": float(np.median(extra)),
@@ -261,6 +276,10 @@ def main(argv=None) -> int:
     ap.add_argument("--flush-ms", type=float, default=1.0,
                     help="a front end sends one ring batch of its arrivals a window this long")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedule", type=Path,
+                    help="replay the batches of a schedule saved by --save-schedule (same "
+                         "arrival arguments) instead of the one this run forms")
+    ap.add_argument("--save-schedule", type=Path, help="save the schedule this run forms")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if min(args.rate, args.seconds, args.repeats, args.tenants, args.frontends,
