@@ -127,3 +127,22 @@ def test_decoder_rows_of_a_cuda_run_render():
     assert "| itif | 9,000 | 0.228 | 0.220 | 7.11 | 3.20 |  |  |" in out
     assert "| vllm | skipped |  |  |  |  |  | vLLM runs on the CPU only |" in out
     assert "ms per output token" in out.splitlines()[2]
+
+
+def test_a_run_of_another_copy_of_the_code_is_not_the_figure(tmp_path):
+    """bench/hostpath_cost.py records the tree it imported (``meta.itif``); the 'before' arm of
+    a comparison, run from a copy under /tmp, is newer but is not this code's figure."""
+    def hostpath(date: str, tree: str, extra: float) -> dict:
+        return {"meta": {"date": date, "argv": ["--out", "x.json"], "itif": tree,
+                         "cpu_count": 2}, "median_extra_us_per_request": extra,
+                "median_extra_us_per_batch": 3 * extra,
+                "rows": [{"repeat": 0, "requests": 10, "batches": 3,
+                          "extra_us_per_request": extra}]}
+    (tmp_path / "now.json").write_text(json.dumps(hostpath("2026-11-29T06:46:16+0000",
+                                                           "/work/main", 103.4)))
+    (tmp_path / "before.json").write_text(json.dumps(hostpath("2026-11-29T06:47:22+0000",
+                                                              "/tmp/h4/oldhp", 139.5)))
+    (got,) = pd.pick(pd.load_results(tmp_path))["cpu-hostpath"]
+    assert got.path.endswith("now.json")
+    page = pd.render(pd.load_results(tmp_path))
+    assert "**103.4 µs a request" in page and "139.5" not in page

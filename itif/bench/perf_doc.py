@@ -9,9 +9,10 @@ tenants, serving through the daemon, generation (the thesis' Decoding row and th
 suite), the vLLM peer, the host path's cost, on the CPU and on the GPU. Every JSON under
 ``bench/results/`` (subfolders too: the GPU sessions keep theirs there) is offered to every
 kind; of those a kind accepts, the one with the latest recorded date is rendered (on a tie, a
-file that is not a merge of others, then the path). So committing a newer result of a kind
-is enough to change the page, and ``tests/test_performance_doc.py`` fails until it is
-regenerated: the page is a pure function of the committed files.
+file that is not a merge of others, then the path; a run that records it measured a
+temporary copy of the code, the 'before' arm of a comparison, never counts). So committing a
+newer result of a kind is enough to change the page, and ``tests/test_performance_doc.py``
+fails until it is regenerated: the page is a pure function of the committed files.
 
 Every table is preceded by one line naming its source file, the command that wrote it (from
 the file: ``meta.command``, or the script and ``meta.argv``), its date and its device; ratios
@@ -26,6 +27,7 @@ import datetime
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +97,13 @@ class Result:
     def suites(self) -> set:
         return {r.get("suite") for r in self.rows}
 
+    @property
+    def other_tree(self) -> bool:
+        """Measured a temporary copy of the code (``meta.itif``, where the script records the
+        tree it imported, under /tmp): the 'before' arm of a comparison, not this code."""
+        tree = self.meta.get("itif")
+        return isinstance(tree, str) and tree.startswith(("/tmp/", tempfile.gettempdir() + "/"))
+
     def is_cpu(self) -> bool:
         return str(self.meta.get("device", "cpu")).lower().startswith("cpu")
 
@@ -120,8 +129,9 @@ def _rel(p: Path) -> str:
 
 
 def newest(results: list[Result], accepts: Callable[[Result], bool]) -> Result | None:
-    """The accepted file with the latest recorded date (ties: not a merge, then the path)."""
-    got = [r for r in results if accepts(r)]
+    """The accepted file with the latest recorded date (ties: not a merge, then the path);
+    a run of another copy of the code never counts."""
+    got = [r for r in results if accepts(r) and not r.other_tree]
     return max(got, key=lambda r: (r.when, "merged_from" not in r.meta, r.path), default=None)
 
 
