@@ -33,7 +33,7 @@ from itif.calibration.batchcost import (
     structure_of_batch,
     structure_of_layout,
 )
-from itif.runtime import cpu_gemm
+from itif.runtime import cpu_gemm, cpu_linear
 
 TENANTS = 32
 ABS_BOUND = 0.60
@@ -45,7 +45,7 @@ def mkl_only():
     """The tests below are about MKL's backends (grouped_mm, bmm, loop): the CPU few-rows kernel
     would take these 4-16-row segments, so it stays off in this thread, except where a test
     turns it back on (``test_the_cpu_kernel_is_priced_as_it_runs``)."""
-    with cpu_gemm.suspended():
+    with cpu_gemm.suspended(), cpu_linear.suspended():  # oneDNN's products: not calibrated
         yield
 
 

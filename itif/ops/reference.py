@@ -146,6 +146,8 @@ def _layernorm_segments(x: torch.Tensor, gamma: RotParam, beta: RotParam,
     if (not 0 < len(sg) <= LN_MAX_SEGMENTS or (sg.start, sg.end) != (sb.start, sb.end)
             or sg.start[0] != 0 or sg.end[-1] != x.shape[0] or sg.start[1:] != sg.end[:-1]):
         return None  # the segments must tile the rows, in order
+    if max(sg.slot) >= gamma.buf.shape[0] or max(sb.slot) >= beta.buf.shape[0]:
+        return None  # a plan made for another slot table (the calibration's): per row
     H = (x.shape[-1],)
     if len(sg) == 1:
         return F.layer_norm(x, H, gamma.buf[sg.slot[0]], beta.buf[sb.slot[0]], eps)
