@@ -196,17 +196,23 @@ class ColumnDoor:
             views = c.ready()
             if not views:
                 continue
+            n_views, a = len(views), None
             try:
-                a = Arrivals.concat([Arrivals.unpack(v) for v in views])
-                call_id = a.call_id.copy()
-                status = (np.full(len(a), status_code("UNAVAILABLE"), np.int8) if stopping
-                          else self.queue.push(a, now))
-            except Exception:
-                log.exception("arrivals could not be queued; their calls fail INTERNAL")
+                a = Arrivals.unpack_many(views)  # a copy: the slots are free again at once
+            except Exception:  # never leave a slot unread: that would spin
+                log.exception("arrivals could not be read; their calls fail INTERNAL")
                 status, call_id = self._unreadable(views)
             finally:
-                a = None  # no view of a slot outlives its release
-                c.release(len(views))
+                views = None  # no view of a slot outlives its release
+                c.release(n_views)
+            if a is not None:
+                call_id = a.call_id
+                try:
+                    status = (np.full(len(a), status_code("UNAVAILABLE"), np.int8) if stopping
+                              else self.queue.push(a, now))
+                except Exception:  # the calls fail, the loop goes on
+                    log.exception("arrivals could not be queued; their calls fail INTERNAL")
+                    status = np.full(len(a), status_code("INTERNAL"), np.int8)
             self.rows_in += call_id.size
             bad = status != _OK
             if bad.any():
