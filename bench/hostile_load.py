@@ -17,6 +17,9 @@ One daemon (bert-tiny, CPU, tenants ``quiet`` and ``noisy``, default settings un
 ``slow``   an HTTP/2 client (a raw socket: preface, HEADERS, DATA, and then it never reads)
            sends ``--slow-calls`` InferBatch calls whose replies are about 2 MiB each: the
            daemon's RSS before, while the replies are unread, and after the client is gone.
+``fair``   issue 61's flood: quiet's p99 alone, ``--burst`` noisy calls alone (OK calls a
+           second), then both: quiet's p99 under the flood over alone, noisy's throughput
+           with quiet over alone.
 ``big``    an InferBatch whose reply is larger than ``server.max_message_bytes``: the code, the
            message, the metric's code and whether the daemon logged a traceback.
 
@@ -434,6 +437,51 @@ def part_burst(d, tokens, args, out: dict) -> None:
                     "itif_requests_total Infer delta": delta}
 
 
+def part_fair(d, tokens, args, out: dict) -> None:
+    """Issue 61's flood: quiet's p99 alone; noisy's ``--burst`` calls alone (its OK calls a
+    second); then both at once. Bars: quiet's p99 under the flood at most 2x alone, noisy at
+    least half its throughput alone."""
+    def burst(tag: str) -> tuple[subprocess.Popen, Path]:
+        result = Path(tempfile.mkdtemp(prefix=f"fair-{tag}")) / "burst.json"
+        p = helper("burst", d.addr, tokens["noisy"], "noisy", args.burst, result)
+        return p, result
+
+    with d.client(tokens["quiet"]) as c:
+        quiet_calls(c, 1.0)  # warm-up
+        idle, idle_codes = quiet_calls(c, args.seconds)
+        p, result = burst("alone")
+        p.wait()
+        alone = json.loads(result.read_text())
+        stop, quiet = threading.Event(), {}
+
+        def run_quiet() -> None:
+            quiet["lat"], quiet["codes"] = quiet_calls(c, 300, stop=stop)
+
+        th = threading.Thread(target=run_quiet)
+        th.start()
+        time.sleep(0.5)
+        p, result = burst("both")
+        p.wait()
+        stop.set()
+        th.join()
+        both = json.loads(result.read_text())
+
+    def ok_per_s(b: dict) -> float:
+        return round(b["codes"].get("OK", 0) / max(b["all_answered_s"], 1e-9), 1)
+
+    out["fair"] = {
+        "calls": args.burst,
+        "quiet alone p50/p99 ms": [pct(idle, 50), pct(idle, 99)],
+        "quiet alone codes": dict(idle_codes),
+        "quiet under the flood p50/p99 ms": [pct(quiet["lat"], 50), pct(quiet["lat"], 99)],
+        "quiet under the flood codes": dict(quiet["codes"]),
+        "quiet p99 flood/alone": round(pct(quiet["lat"], 99) / pct(idle, 99), 2),
+        "noisy alone": alone, "noisy with quiet": both,
+        "noisy OK/s alone": ok_per_s(alone), "noisy OK/s with quiet": ok_per_s(both),
+        "noisy throughput with quiet/alone": round(ok_per_s(both) / max(ok_per_s(alone), 1e-9),
+                                                   2)}
+
+
 def part_slow(d, tokens, args, out: dict) -> None:
     mib = 1 << 20
     raw = big_batch_raw("noisy", 64)  # 64 x 128 x 64 x 4 B = 2 MiB of last_hidden_state
@@ -528,7 +576,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         d, tokens = start_daemon(Path(tmp) / "d", server, tenants, args.profile)
         try:
-            for name in ("quiet", "burst", "slow"):
+            for name in ("quiet", "burst", "fair", "slow"):
                 if name in parts:
                     globals()[f"part_{name}"](d, tokens, args, out)
                     print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
