@@ -367,10 +367,6 @@ FOREIGN_INTERNALS: dict[str, dict[str, str]] = {
 #: fails the test, and so does an entry nothing reads any more (delete it). A file not in the
 #: tree is passed over (one a parallel change is adding: its entries were written with it).
 OWNED_ELSEWHERE: dict[str, dict[str, str]] = {
-    "itif/hostpath/ring.py": {
-        "end._release_views": "owned elsewhere today: the ring's ends release each other's "
-                              "views",
-    },
     "itif/bench/perf_doc.py": {
         "itif.bench.report._ms": "owned elsewhere today (with itif/bench/report.py): the table "
                                  "helpers perf_doc shares with report need public names",

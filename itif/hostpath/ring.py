@@ -120,7 +120,8 @@ class _End:
         """Batches published and not yet released."""
         return self._ctl[_HEAD] - self._ctl[_TAIL]
 
-    def _release_views(self) -> None:
+    def release_views(self) -> None:
+        """Drop this end's views of the segment (before the segment is closed)."""
         for view in (self._ctl, self._len):
             if view is not None:
                 view.release()
@@ -197,7 +198,7 @@ class Producer(_End):
                 _drain(self._space_r)
 
     def close(self) -> None:
-        self._release_views()
+        self.release_views()
         self._shm.close()
 
 
@@ -269,7 +270,7 @@ class Consumer(_End):
         return out
 
     def close(self) -> None:
-        self._release_views()
+        self.release_views()
         self._shm.close()
 
 
@@ -329,7 +330,7 @@ class Ring:
     def close(self) -> None:
         """Unmap and unlink the segment, close the pipes."""
         for end in self._ends:
-            end._release_views()
+            end.release_views()
         self._ends.clear()
         for fd in (*self._notify, *self._space):
             try:
