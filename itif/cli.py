@@ -18,7 +18,6 @@ import tempfile
 
 import grpc
 
-
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the proto's int64 fields
 #: Longest --timeout, seconds (~11.6 days): gRPC overflows far larger deadlines and fails the
 #: call at once with DEADLINE_EXCEEDED.
@@ -306,7 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-return-sequences", type=int64, help="sequences returned (default 1)")
     s.add_argument("--do-sample", action="store_true", help="sample instead of searching")
     s.add_argument("--temperature", type=float, help="sampling temperature (default 1)")
-    s.add_argument("--top-k", type=int64, help="sample among the k likeliest (default 50, as generate(); 0: off)")
+    s.add_argument(
+        "--top-k",
+        type=int64,
+        help="sample among the k likeliest (default 50, as generate(); 0: off)",
+    )
     s.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1: off)")
     s.add_argument("--seed", type=int64, help="sampling seed")
     s.add_argument("--eos-token-id", type=int64, help="end token (default: the checkpoint's)")

@@ -29,8 +29,8 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 from itif import daemon_config, daemon_state, daemon_tiers, faults
-from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.backbones.hf import CanonicalWeights
+from itif.batching.strategies import DEFAULT_STRATEGY
 from itif.config import Config, ConfigDiff, Tenant, TokenDigests
 from itif.daemon_state import Identity, State, TenantStatus, TenantView
 from itif.daemon_tenants import TenantTable
@@ -45,10 +45,10 @@ from itif.errors import (
     Unimplemented,
 )
 from itif.generation.api import GenerateRequest, check_request
-from itif.runtime.engine import Engine, Request, Result
-from itif.requests import utf8_text
-from itif.scheduler import Scheduler, Ticket
 from itif.observer import DaemonObserver
+from itif.requests import utf8_text
+from itif.runtime.engine import Engine, Request, Result
+from itif.scheduler import Scheduler, Ticket
 from itif.weights import delta
 from itif.weights.blobstore import BlobStore, Upload
 

@@ -58,7 +58,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_tenants(base: dict[str, torch.Tensor], n: int, out: Path) -> dict[str, tuple[Path, list[str]]]:
+def make_tenants(base: dict[str, torch.Tensor], n: int, out: Path) -> dict[str,
+                                                                           tuple[Path, list[str]]]:
     """Demo fine-tunes: one embedding tenant (the pretrained model as is), then classifier
     tenants with their own heads (random: stand-ins for trained ones); every third classifier
     also re-tuned its last FFN, so it shares everything but that layer."""
@@ -80,7 +81,8 @@ def make_tenants(base: dict[str, torch.Tensor], n: int, out: Path) -> dict[str, 
     return tenants
 
 
-def _write_config(path: Path, port: int, backbone: Path, tokens: dict[str, str], admin: str) -> None:
+def _write_config(path: Path, port: int, backbone: Path, tokens: dict[str, str],
+                  admin: str) -> None:
     lines = ["server:", f"  listen: 127.0.0.1:{port}", "  data_dir: ./var",
              f"  admin_token_sha256: {hash_token(admin)}", "backbone:", f"  config: {backbone}",
              "  device: cpu", "  dtype: float32", "scheduler:", "  max_wait_ms: 2", "tenants:"]
@@ -135,7 +137,9 @@ def run_demo(tenants: int = 4, requests: int = 64, quick: bool = False) -> int:
                     out = clients[name].infer(name, text=text, timeout=60)
                     p = np.exp(out["logits"] - out["logits"].max())
                     p /= p.sum()
-                    print(f"  {name:10s} {text[:44]:44s} -> {labels[int(p.argmax())]} ({p.max():.2f})")
+                    print(
+                        f"  {name:10s} {text[:44]:44s} -> {labels[int(p.argmax())]} ({p.max():.2f})"
+                    )
             # The embedding tenant is the pretrained model itself: its mean-pooled hidden
             # states are real sentence embeddings, so nearest neighbours mean something.
             embed = next(n for n, (_, labels) in specs.items() if not labels)
@@ -162,7 +166,9 @@ def run_demo(tenants: int = 4, requests: int = 64, quick: bool = False) -> int:
             n = len(jobs)
             print(f"\nmixed load: {n} requests from {len(specs)} tenants")
             print(f"  all tenants at once (fused):  {n / fused:7.1f} req/s  ({fused:.2f} s)")
-            print(f"  tenant by tenant:             {n / one_by_one:7.1f} req/s  ({one_by_one:.2f} s)")
+            print(
+                f"  tenant by tenant:             {n / one_by_one:7.1f} req/s  ({one_by_one:.2f} s)"
+            )
             print(f"  speedup: {one_by_one / fused:.2f}x")
             print("  (this daemon runs on the CPU, where one tenant's batch already keeps\n"
                   "   the cores busy: a fused batch does the same arithmetic plus the work of\n"

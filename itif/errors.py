@@ -6,7 +6,6 @@ codes, and the CLI prints them as ``error: <CODE>: <message>``. Messages name th
 
 from __future__ import annotations
 
-
 MAX_SHOWN = 80  # characters of a client-chosen name quoted back (a 63-character id fits)
 MAX_MESSAGE = 1024  # characters of an error message sent to a client
 

@@ -228,7 +228,9 @@ def _is_int(x: object) -> bool:
 def _parse_entry(name: str, entry: object) -> TensorInfo:
     _check_utf8("tensor name", name)
     if not isinstance(entry, dict):
-        raise InvalidWeights(f"tensor {_show(name)}: entry must be a JSON object, got {_show(entry)}")
+        raise InvalidWeights(
+            f"tensor {_show(name)}: entry must be a JSON object, got {_show(entry)}"
+        )
     keys = set(entry)
     if keys != _ENTRY_KEYS:
         missing, extra = sorted(_ENTRY_KEYS - keys), sorted(keys - _ENTRY_KEYS)
@@ -289,7 +291,8 @@ def _check_layout(infos: dict[str, TensorInfo], data_len: int) -> None:
         if info.begin < cursor:
             assert prev is not None
             raise InvalidWeights(
-                f"tensor {_show(info.name)} [{info.begin}, {info.end}) overlaps tensor {_show(prev.name)} "
+                f"tensor {_show(info.name)} [{info.begin}, {info.end}) overlaps "
+                f"tensor {_show(prev.name)} "
                 f"[{prev.begin}, {prev.end})"
             )
         if info.begin > cursor:

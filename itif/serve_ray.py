@@ -8,7 +8,8 @@ Two deployments (:func:`build`, or ``serve run itif.serve_ray:app config=tenants
     ``/v2/models/{model}/...``, ``/v2/repository/models/{model}/...`` and ``/v1/models/{model}``,
     the ``model`` field of a ``/v1/embeddings`` or ``/v1/completions`` body, read by a JSON
     worker process past 256 KiB, ``itif.server.json_procs``) and hands it to
-    ``ItifReplica`` with that tenant as Serve's **multiplexed model id**, so Serve's router sends it to a replica that holds
+    ``ItifReplica`` with that tenant as Serve's **multiplexed model id**, so Serve's router sends it
+    to a replica that holds
     the tenant (the first call of a tenant goes to a replica holding the fewest). A name that is
     no configured tenant, and a route of no tenant (health, ``/v2``, indexes), go to any replica
     without a model id: an unknown name cannot make a replica load anything. A call whose

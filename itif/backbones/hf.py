@@ -107,16 +107,29 @@ def canonical_entries(spec: BackboneSpec, scheme: str) -> list[SourceEntry]:
     fixed: dict[str, tuple[tuple[str, ...], tuple[tuple[int, ...], ...], Callable]] = {}
     if spec.is_text:
         E = spec.emb_width
-        fixed.update({
-            "emb.word": (("embeddings.word_embeddings.weight",), ((spec.vocab_size, E),), _one),
-            "emb.pos": (("embeddings.position_embeddings.weight",), ((spec.max_position, E),), _one),
-            "emb.type": (("embeddings.token_type_embeddings.weight",),
-                         ((spec.type_vocab_size, E),), _one),
-            "emb.ln.weight": (("embeddings.LayerNorm.weight",), ((E,),), _one),
-            "emb.ln.bias": (("embeddings.LayerNorm.bias",), ((E,),), _one),
-            "emb.proj.weight": (("encoder.embedding_hidden_mapping_in.weight",), ((H, E),), _one),
-            "emb.proj.bias": (("encoder.embedding_hidden_mapping_in.bias",), ((H,),), _one),
-        })
+        fixed.update(
+            {
+                "emb.word": (("embeddings.word_embeddings.weight",), ((spec.vocab_size, E),), _one),
+                "emb.pos": (
+                    ("embeddings.position_embeddings.weight",),
+                    ((spec.max_position, E),),
+                    _one,
+                ),
+                "emb.type": (
+                    ("embeddings.token_type_embeddings.weight",),
+                    ((spec.type_vocab_size, E),),
+                    _one,
+                ),
+                "emb.ln.weight": (("embeddings.LayerNorm.weight",), ((E,),), _one),
+                "emb.ln.bias": (("embeddings.LayerNorm.bias",), ((E,),), _one),
+                "emb.proj.weight": (
+                    ("encoder.embedding_hidden_mapping_in.weight",),
+                    ((H, E),),
+                    _one,
+                ),
+                "emb.proj.bias": (("encoder.embedding_hidden_mapping_in.bias",), ((H,),), _one),
+            }
+        )
     else:
         C, P, N = spec.num_channels, spec.patch_size, spec.num_patches
         fixed.update({
@@ -187,7 +200,9 @@ def to_canonical(spec: BackboneSpec, tensors: Mapping[str, torch.Tensor]) -> Can
                     f"{spec.name!r} expects {_fmt(shape)}"
                 )
             if not t.is_floating_point():
-                raise InvalidWeights(f"tensor {shown[n]!r} has dtype {t.dtype}; expected a float type")
+                raise InvalidWeights(
+                    f"tensor {shown[n]!r} has dtype {t.dtype}; expected a float type"
+                )
             parts.append(t)
             used.add(n)
         return combine(parts)

@@ -446,9 +446,13 @@ def _check_head(spec: BackboneSpec, canon: str, w: torch.Tensor, bias: torch.Ten
     H = spec.hidden
     rows = H if canon == "pooler" else (int(w.shape[0]) if w.dim() == 2 else 0)
     if tuple(w.shape) != (rows, H) or rows < 1 or tuple(bias.shape) != (rows,):
-        want = f"[{H}, {H}] and [{H}]" if canon == "pooler" else f"[num_labels, {H}] and [num_labels]"
-        raise InvalidWeights(f"adapter's {canon}: weight {list(w.shape)} and bias {list(bias.shape)}"
-                             f"; the {spec.family} backbone {spec.name!r} expects {want}")
+        want = (
+            f"[{H}, {H}] and [{H}]" if canon == "pooler" else f"[num_labels, {H}] and [num_labels]"
+        )
+        raise InvalidWeights(
+            f"adapter's {canon}: weight {list(w.shape)} and bias {list(bias.shape)}"
+            f"; the {spec.family} backbone {spec.name!r} expects {want}"
+        )
 
 
 def _pack(spec: BackboneSpec, canon: str, by_part: dict[int, tuple[torch.Tensor, torch.Tensor]]

@@ -123,7 +123,7 @@ class BackboneSpec:
     # ---- canonical table -----------------------------------------------------------------
     def params(self, num_labels: int | None = None, pooler: bool = True) -> list[ParamDef]:
         """Canonical parameter table in a fixed order (embeddings, layers, final, pooler, head)."""
-        H, I = self.hidden, self.intermediate
+        H, I = self.hidden, self.intermediate  # noqa: E741 (I: the intermediate width, as in the papers)
         out: list[ParamDef] = []
         if self.is_text:
             E = self.emb_width
@@ -169,7 +169,10 @@ class BackboneSpec:
                 ParamDef("final_ln.bias", (H,), "final"),
             ]
         if pooler:
-            out += [ParamDef("pooler.weight", (H, H), "pooler"), ParamDef("pooler.bias", (H,), "pooler")]
+            out += [
+                ParamDef("pooler.weight", (H, H), "pooler"),
+                ParamDef("pooler.bias", (H,), "pooler"),
+            ]
         if num_labels:
             out += [
                 ParamDef("head.weight", (num_labels, H), "head"),
@@ -252,7 +255,8 @@ PRESETS: dict[str, BackboneSpec] = {
 PRESETS = {k: replace(v, name=k) for k, v in PRESETS.items()}
 
 
-def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None = None) -> BackboneSpec:
+def spec_from_hf_config(cfg: dict, name: str = "custom",
+                        source_dir: Path | None = None) -> BackboneSpec:
     """Build a spec from a Hugging Face config.json dict (bert, albert or vit model_type)."""
     family = cfg.get("model_type")
     if family not in ("bert", "albert", "vit"):

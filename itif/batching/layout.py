@@ -21,6 +21,7 @@ from enum import IntEnum
 
 import numpy as np
 
+
 class GemmOp(IntEnum):
     """How the planner means a group of mini-batches to multiply (one enum for the planner, the
     DP and the layouts; the runtime's backend per slot table is ``itif.runtime.gemm.GemmPlan``)."""

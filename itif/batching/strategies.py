@@ -8,7 +8,7 @@ batch-tenant indices and ``length`` [n] token counts; every request appears exac
 | name | what |
 | --- | --- |
 | ``packed`` | no padding: each tenant's requests back to back, GEMMs over variable segments |
-| ``itif_two_stage`` | thesis Alg. 1 + 2: per-tenant DP into mini-batches, then same-shape mini-batches of different tenants merged into batched-GEMM groups |
+| ``itif_two_stage`` | thesis Alg. 1 + 2: per-tenant DP, then same-shape batches as GEMM groups |
 | ``turbo_dp`` | TurboTransformers: one DP over all requests sorted by length, tenant-agnostic |
 | ``pad_per_tenant`` | one mini-batch per tenant, padded to its longest request |
 | ``pad_to_max`` | one mini-batch padded to the longest request (the naive baseline) |
@@ -70,7 +70,11 @@ def _predicted(layout: Layout, cost, layers: int) -> Layout:
     if cost is None:
         return layout
     dense = layout.mb_len > 0
-    ms = float(cost.single_v(layout.mb_len[dense], layout.mb_size[dense]).sum()) if dense.any() else 0.0
+    ms = (
+        float(cost.single_v(layout.mb_len[dense], layout.mb_size[dense]).sum())
+        if dense.any()
+        else 0.0
+    )
     packed = ~dense
     if packed.any():
         # A packed mini-batch is one tenant's requests back to back: its GEMMs see all its
@@ -85,7 +89,9 @@ STRATEGIES: dict[str, Strategy] = {
     "packed": lambda t, n, cost, layers: _predicted(layout_packed(t, n), cost, layers),
     "itif_two_stage": _two_stage,
     "turbo_dp": _turbo,
-    "pad_per_tenant": lambda t, n, cost, layers: _predicted(layout_pad_per_tenant(t, n), cost, layers),
+    "pad_per_tenant": lambda t, n, cost, layers: _predicted(
+        layout_pad_per_tenant(t, n), cost, layers
+    ),
     "pad_to_max": lambda t, n, cost, layers: _predicted(layout_pad_to_max(t, n), cost, layers),
 }
 # Chosen by measurement on the CPU (docs/performance.md, `itif plan`): packed never computes a
@@ -97,5 +103,7 @@ def plan(name: str, tenant: np.ndarray, length: np.ndarray, cost=None, layers: i
     try:
         strategy = STRATEGIES[name]
     except KeyError:
-        raise InvalidRequest(f"unknown batching strategy {name!r}; choose from {sorted(STRATEGIES)}") from None
+        raise InvalidRequest(
+            f"unknown batching strategy {name!r}; choose from {sorted(STRATEGIES)}"
+        ) from None
     return strategy(np.asarray(tenant, np.int32), np.asarray(length, np.int32), cost, layers)

@@ -179,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
     from itif.bench import offline  # noqa: PLC0415
     from itif.bench import workloads as wl  # noqa: PLC0415
     from itif.bench.meta import collect_meta, result_name  # noqa: PLC0415
-    from itif.bench.roofline import copy_bandwidth, device_peak  # noqa: PLC0415
-    from itif.bench.roofline import COPY_BYTES_CPU_QUICK  # noqa: PLC0415
+    from itif.bench.roofline import (  # noqa: PLC0415
+        COPY_BYTES_CPU_QUICK,  # noqa: PLC0415
+        copy_bandwidth,
+        device_peak,
+    )
     from itif.bench.tenants import parse_fine_tune  # noqa: PLC0415
     from itif.errors import InvalidRequest  # noqa: PLC0415
     from itif.platform import resolve_device, resolve_dtype, tune_host_malloc  # noqa: PLC0415

@@ -203,7 +203,8 @@ def reference_reason(spec, device: torch.device, mode: str) -> str | None:
     missing = hf_unavailable()
     if missing:
         return missing
-    if mode == "auto" and device.type != "cuda" and tenant_bytes(spec, 4) > _CPU_REFERENCE_MAX_BYTES:
+    if mode == "auto" and device.type != "cuda" and tenant_bytes(spec,
+                                                                 4) > _CPU_REFERENCE_MAX_BYTES:
         return (f"CPU: the float32 reference runs for presets up to "
                 f"{_CPU_REFERENCE_MAX_BYTES >> 20} MiB (--hf-reference on forces it)")
     return None
@@ -246,7 +247,7 @@ def reference_logits(spec, model: str, device: torch.device, fine_tune: str, nam
                          for r in requests[w]]) for w in workloads}
 
 
-# ---- one group ------------------------------------------------------------------------------------
+# ---- one group -----------------------------------------------------------------------------------
 def run_group(model: str, n_tenants: int, workloads: list[Workload], opt: OfflineSettings,
               peak: Peak | None) -> list[dict]:
     """Rows of every workload of one (model, tenants) group, every system."""

@@ -140,7 +140,7 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None,
     y = torch.empty_like(x)
     s = _best_s(lambda: y.copy_(x), repeats, sync)
     bw = 2 * x.numel() * 4 / s
-    del x, y
+    x = y = None  # free the buffers (the timed lambda still names them: no del)
     if cuda:
         torch.cuda.empty_cache()
     src = (f"measured: copy of {nbytes / 2**30:g} GiB on {device}, best of {repeats}, "
@@ -168,7 +168,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, quick: bool = False) -
 def forward_flops(spec: BackboneSpec, lengths, num_labels: int = 2) -> float:
     """FLOPs of one forward over requests of ``lengths`` rows each (no padding)."""
     L = np.asarray(lengths, dtype=np.float64)
-    H, I = spec.hidden, spec.intermediate
+    H, I = spec.hidden, spec.intermediate  # noqa: E741 (I: the intermediate width, as in the papers)
     per_layer = 2.0 * L.sum() * H * (4 * H + 2 * I) + 4.0 * (L**2).sum() * H
     total = spec.layers * per_layer
     if spec.family == "albert":

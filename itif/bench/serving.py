@@ -86,7 +86,9 @@ class ServeDaemon:
     max_wait_ms: float
     latency_sizing: bool = False
     proc: subprocess.Popen | None = None
-    server_extra: tuple[tuple[str, object], ...] = ()  # more ``server:`` keys (bench/serve_burst.py)
+    server_extra: tuple[
+        tuple[str, object], ...
+    ] = ()  # more ``server:`` keys (bench/serve_burst.py)
     metrics_port: int | None = None  # /metrics on 127.0.0.1 (figures())
     env: tuple[tuple[str, str], ...] = ()  # more environment variables of the daemon
     max_batch_tokens: int | None = None  # scheduler limits; None: the daemon's defaults

@@ -359,7 +359,7 @@ class BatchCostModel:
         dev, dtype = torch.device(engine.device), engine.dtype
 
         def one_pass() -> dict:
-            H, I, heads = spec.hidden, spec.intermediate, spec.heads
+            H, I, heads = spec.hidden, spec.intermediate, spec.heads  # noqa: E741 (I: the intermediate width, as in the papers)
             shapes = {"qkv": (3 * H, H), "attn_out": (H, H), "ffn_in": (I, H), "ffn_out": (H, I)}
             kw = {"device": dev, "dtype": dtype}
             mm_rows, grp_rows, grp_segs = map(np.asarray, (_MM_ROWS, _GRP_ROWS, _GRP_SEGS))

@@ -52,7 +52,8 @@ def sample_lengths(workload: str, n: int, max_len: int, rng: np.random.Generator
     return np.clip(lens, 1, max_len).astype(np.int32)
 
 
-def sample_tenants(n_tenants: int, n: int, skew: str | None, rng: np.random.Generator) -> np.ndarray:
+def sample_tenants(n_tenants: int, n: int, skew: str | None,
+                   rng: np.random.Generator) -> np.ndarray:
     """Tenant of each request: uniform, or ``zipf:A`` popularity (tenant i ~ 1 / (i+1)^A)."""
     if not skew:
         return rng.integers(0, n_tenants, n).astype(np.int32)
@@ -102,7 +103,9 @@ def plan_report(backbone: str, workload: str, n_tenants: int, n_requests: int,
     names = tuple(f"t{i}" for i in range(n_tenants))
     from itif.runtime.engine import Request  # noqa: PLC0415
 
-    reqs = [Request(names[t], rng.integers(0, spec.vocab_size, n)) for t, n in zip(tenant_of, lengths)]
+    reqs = [
+        Request(names[t], rng.integers(0, spec.vocab_size, n)) for t, n in zip(tenant_of, lengths)
+    ]
     # plan with the tenant indices the engine's own forward gives them: the batch's tenants
     # only (a tenant that drew no request has none), in the engine's order
     batch = engine.batch_tenants(engine.store.view, [r.tenant for r in reqs])
@@ -110,8 +113,7 @@ def plan_report(backbone: str, workload: str, n_tenants: int, n_requests: int,
     tenant_of = np.array([index[r.tenant] for r in reqs], np.int64)
     ids = np.concatenate([r.input_ids for r in reqs])
     engine.get_cost_model()
-    from itif.calibration.batchcost import (  # noqa: PLC0415
-        BatchCostModel, clock, measure_layout, prepare_for)
+    from itif.calibration.batchcost import BatchCostModel, clock, measure_layout, prepare_for  # noqa: PLC0415
 
     model = BatchCostModel.cached(engine)
     out, legacy, err, medians, layouts, predicted = {}, {}, {}, {}, {}, {}

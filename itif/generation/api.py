@@ -14,8 +14,18 @@ from typing import Literal, Sequence
 
 from itif.errors import InvalidRequest
 
-__all__ = ["HF_TOP_K", "EarlyStopping", "GenerateRequest", "Generation", "GenerationDefaults", "check_request",
-           "MAX_BEAMS", "MAX_LOG_LENGTH_PENALTY", "MAX_NO_REPEAT_NGRAM", "TEMPERATURE_RANGE"]
+__all__ = [
+    "HF_TOP_K",
+    "EarlyStopping",
+    "GenerateRequest",
+    "Generation",
+    "GenerationDefaults",
+    "check_request",
+    "MAX_BEAMS",
+    "MAX_LOG_LENGTH_PENALTY",
+    "MAX_NO_REPEAT_NGRAM",
+    "TEMPERATURE_RANGE",
+]
 
 EarlyStopping = bool | Literal["never"]
 
@@ -112,8 +122,10 @@ class GenerationDefaults:
 HF_TOP_K = 50
 
 
-def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
-    """Raise InvalidRequest naming the field when ``r``'s parameters are out of range or conflict."""
+def check_request(r: GenerateRequest, max_new_tokens_limit: int,
+                  vocab_size: int | None = None) -> None:
+    """Raise InvalidRequest naming the field when ``r``'s parameters are out of range or
+    conflict."""
 
     def bad(name: str, why: str) -> InvalidRequest:
         return InvalidRequest(f"{name}: {why}")
@@ -123,7 +135,10 @@ def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int
     if vocab_size is not None:
         lo, hi = min(r.input_ids), max(r.input_ids)
         if lo < 0 or hi >= vocab_size:
-            raise bad("input_ids", f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab_size})")
+            raise bad(
+                "input_ids",
+                f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab_size})",
+            )
     if not isinstance(r.max_new_tokens, int) or r.max_new_tokens < 1:
         raise bad("max_new_tokens", f"must be at least 1, got {r.max_new_tokens!r}")
     if r.max_new_tokens > max_new_tokens_limit:
@@ -136,12 +151,15 @@ def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int
         raise bad("early_stopping", f"must be true, false or \"never\", got {r.early_stopping!r}")
     if not math.isfinite(r.length_penalty):
         raise bad("length_penalty", f"must be finite, got {r.length_penalty!r}")
-    if r.mode == "beam" and abs(r.length_penalty) * math.log(r.max_new_tokens) > MAX_LOG_LENGTH_PENALTY:
+    if (r.mode == "beam"
+            and abs(r.length_penalty) * math.log(r.max_new_tokens) > MAX_LOG_LENGTH_PENALTY):
         raise bad("length_penalty", f"{r.length_penalty!r} with max_new_tokens {r.max_new_tokens}: "
                   f"max_new_tokens ** |length_penalty| overflows float32 (|length_penalty| * "
                   f"ln(max_new_tokens) must be at most {MAX_LOG_LENGTH_PENALTY:g})")
     if not isinstance(r.no_repeat_ngram_size, int) or r.no_repeat_ngram_size < 0:
-        raise bad("no_repeat_ngram_size", f"must be 0 (off) or more, got {r.no_repeat_ngram_size!r}")
+        raise bad(
+            "no_repeat_ngram_size", f"must be 0 (off) or more, got {r.no_repeat_ngram_size!r}"
+        )
     if r.no_repeat_ngram_size > MAX_NO_REPEAT_NGRAM:
         raise bad("no_repeat_ngram_size", f"{r.no_repeat_ngram_size} is over the limit "
                   f"{MAX_NO_REPEAT_NGRAM}")
@@ -167,5 +185,6 @@ def check_request(r: GenerateRequest, max_new_tokens_limit: int, vocab_size: int
         if r.num_return_sequences > r.num_beams:
             raise bad("num_return_sequences",
                       f"{r.num_return_sequences} is more than num_beams {r.num_beams}")
-    if r.eos_token_id is not None and vocab_size is not None and not 0 <= r.eos_token_id < vocab_size:
+    if (r.eos_token_id is not None and vocab_size is not None
+            and not 0 <= r.eos_token_id < vocab_size):
         raise bad("eos_token_id", f"{r.eos_token_id} outside the vocabulary [0, {vocab_size})")

@@ -190,7 +190,7 @@ class RowTable:
         ok = cols < self.width
         r = np.broadcast_to(rows[:, None], cols.shape)[ok]
         locs = (blocks[:, None] * block + np.arange(block)[None, :])[ok]
-        t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=self.device)
+        t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=self.device)  # noqa: E731 (a one-line local helper)
         self.loc[t(r), t(cols[ok])] = t(locs)
 
     def advance(self) -> None:
@@ -198,7 +198,8 @@ class RowTable:
         self.length += 1
 
     def reorder(self, parent: torch.Tensor) -> None:
-        """Row ``r`` continues ``parent[r]``'s history (filled positions); its own later ones stay."""
+        """Row ``r`` continues ``parent[r]``'s history (filled positions); its own later ones
+        stay."""
         filled = self._cols[None, :] < self.length[:, None]
         self.loc = torch.where(filled, self.loc.index_select(0, parent), self.loc)
 

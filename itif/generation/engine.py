@@ -99,10 +99,16 @@ class GenEngine(StepParts):
         self._defaults: dict[str, GenerationDefaults] = {}
         self._tokenizers: dict[str, Any] = {}
         base = self.spec.source_dir
-        self._base_defaults = ((defaults_from_dir(base) if base is not None else None)
-                               or PRESET_DEFAULTS.get(self.spec.name) or GenerationDefaults(
-            pad_token_id=self.spec.pad_token_id,
-            decoder_start_token_id=self.spec.pad_token_id if self.spec.family == "marian" else None))
+        self._base_defaults = (
+            (defaults_from_dir(base) if base is not None else None)
+            or PRESET_DEFAULTS.get(self.spec.name)
+            or GenerationDefaults(
+                pad_token_id=self.spec.pad_token_id,
+                decoder_start_token_id=self.spec.pad_token_id
+                if self.spec.family == "marian"
+                else None,
+            )
+        )
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self._waiting: FairWaiting[Ticket] = FairWaiting()
@@ -192,7 +198,9 @@ class GenEngine(StepParts):
             self.lora.unbind(tenant)
             self._defaults.pop(tenant, None)
             self._tokenizers.pop(tenant, None)
-        self._fail(dropped, TenantNotFound(f"tenant {shown(tenant)} was removed during its generation"))
+        self._fail(
+            dropped, TenantNotFound(f"tenant {shown(tenant)} was removed during its generation")
+        )
 
     def _take_running(self, tenant: str) -> list[Ticket]:
         """(Step lock held.) Take ``tenant``'s running requests out: rows and blocks freed."""
@@ -251,14 +259,20 @@ class GenEngine(StepParts):
         d = self.defaults(r.tenant)
         n = len(r.input_ids)
         if spec.encoder_decoder:
-            start = d.decoder_start_token_id if d.decoder_start_token_id is not None else d.bos_token_id
+            start = (
+                d.decoder_start_token_id if d.decoder_start_token_id is not None else d.bos_token_id
+            )
             if start is None:
                 raise InvalidRequest(f"tenant: {shown(r.tenant)}'s checkpoint sets no "
                                      "decoder_start_token_id (nor bos_token_id)")
             if n > spec.max_position:
                 raise InvalidRequest(f"input_ids: {n} tokens, over the backbone's "
                                      f"{spec.max_position} positions")
-            prompt, source, total = [int(start)], [int(t) for t in r.input_ids], 1 + r.max_new_tokens
+            prompt, source, total = (
+                [int(start)],
+                [int(t) for t in r.input_ids],
+                1 + r.max_new_tokens,
+            )
         else:
             if n > spec.max_len:
                 raise InvalidRequest(f"input_ids: {n} tokens, over the backbone's "

@@ -36,8 +36,9 @@ def _gpt2_sources(spec: DecoderSpec) -> dict[str, tuple[tuple[str, ...], Callabl
            "final_ln.weight": (("ln_f.weight",), one), "final_ln.bias": (("ln_f.bias",), one)}
     for i in range(spec.dec_layers):
         h, p = f"h.{i}.", f"dec.{i}."
-        for canon, hf, conv in (("ln1", "ln_1", False), ("ln2", "ln_2", False), ("qkv", "attn.c_attn", True),
-                                ("attn_out", "attn.c_proj", True), ("ffn_in", "mlp.c_fc", True),
+        for canon, hf, conv in (("ln1", "ln_1", False), ("ln2", "ln_2", False),
+                                ("qkv", "attn.c_attn", True), ("attn_out", "attn.c_proj", True),
+                                ("ffn_in", "mlp.c_fc", True),
                                 ("ffn_out", "mlp.c_proj", True)):
             out[p + canon + ".weight"] = ((h + hf + ".weight",), t if conv else one)
             out[p + canon + ".bias"] = ((h + hf + ".bias",), one)
@@ -127,7 +128,8 @@ def to_canonical(spec: DecoderSpec, src: Mapping[str, torch.Tensor]) -> Canonica
         raise InvalidWeights(f"missing tensor {emb_names[0]!r} (the word embeddings)")
     word = src[present[0]]
     for n in present[1:]:
-        if tuple(src[n].shape) != tuple(word.shape) or not torch.equal(src[n].float(), word.float()):
+        if tuple(src[n].shape) != tuple(word.shape) or not torch.equal(src[n].float(),
+                                                                       word.float()):
             raise InvalidWeights(f"tensor {n!r} differs from {present[0]!r}; the {spec.family} "
                                  f"backbone {spec.name!r} ties them (tie_word_embeddings)")
     used.update(present)
@@ -137,8 +139,10 @@ def to_canonical(spec: DecoderSpec, src: Mapping[str, torch.Tensor]) -> Canonica
         parts = []
         for n in names:
             if n not in src:
-                raise InvalidWeights(f"missing tensor {n!r} (canonical {canon!r}) of the {spec.family} "
-                                     f"backbone {spec.name!r}")
+                raise InvalidWeights(
+                    f"missing tensor {n!r} (canonical {canon!r}) of the {spec.family} "
+                    f"backbone {spec.name!r}"
+                )
             t = src[n]
             if not t.is_floating_point():
                 raise InvalidWeights(f"tensor {n!r} has dtype {t.dtype}; expected a float type")
@@ -146,13 +150,16 @@ def to_canonical(spec: DecoderSpec, src: Mapping[str, torch.Tensor]) -> Canonica
             used.add(n)
         out[canon] = combine(parts)
     for n in src:
-        if (n.endswith(_IGNORED) or (spec.family == "marian" and n.endswith("embed_positions.weight"))
+        if (n.endswith(_IGNORED)
+                or (spec.family == "marian" and n.endswith("embed_positions.weight"))
                 or (spec.family == "llama" and n.endswith(_LLAMA_IGNORED))):
             used.add(n)
     extra = [n for n in src if n not in used]
     if extra:
-        raise InvalidWeights(f"unexpected tensor {extra[0]!r}: not part of the {spec.family} backbone "
-                             f"{spec.name!r}" + (f", and {len(extra) - 1} more" if len(extra) > 1 else ""))
+        raise InvalidWeights(
+            f"unexpected tensor {extra[0]!r}: not part of the {spec.family} backbone "
+            f"{spec.name!r}" + (f", and {len(extra) - 1} more" if len(extra) > 1 else "")
+        )
     canon: dict[str, torch.Tensor] = {}
     for name, shape in spec.params():
         t = out[name]

@@ -88,7 +88,7 @@ class LoraAdapter:
 def adapter_modules(spec: DecoderSpec) -> dict[str, _Module]:
     """The full Hugging Face module name (as PEFT matches ``target_modules``) of every linear
     an adapter may adapt -> where it lands in the canonical table."""
-    H, I, A, G = spec.hidden, spec.ffn, spec.q_width, spec.kv_width
+    H, I, A, G = spec.hidden, spec.ffn, spec.q_width, spec.kv_width  # noqa: E741 (I: the intermediate width, as in the papers)
     out: dict[str, _Module] = {}
     for i in range(spec.dec_layers):
         p = f"dec.{i}."
@@ -100,8 +100,12 @@ def adapter_modules(spec: DecoderSpec) -> dict[str, _Module]:
                      (mlp + "down_proj", "ffn_out", 0, H, I)]
         elif spec.family == "gpt2":
             h = f"transformer.h.{i}."
-            parts = [(h + "attn.c_attn", "qkv", 0, 3 * H, H), (h + "attn.c_proj", "attn_out", 0, H, H),
-                     (h + "mlp.c_fc", "ffn_in", 0, I, H), (h + "mlp.c_proj", "ffn_out", 0, H, I)]
+            parts = [
+                (h + "attn.c_attn", "qkv", 0, 3 * H, H),
+                (h + "attn.c_proj", "attn_out", 0, H, H),
+                (h + "mlp.c_fc", "ffn_in", 0, I, H),
+                (h + "mlp.c_proj", "ffn_out", 0, H, I),
+            ]
         else:
             raise InvalidWeights(f"LoRA adapters are served on llama-family and gpt2 decoders; "
                                  f"the backbone {spec.name!r} is {spec.family}")

@@ -125,8 +125,14 @@ class TenantParams:
 
     def ln(self, x: torch.Tensor, name: str, eps: float, residual: torch.Tensor | None = None,
            bias: str | None = None) -> torch.Tensor:
-        return ops.bias_residual_layernorm(x, self.rot(bias) if bias else None, residual,
-                                           self.rot(name + ".weight"), self.rot(name + ".bias"), eps)
+        return ops.bias_residual_layernorm(
+            x,
+            self.rot(bias) if bias else None,
+            residual,
+            self.rot(name + ".weight"),
+            self.rot(name + ".bias"),
+            eps,
+        )
 
 
 @dataclass(frozen=True)
@@ -266,7 +272,8 @@ def _source_heads(kv: torch.Tensor, c: CrossGroup, layer: int, heads: int,
     return got
 
 
-def _attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _attend(q: torch.Tensor, kt: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for few queries a sequence (a request's beams): two batched
     products, where the CPU's fused attention kernel costs twice as much at 4 queries over 128
     keys (measured 0.7 vs 1.6 ms for 32 requests x 8 heads). q [n, h, L, d]; kt [n, h, d, S];
@@ -375,14 +382,17 @@ def encode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
         for i in range(spec.enc_layers):
             p = f"enc.{i}."
             ctx = _seq_attention(P.linear(x, p + "qkv"), seqs, spec.heads, causal=False)
-            x = P.ln(P.gemm(ctx, p + "attn_out.weight"), p + "ln1", spec.eps, x, p + "attn_out.bias")
+            x = P.ln(
+                P.gemm(ctx, p + "attn_out.weight"), p + "ln1", spec.eps, x, p + "attn_out.bias"
+            )
             x = _post_ln_tail(spec, P, p, x)
         for i in range(spec.dec_layers):
             kv[i].index_copy_(0, src_loc, P.linear(x, f"dec.{i}.cross_kv"))
 
 
 def prefill(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tensor,
-            pos: torch.Tensor, seqs: SeqGroup, wloc: torch.Tensor, last: np.ndarray) -> torch.Tensor:
+            pos: torch.Tensor, seqs: SeqGroup, wloc: torch.Tensor,
+            last: np.ndarray) -> torch.Tensor:
     """Decoder-only prompts (packed rows): K/V to ``kv[layer, wloc[row]]``; returns the logits
     [n, V] of rows ``last`` (host array: each prompt's last token)."""
     with torch.inference_mode(), attention_backends(kv.device):
@@ -423,14 +433,20 @@ def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
             if spec.pre_ln:
                 qkv = P.linear(P.ln(x, p + "ln1", spec.eps), p + "qkv")
                 ctx = _cache_attention(qkv, kv[i], rows, spec.heads, scratch)
-                x = ops.bias_residual(P.gemm(ctx, p + "attn_out.weight"), P.rot(p + "attn_out.bias"), x)
+                x = ops.bias_residual(
+                    P.gemm(ctx, p + "attn_out.weight"), P.rot(p + "attn_out.bias"), x
+                )
                 f = P.linear(P.ln(x, p + "ln2", spec.eps), p + "ffn_in", spec.act)
                 x = ops.bias_residual(P.gemm(f, p + "ffn_out.weight"), P.rot(p + "ffn_out.bias"), x)
                 continue
             ctx = _cache_attention(P.linear(x, p + "qkv"), kv[i], rows, spec.heads, scratch)
-            x = P.ln(P.gemm(ctx, p + "attn_out.weight"), p + "ln1", spec.eps, x, p + "attn_out.bias")
+            x = P.ln(
+                P.gemm(ctx, p + "attn_out.weight"), p + "ln1", spec.eps, x, p + "attn_out.bias"
+            )
             c = _cross_attention(P.linear(x, p + "cross_q"), kv[i], cross, spec.heads, i, scratch)
-            x = P.ln(P.gemm(c, p + "cross_out.weight"), p + "ln_cross", spec.eps, x, p + "cross_out.bias")
+            x = P.ln(
+                P.gemm(c, p + "cross_out.weight"), p + "ln_cross", spec.eps, x, p + "cross_out.bias"
+            )
             x = _post_ln_tail(spec, P, p, x)
         if spec.pre_ln:
             x = P.ln(x, "final_ln", spec.eps)
@@ -439,7 +455,8 @@ def decode(spec: DecoderSpec, P: TenantParams, kv: torch.Tensor, ids: torch.Tens
 
 def group_rows(tenant_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Order rows so each tenant's are contiguous (stable: a request's rows stay together and in
-    order). Returns (perm: forward row -> original row, batch tenant ids, row_tenant in batch ids)."""
+    order). Returns (perm: forward row -> original row, batch tenant ids, row_tenant in batch
+    ids)."""
     perm = np.argsort(tenant_of_row, kind="stable")
     ordered = tenant_of_row[perm]
     tenant_ids, row_tenant = np.unique(ordered, return_inverse=True)
@@ -453,5 +470,19 @@ def rows_of_requests(counts: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np
     return starts, counts
 
 
-__all__ = ["CrossGroup", "Scratch", "SeqGroup", "SlotMatrix", "StepRows", "TenantParams", "decode", "encode",
-           "gather_rows", "group_rows", "head_rows", "lm_logits", "prefill", "rows_of_requests"]
+__all__ = [
+    "CrossGroup",
+    "Scratch",
+    "SeqGroup",
+    "SlotMatrix",
+    "StepRows",
+    "TenantParams",
+    "decode",
+    "encode",
+    "gather_rows",
+    "group_rows",
+    "head_rows",
+    "lm_logits",
+    "prefill",
+    "rows_of_requests",
+]

@@ -1,8 +1,10 @@
-"""The logits processors and sampling warpers of Hugging Face ``generate()``, over many rows at once.
+"""The logits processors and sampling warpers of Hugging Face ``generate()``, over many rows at
+once.
 
 Every function here takes the scores of several rows, each row with its own parameters held in
 tensors (one entry per row); the processors write their ``-inf`` into the scores in place (only
-the entries they ban) and return them, so the caller passes a tensor it owns. They reproduce, bit for bit in float32,
+the entries they ban) and return them, so the caller passes a tensor it owns. They reproduce, bit
+for bit in float32,
 what ``transformers`` 5.x applies to one request's rows, in the order ``generate()`` applies them
 (``_get_logits_processor``):
 
@@ -80,22 +82,25 @@ def ban_repeated_ngrams(scores: torch.Tensor, hist: torch.Tensor, hlen: torch.Te
         return scores
     dev = hist.device
     n = ngram.view(rows, 1)
-    k = torch.arange(max(max_ngram - 1, 1), device=dev).view(1, 1, -1)        # offsets in the prefix
+    k = torch.arange(max(max_ngram - 1, 1), device=dev).view(1, 1, -1)  # offsets in the prefix
     s = torch.arange(width, device=dev).view(1, width, 1)                      # window starts
     # token k of window s, against token k of the row's last n-1 tokens
-    win = hist.gather(1, (s + k).clamp(max=width - 1).view(1, -1).expand(rows, -1)).view(rows, width, -1)
+    win = hist.gather(1, (s + k).clamp(max=width - 1).view(1, -1).expand(rows, -1)).view(
+        rows, width, -1
+    )
     pre_pos = (hlen.view(rows, 1) - n + 1 + k.view(1, -1)).clamp(0, width - 1)
     pre = hist.gather(1, pre_pos)
-    used = k.view(1, 1, -1) < (n - 1).view(rows, 1, 1)                        # only n-1 offsets count
+    used = k.view(1, 1, -1) < (n - 1).view(rows, 1, 1)  # only n-1 offsets count
     match = ((win == pre.view(rows, 1, -1)) | ~used).all(-1)
-    match &= s.view(1, width) <= (hlen.view(rows, 1) - n)                      # window ends in history
+    match &= s.view(1, width) <= (hlen.view(rows, 1) - n)  # window ends in history
     match &= (n > 0) & (hlen.view(rows, 1) >= n)
     last = hist.gather(1, (s.view(1, width) + n - 1).clamp(0, width - 1))
     return _ban(scores, last, match)
 
 
 def ban_bad_words(scores: torch.Tensor, hist: torch.Tensor, hlen: torch.Tensor,
-                  bw_pre: torch.Tensor, bw_len: torch.Tensor, bw_last: torch.Tensor) -> torch.Tensor:
+                  bw_pre: torch.Tensor, bw_len: torch.Tensor,
+                  bw_last: torch.Tensor) -> torch.Tensor:
     """``NoBadWordsLogitsProcessor``: each row's banned sequences, padded.
 
     ``bw_last`` [rows, W]: the last token of each sequence (-1 = padding); ``bw_len`` [rows, W]:
@@ -199,7 +204,8 @@ def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
     return _TOKEN_HASH[key]
 
 
-def exponential_noise(seed: torch.Tensor, row: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+def exponential_noise(seed: torch.Tensor, row: torch.Tensor, step: torch.Tensor,
+                      vocab: int) -> torch.Tensor:
     """Exp(1) draws [rows, vocab] float32, a pure function of (seed, row, step, token id).
 
     ``seed`` [rows] (any int64), ``row`` [rows] (the row's index within its request), ``step``
@@ -215,7 +221,8 @@ def exponential_noise(seed: torch.Tensor, row: torch.Tensor, step: torch.Tensor,
     return -torch.log(u)
 
 
-def sample_tokens(scores: torch.Tensor, seed: torch.Tensor, row: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+def sample_tokens(scores: torch.Tensor, seed: torch.Tensor, row: torch.Tensor,
+                  step: torch.Tensor) -> torch.Tensor:
     """One token per row from ``softmax(scores)``, as ``torch.multinomial(probs, 1)`` draws it
     (``argmax(probs / q)`` with ``q ~ Exp(1)``), the noise from :func:`exponential_noise`."""
     probs = torch.softmax(scores, dim=-1)

@@ -81,7 +81,9 @@ class RunningBatch:
         # test hook (itif.faults): called with the tenants of each forward before it runs
         self.before_forward = before_forward
         self.device, self.dtype = store.device, store.dtype
-        self.pool = KVPool(spec.dec_layers, spec.kv_width, kv_cache_bytes, self.device, self.dtype, block)
+        self.pool = KVPool(
+            spec.dec_layers, spec.kv_width, kv_cache_bytes, self.device, self.dtype, block
+        )
         # the decoder-only forward: ``llama``'s for that family, else ``model``'s (looked up at
         # each call, so a test that replaces this module's ``prefill`` or ``decode`` sees it)
         self._llama = spec.family == "llama"
@@ -218,7 +220,9 @@ class RunningBatch:
             raise
         for pl, ow, m in zip(prompt_locs, own, length):
             self.table.add(pl, ow, m)
-        self.last = torch.cat([self.last, torch.zeros(int(rows.sum()), dtype=torch.int64, device=dev)])
+        self.last = torch.cat(
+            [self.last, torch.zeros(int(rows.sum()), dtype=torch.int64, device=dev)]
+        )
         self.rid = np.concatenate([self.rid, rids])
         self.tenant = np.concatenate([self.tenant, tenant])
         self.nrows = np.concatenate([self.nrows, rows])
@@ -301,7 +305,11 @@ class RunningBatch:
         kr = torch.as_tensor(keep_req, dtype=torch.int64, device=self.device)
         if self.spec.encoder_decoder:
             self.src_loc = self.src_loc.index_select(0, kr)
-        self.rid, self.tenant, self.nrows = self.rid[keep_req], self.tenant[keep_req], self.nrows[keep_req]
+        self.rid, self.tenant, self.nrows = (
+            self.rid[keep_req],
+            self.tenant[keep_req],
+            self.nrows[keep_req],
+        )
         self.length, self.src_len = self.length[keep_req], self.src_len[keep_req]
         self.start, self.maxgen = self.start[keep_req], self.maxgen[keep_req]
         self.own = self.own[keep_req]
@@ -370,7 +378,7 @@ class RunningBatch:
         history stays under ``RECOMPUTE_BYTES`` a layer: a chunk reads only what it or earlier
         chunks (or the prefill) wrote."""
         spec, pool, dev = self.spec, self.pool, self.device
-        t = lambda a: torch.as_tensor(np.asarray(a, np.int64), device=dev)
+        t = lambda a: torch.as_tensor(np.asarray(a, np.int64), device=dev)  # noqa: E731 (a one-line local helper)
         stenant = np.array([q[3] for q in segs], np.int64)
         slen = np.array([len(q[0]) for q in segs], np.int64)
         c0 = np.array([q[1] for q in segs], np.int64)
@@ -427,7 +435,9 @@ class RunningBatch:
         tenant, nrows = self.tenant[req], self.nrows[req]
         perm, tenant_ids, row_tenant = group_rows(np.repeat(tenant, nrows))
         if sel is not None:  # subset rows -> row table rows
-            perm = np.flatnonzero(np.isin(np.repeat(np.arange(self.requests), self.nrows), sel))[perm]
+            perm = np.flatnonzero(np.isin(np.repeat(np.arange(self.requests), self.nrows), sel))[
+                perm
+            ]
         P = TenantParams(sm, tenant_ids, row_tenant, self.device, self.dtype)
         cross = None
         if self.spec.encoder_decoder:

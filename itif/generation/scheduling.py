@@ -131,7 +131,8 @@ class StepParts:
 
 def error_for(e: Exception, out_of_memory: str, failed: str) -> ItifError:
     """What a request that failed with ``e`` is told: ``e`` itself if it is an ItifError,
-    Busy (RESOURCE_EXHAUSTED, retry later) with ``out_of_memory`` for the device's out-of-memory error,
+    Busy (RESOURCE_EXHAUSTED, retry later) with ``out_of_memory`` for the device's out-of-memory
+    error,
     else ``failed`` and the exception's type (its text may name another request's data)."""
     if isinstance(e, ItifError):
         return e

@@ -29,7 +29,8 @@ Canonical names (``{i}`` a layer; ``H`` hidden, ``I`` FFN width, ``V`` vocabular
            dec.{i}.attn_out.weight [H,A] (+ .bias when out_bias)  dec.{i}.ln2.weight
            dec.{i}.gate_up.weight [2I,H] (gate rows, then up rows; + .bias when mlp_bias)
            dec.{i}.ffn_out.weight [H,I] (+ .bias when mlp_bias)
-    bart:  enc.emb.pos [P+2,H]  dec.emb.pos [P+2,H]  enc.emb.ln.{weight,bias}  dec.emb.ln.{weight,bias}
+    bart:  enc.emb.pos [P+2,H]  dec.emb.pos [P+2,H]
+           enc.emb.ln.{weight,bias}  dec.emb.ln.{weight,bias}
     encoder layer (bart, marian), post-LN:
            enc.{i}.qkv.{weight [3H,H], bias [3H]}  enc.{i}.attn_out.{weight [H,H], bias}
            enc.{i}.ln1.{weight,bias}  enc.{i}.ffn_in.{weight [I,H], bias [I]}
@@ -177,7 +178,7 @@ class DecoderSpec:
 
     def params(self) -> list[tuple[str, tuple[int, ...]]]:
         """The canonical table, in a fixed order: (name, shape)."""
-        H, I, V, P = self.hidden, self.ffn, self.vocab_size, self.max_position
+        H, I, V, P = self.hidden, self.ffn, self.vocab_size, self.max_position  # noqa: E741 (I: the intermediate width, as in the papers)
         out: list[tuple[str, tuple[int, ...]]] = [("emb.word", (V, H))]
         if not self.tied_lm_head:
             out.append(("lm_head.weight", (V, H)))
@@ -208,7 +209,7 @@ class DecoderSpec:
         return out
 
     def _llama_params(self) -> list[tuple[str, tuple[int, ...]]]:
-        H, I = self.hidden, self.ffn
+        H, I = self.hidden, self.ffn  # noqa: E741 (I: the intermediate width, as in the papers)
         qkv = self.q_width + 2 * self.kv_width
         out: list[tuple[str, tuple[int, ...]]] = []
         for i in range(self.dec_layers):
@@ -245,11 +246,21 @@ class DecoderSpec:
         if self.family == "llama":
             return llama_hf_config(self)
         if self.family == "gpt2":
-            return dict(model_type="gpt2", vocab_size=self.vocab_size, n_positions=self.max_position,
-                        n_embd=self.hidden, n_layer=self.dec_layers, n_head=self.heads,
-                        n_inner=self.ffn, activation_function=self.act if self.act != "silu" else "silu",
-                        layer_norm_epsilon=self.eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        tie_word_embeddings=self.tied_lm_head)
+            return dict(
+                model_type="gpt2",
+                vocab_size=self.vocab_size,
+                n_positions=self.max_position,
+                n_embd=self.hidden,
+                n_layer=self.dec_layers,
+                n_head=self.heads,
+                n_inner=self.ffn,
+                activation_function=self.act if self.act != "silu" else "silu",
+                layer_norm_epsilon=self.eps,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                tie_word_embeddings=self.tied_lm_head,
+            )
         act = {"silu": "swish"}.get(self.act, self.act)
         return dict(model_type=self.family, vocab_size=self.vocab_size, d_model=self.hidden,
                     encoder_layers=self.enc_layers, decoder_layers=self.dec_layers,
@@ -384,7 +395,8 @@ def llama_hf_config(spec: DecoderSpec) -> dict:
     return cfg
 
 
-def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None = None) -> DecoderSpec:
+def spec_from_hf_config(cfg: dict, name: str = "custom",
+                        source_dir: Path | None = None) -> DecoderSpec:
     """A spec from a Hugging Face config.json dict (model_type gpt2, bart, marian, or llama,
     qwen2, mistral: the llama family)."""
     family = cfg.get("model_type")
@@ -403,28 +415,51 @@ def spec_from_hf_config(cfg: dict, name: str = "custom", source_dir: Path | None
             if cfg.get("scale_attn_weights") is False:
                 raise InvalidConfig("GPT-2 with scale_attn_weights false is not supported")
             return DecoderSpec(
-                "gpt2", int(cfg["vocab_size"]), H, int(_get(cfg, "n_head", "num_attention_heads")),
-                int(_get(cfg, "n_inner", default=4 * H)), int(_get(cfg, "n_layer", "num_hidden_layers")),
+                "gpt2",
+                int(cfg["vocab_size"]),
+                H,
+                int(_get(cfg, "n_head", "num_attention_heads")),
+                int(_get(cfg, "n_inner", default=4 * H)),
+                int(_get(cfg, "n_layer", "num_hidden_layers")),
                 max_position=int(_get(cfg, "n_positions", "max_position_embeddings", default=1024)),
-                act=_ACT_NAMES.get(act, act), eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+                act=_ACT_NAMES.get(act, act),
+                eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
                 tied_lm_head=bool(cfg.get("tie_word_embeddings", True)),
-                pad_token_id=cfg.get("pad_token_id"), name=name, source_dir=source_dir)
+                pad_token_id=cfg.get("pad_token_id"),
+                name=name,
+                source_dir=source_dir,
+            )
         if family == "bart" and (cfg.get("add_final_layer_norm") or cfg.get("normalize_before")):
-            raise InvalidConfig("BART with add_final_layer_norm or normalize_before (mBART) is not supported")
+            raise InvalidConfig(
+                "BART with add_final_layer_norm or normalize_before (mBART) is not supported"
+            )
         heads = int(cfg["encoder_attention_heads"])
-        if int(cfg["decoder_attention_heads"]) != heads or int(cfg["encoder_ffn_dim"]) != int(cfg["decoder_ffn_dim"]):
-            raise InvalidConfig("encoder and decoder with different head counts or FFN widths are not supported")
+        if (int(cfg["decoder_attention_heads"]) != heads
+                or int(cfg["encoder_ffn_dim"]) != int(cfg["decoder_ffn_dim"])):
+            raise InvalidConfig(
+                "encoder and decoder with different head counts or FFN widths are not supported"
+            )
         dec_vocab = cfg.get("decoder_vocab_size")
         if dec_vocab is not None and int(dec_vocab) != int(cfg["vocab_size"]):
             raise InvalidConfig("a decoder_vocab_size other than vocab_size is not supported")
         act = str(cfg.get("activation_function", "gelu"))
         return DecoderSpec(
-            family, int(cfg["vocab_size"]), int(cfg["d_model"]), heads, int(cfg["encoder_ffn_dim"]),
-            int(cfg["decoder_layers"]), int(cfg["encoder_layers"]),
-            max_position=int(cfg.get("max_position_embeddings", 1024)), act=_ACT_NAMES.get(act, act),
-            eps=1e-5, scale_embedding=bool(cfg.get("scale_embedding", False)),
+            family,
+            int(cfg["vocab_size"]),
+            int(cfg["d_model"]),
+            heads,
+            int(cfg["encoder_ffn_dim"]),
+            int(cfg["decoder_layers"]),
+            int(cfg["encoder_layers"]),
+            max_position=int(cfg.get("max_position_embeddings", 1024)),
+            act=_ACT_NAMES.get(act, act),
+            eps=1e-5,
+            scale_embedding=bool(cfg.get("scale_embedding", False)),
             tied_lm_head=bool(cfg.get("tie_word_embeddings", True)),
-            pad_token_id=cfg.get("pad_token_id"), name=name, source_dir=source_dir)
+            pad_token_id=cfg.get("pad_token_id"),
+            name=name,
+            source_dir=source_dir,
+        )
     except KeyError as e:
         raise InvalidConfig(f"config.json of a {family} model lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -499,12 +534,17 @@ def defaults_from_config(cfg: dict, gen: dict | None = None) -> GenerationDefaul
                             "not applied by itif; remove it from the checkpoint")
     bad = src.get("bad_words_ids") or ()
     return GenerationDefaults(
-        eos_token_ids=_ids(src.get("eos_token_id")), pad_token_id=opt("pad_token_id"),
-        bos_token_id=opt("bos_token_id"), decoder_start_token_id=opt("decoder_start_token_id"),
-        forced_bos_token_id=opt("forced_bos_token_id"), forced_eos_token_id=opt("forced_eos_token_id"),
+        eos_token_ids=_ids(src.get("eos_token_id")),
+        pad_token_id=opt("pad_token_id"),
+        bos_token_id=opt("bos_token_id"),
+        decoder_start_token_id=opt("decoder_start_token_id"),
+        forced_bos_token_id=opt("forced_bos_token_id"),
+        forced_eos_token_id=opt("forced_eos_token_id"),
         bad_words_ids=tuple(tuple(int(t) for t in w) for w in bad),
-        min_length=int(src.get("min_length") or 0), min_new_tokens=int(src.get("min_new_tokens") or 0),
-        suppress_tokens=tuple(int(t) for t in src.get("suppress_tokens") or ()))
+        min_length=int(src.get("min_length") or 0),
+        min_new_tokens=int(src.get("min_new_tokens") or 0),
+        suppress_tokens=tuple(int(t) for t in src.get("suppress_tokens") or ()),
+    )
 
 
 def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:

@@ -67,8 +67,9 @@ class Params:
     share the index work too.
     """
 
-    def __init__(self, view: StoreView, tenants: tuple[str, ...], runs, tables: dict[str, np.ndarray],
-                 rows: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, view: StoreView, tenants: tuple[str, ...], runs,
+                 tables: dict[str, np.ndarray], rows: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
         self.view = view
         entry = view.tenants[tenants[0]]
         self._kind = {name: kind for name, (kind, _) in entry.slots.items()}

@@ -26,9 +26,9 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights, load_tenant_weights
 from itif.backbones.spec import BackboneSpec, load_spec
-from itif.config.fields import decoder_refusal
 from itif.batching.layout import Layout
 from itif.batching.strategies import DEFAULT_STRATEGY, plan
+from itif.config.fields import decoder_refusal
 from itif.errors import InvalidConfig, InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
@@ -143,7 +143,8 @@ class Engine(ColumnsMixin):
         return None if self._graphs is None else self._graphs.stats()
 
     # ---- tenants ---------------------------------------------------------------------------
-    def load_weights(self, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> CanonicalWeights:
+    def load_weights(self,
+                     source: str | os.PathLike | Mapping[str, torch.Tensor]) -> CanonicalWeights:
         """Read and validate a checkpoint against the backbone without adding it: names,
         shapes, finite values, and finite still once cast to the serving dtype."""
         weights = load_tenant_weights(self.spec, source)
@@ -186,10 +187,13 @@ class Engine(ColumnsMixin):
             if not np.isfinite(value).all():
                 raise InvalidWeights(
                     f"these weights produce non-finite {key} ({int((~np.isfinite(value)).sum())} "
-                    f"of {value.size} values NaN/Inf) on a probe input in {_dtype_name(self.dtype)}")
+                    f"of {value.size} values NaN/Inf) on a probe input in {_dtype_name(self.dtype)}"
+                )
 
-    def add_tenant(self, tenant: str, source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights,
-                   base: str | None = None, compress: str | None = None, tag: str = "") -> TenantInfo:
+    def add_tenant(self, tenant: str,
+                   source: str | os.PathLike | Mapping[str, torch.Tensor] | CanonicalWeights,
+                   base: str | None = None, compress: str | None = None,
+                   tag: str = "") -> TenantInfo:
         """Add (or atomically replace) a tenant's weights: a safetensors file, a checkpoint
         directory, a dict of Hugging Face-named tensors, or already-validated weights. With
         ``base``: a PEFT LoRA adapter directory (or ``(adapter_config dict, tensors)``, or
@@ -203,7 +207,9 @@ class Engine(ColumnsMixin):
                 source, base, compress)[0]
             base = None  # W_hat is whole: what equals the base's is shared by the store's dedup
         elif base is not None:
-            weights = source if isinstance(source, CanonicalWeights) else self.load_lora(source, base)
+            weights = (
+                source if isinstance(source, CanonicalWeights) else self.load_lora(source, base)
+            )
         else:
             weights = source if isinstance(source, CanonicalWeights) else self.load_weights(source)
         self._check_shapes(weights)
@@ -346,7 +352,8 @@ class Engine(ColumnsMixin):
             return len(request.input_ids)
         return self.spec.num_patches + 1
 
-    def plan(self, tenant_idx: np.ndarray, lengths: np.ndarray, strategy: str | None = None) -> Layout:
+    def plan(self, tenant_idx: np.ndarray, lengths: np.ndarray,
+             strategy: str | None = None) -> Layout:
         """Plan a batch: ``tenant_idx`` [n] batch-tenant indices, ``lengths`` [n] rows each."""
         name = strategy or self.strategy
         cost = self.get_cost_model() if name in ("itif_two_stage", "turbo_dp") else self.cost_model
@@ -410,10 +417,16 @@ class Engine(ColumnsMixin):
         wants = []
         for i, r in enumerate(requests):
             entry = view.tenants[r.tenant]
-            outs = tuple(r.outputs) if r.outputs else (("logits",) if entry.num_labels else ("pooled",))
+            outs = (
+                tuple(r.outputs)
+                if r.outputs
+                else (("logits",) if entry.num_labels else ("pooled",))
+            )
             for o in outs:
                 if o not in OUTPUTS:
-                    raise InvalidRequest(f"request {i}: unknown output {o!r}; choose from {OUTPUTS}")
+                    raise InvalidRequest(
+                        f"request {i}: unknown output {o!r}; choose from {OUTPUTS}"
+                    )
             if "logits" in outs and not entry.num_labels:
                 raise InvalidRequest(f"request {i}: tenant {r.tenant!r} has no classification head")
             wants.append(outs)
@@ -431,12 +444,17 @@ class Engine(ColumnsMixin):
         ids_list = []
         for i, r in enumerate(requests):
             if r.pixel_values is not None:
-                raise InvalidRequest(f"request {i}: a {spec.family} backbone takes input_ids, not pixel_values")
+                raise InvalidRequest(
+                    f"request {i}: a {spec.family} backbone takes input_ids, not pixel_values"
+                )
             if r.input_ids is None:
                 raise InvalidRequest(f"request {i}: input_ids is required")
             a = np.asarray(r.input_ids)
             if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-                raise InvalidRequest(f"request {i}: input_ids must be a 1-D list of integers, got shape {a.shape} {a.dtype}")
+                raise InvalidRequest(
+                    f"request {i}: input_ids must be a 1-D list of integers, "
+                    f"got shape {a.shape} {a.dtype}"
+                )
             ids_list.append(a.astype(np.int64, copy=False))
         lengths = np.fromiter((a.size for a in ids_list), np.int32, count=len(ids_list))
         if lengths.min() < 1 or lengths.max() > self.max_seq_len:
@@ -461,8 +479,10 @@ class Engine(ColumnsMixin):
                 a = np.asarray(r.token_type_ids)
                 if a.shape != (lengths[i],) or (a.size and a.dtype.kind not in "iu"):
                     raise InvalidRequest(
-                        f"request {i}: token_type_ids must be {int(lengths[i])} integers like input_ids, "
-                        f"got shape {a.shape}")
+                        f"request {i}: token_type_ids must be {int(lengths[i])} integers "
+                        "like input_ids, "
+                        f"got shape {a.shape}"
+                    )
                 tt.append(a.astype(np.int64, copy=False))
             types = np.concatenate(tt)
             if types.min() < 0 or types.max() >= spec.type_vocab_size:
@@ -483,14 +503,18 @@ class Engine(ColumnsMixin):
         dst = buf.numpy()
         for i, r in enumerate(requests):
             if r.input_ids is not None:
-                raise InvalidRequest(f"request {i}: a vit backbone takes pixel_values, not input_ids")
+                raise InvalidRequest(
+                    f"request {i}: a vit backbone takes pixel_values, not input_ids"
+                )
             if r.pixel_values is None:
                 raise InvalidRequest(f"request {i}: pixel_values is required")
             a = np.asarray(r.pixel_values)
             if a.dtype != np.float32:
                 a = a.astype(np.float32)
             if a.shape != shape:
-                raise InvalidRequest(f"request {i}: pixel_values has shape {a.shape}; expected {shape}")
+                raise InvalidRequest(
+                    f"request {i}: pixel_values has shape {a.shape}; expected {shape}"
+                )
             d = dst[i]
             np.copyto(d, a)
             # min and max are NaN when any value is, and infinite when any value is
@@ -499,7 +523,8 @@ class Engine(ColumnsMixin):
         lengths = np.full(len(requests), spec.num_patches + 1, np.int32)
         return _Inputs(tenant_idx, lengths, pixels=buf, wants=wants)
 
-    def _run(self, view, tenants, layout: Layout, inputs: _Inputs) -> tuple[PreparedBatch, np.ndarray]:
+    def _run(self, view, tenants, layout: Layout,
+             inputs: _Inputs) -> tuple[PreparedBatch, np.ndarray]:
         """One forward; returns the batch and its flat float32 output, on the host."""
         batch = prepare(self.spec, layout, tenants, view, self.slot_tables(view, tenants),
                         self.device, self.dtype, ids=inputs.ids, types=inputs.types,

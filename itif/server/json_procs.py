@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from itif.errors import InvalidRequest, ItifError, Unavailable
+from itif.errors import InvalidRequest, Unavailable
 from itif.server.tensors import decode_values
 
 log = logging.getLogger("itif.server.json_procs")

@@ -43,10 +43,18 @@ from itif.errors import InvalidRequest
 from itif.server.admission import finish_reply
 from itif.server.errors import rpc
 from itif.server.infer_calls import convert_inputs
-from itif.server.kserve_core import (BOOL, OUTPUT_PARAMS, REQUEST_PARAMS, SEQUENCE_ID, UINT64,
-                                     VERSION, KServeCore, check_params)
-from itif.server.tensors import decode_raw, decode_typed
+from itif.server.kserve_core import (
+    BOOL,
+    OUTPUT_PARAMS,
+    REQUEST_PARAMS,
+    SEQUENCE_ID,
+    UINT64,
+    VERSION,
+    KServeCore,
+    check_params,
+)
 from itif.server.service import AuthInterceptor, reject_malformed
+from itif.server.tensors import decode_raw, decode_typed
 
 log = logging.getLogger("itif.server.kserve")
 

@@ -24,8 +24,14 @@ import numpy as np
 import itif
 from itif import daemon_tiers
 from itif.daemon import Daemon, Identity, State, TenantView
-from itif.errors import (InvalidRequest, InvalidWeights, NoWeights, TenantNotFound, Unavailable,
-                         shown)
+from itif.errors import (
+    InvalidRequest,
+    InvalidWeights,
+    NoWeights,
+    TenantNotFound,
+    Unavailable,
+    shown,
+)
 from itif.metrics import TenantCallStats
 from itif.runtime.engine import OUTPUTS, Request, Result
 from itif.server.infer_calls import await_tickets, convert_inputs

@@ -72,10 +72,20 @@ from itif.errors import Busy, InvalidRequest, InvalidWeights, Overloaded, shown
 from itif.safetensors_io import sha256_file
 from itif.weights.durable_io import (  # private names: tests patch _write_durably here
     fsync_dir as _fsync_dir,
+)
+from itif.weights.durable_io import (
     fsync_path as _fsync_path,
+)
+from itif.weights.durable_io import (
     no_space as _no_space,
+)
+from itif.weights.durable_io import (
     syncer as _syncer,
+)
+from itif.weights.durable_io import (
     unlink_quietly as _unlink_quietly,
+)
+from itif.weights.durable_io import (
     write_durably as _write_durably,
 )
 
@@ -96,7 +106,7 @@ _NOTE_TMP_SUFFIX = ".note.json.tmp"
 _CHUNK = 1 << 20
 
 #: Test-only (``kill_at`` of itif.faults): called with the name of each step a commit reaches.
-fault_point: Callable[[str], None] = lambda name: None
+fault_point: Callable[[str], None] = lambda name: None  # noqa: E731 (a one-line local helper)
 
 
 def validate_tenant_id(tid: object) -> str:

@@ -229,9 +229,15 @@ def decompress(spec: BackboneSpec, base: Mapping[str, torch.Tensor],
 
 def make_meta(exact: CanonicalWeights, table: list[list], method: str, base: str,
               base_sha256: str) -> dict[str, str]:
-    return {"format": FORMAT, "compress": method, "base": base, "base_sha256": base_sha256,
-            "num_labels": str(exact.num_labels or ""), "has_pooler": "1" if exact.has_pooler else "0",
-            "tensors": json.dumps(table, separators=(",", ":"))}
+    return {
+        "format": FORMAT,
+        "compress": method,
+        "base": base,
+        "base_sha256": base_sha256,
+        "num_labels": str(exact.num_labels or ""),
+        "has_pooler": "1" if exact.has_pooler else "0",
+        "tensors": json.dumps(table, separators=(",", ":")),
+    }
 
 
 def report_of(blob: Mapping[str, torch.Tensor], meta: Mapping[str, str],

@@ -37,8 +37,12 @@ from starlette.responses import Response
 from itif.errors import Busy, InvalidRequest, ItifError, Overloaded
 from itif.metrics import call_tenant
 from itif.server.admission import HeapTrimmer  # the one heap trimmer (its docstring says why)
-from itif.server.errors import (DEFAULT_RETRY_AFTER_MS, http_retry_headers, http_status_of,
-                                retry_after_ms)
+from itif.server.errors import (
+    DEFAULT_RETRY_AFTER_MS,
+    http_retry_headers,
+    http_status_of,
+    retry_after_ms,
+)
 from itif.server.json_procs import IN_THREAD, MAX_LIST, OFFLOAD_BYTES, JsonProcs, json_load
 
 log = logging.getLogger("itif.server.http")

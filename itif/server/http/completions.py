@@ -75,11 +75,17 @@ from itif.generation.api import GenerateRequest
 from itif.requests import utf8_text
 from itif.server.errors import http_status_of
 from itif.server.generate import GenerationStream, load_evicted
-from itif.server.http.common import (authorization, bounded_list, endpoint, json_object,
-                                     json_type, read_body)
-from itif.server.json_procs import IN_THREAD, JsonProcs
-from itif.server.http.openai import is_int
+from itif.server.http.common import (
+    authorization,
+    bounded_list,
+    endpoint,
+    json_object,
+    json_type,
+    read_body,
+)
 from itif.server.http.openai import error as openai_error
+from itif.server.http.openai import is_int
+from itif.server.json_procs import IN_THREAD, JsonProcs
 
 __all__ = ["CompletionsApi", "EventStream", "error", "until_done_or_gone"]
 

@@ -36,8 +36,15 @@ from itif.server.http.common import (
     read_body,
 )
 from itif.server.json_procs import ANSWER_NUMBERS, IN_THREAD, JsonProcs, json_bytes, load_infer
-from itif.server.kserve_core import (BOOL, OUTPUT_PARAMS, REQUEST_PARAMS, UINT64, VERSION,
-                                     KServeCore, check_params)
+from itif.server.kserve_core import (
+    BOOL,
+    OUTPUT_PARAMS,
+    REQUEST_PARAMS,
+    UINT64,
+    VERSION,
+    KServeCore,
+    check_params,
+)
 from itif.server.tensors import decode_raw
 
 HEADER_LENGTH = "inference-header-content-length"

@@ -39,9 +39,15 @@ from itif.server.http.common import (
     json_type,
     read_body,
 )
-from itif.server.json_procs import (ANSWER_NUMBERS, IN_THREAD, JsonProcs, TokenLists, json_bytes,
-                                   load_embeddings)
 from itif.server.infer_calls import await_tickets, convert_inputs
+from itif.server.json_procs import (
+    ANSWER_NUMBERS,
+    IN_THREAD,
+    JsonProcs,
+    TokenLists,
+    json_bytes,
+    load_embeddings,
+)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
