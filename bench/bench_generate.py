@@ -40,8 +40,14 @@ from itif.generation.spec import PRESETS, defaults_from_config  # noqa: E402
 
 
 def hf_model(spec, seed: int):
-    from transformers import (BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel,
-                              MarianConfig, MarianMTModel)
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        GPT2Config,
+        GPT2LMHeadModel,
+        MarianConfig,
+        MarianMTModel,
+    )
     torch.manual_seed(seed)
     cfg = spec.hf_config()
     if spec.family == "gpt2":
@@ -49,7 +55,9 @@ def hf_model(spec, seed: int):
     if spec.family == "bart":
         return BartForConditionalGeneration(BartConfig(**cfg, bos_token_id=0, eos_token_id=2,
                                                        decoder_start_token_id=2)).eval()
-    return MarianMTModel(MarianConfig(**cfg, eos_token_id=0, decoder_start_token_id=spec.pad_token_id)).eval()
+    return MarianMTModel(
+        MarianConfig(**cfg, eos_token_id=0, decoder_start_token_id=spec.pad_token_id)
+    ).eval()
 
 
 def run(args) -> dict:
@@ -64,9 +72,18 @@ def run(args) -> dict:
                                                                m.generation_config.to_dict()))
         models[n] = m.to(device=dev, dtype=dtype)
     g = torch.Generator().manual_seed(0)
-    reqs = {n: [GenerateRequest(n, torch.randint(5, spec.vocab_size - 1, (args.src_len,), generator=g).tolist(),
-                                max_new_tokens=args.new_tokens, num_beams=args.beams)
-                for _ in range(args.requests)] for n in names}
+    reqs = {
+        n: [
+            GenerateRequest(
+                n,
+                torch.randint(5, spec.vocab_size - 1, (args.src_len,), generator=g).tolist(),
+                max_new_tokens=args.new_tokens,
+                num_beams=args.beams,
+            )
+            for _ in range(args.requests)
+        ]
+        for n in names
+    }
     flat = [r for n in names for r in reqs[n]]
 
     def hf_all():
@@ -104,24 +121,49 @@ def run(args) -> dict:
     for name in systems:
         tokens = sum(len(s) for s in outs[name])
         best = min(times[name])
-        rows.append(dict(system=name, seconds=round(best, 4), seconds_all=[round(t, 4) for t in times[name]],
-                         tokens=tokens, tokens_per_s=round(tokens / best, 2),
-                         latency_per_request_ms=round(1000 * best / len(flat), 2)))
+        rows.append(
+            dict(
+                system=name,
+                seconds=round(best, 4),
+                seconds_all=[round(t, 4) for t in times[name]],
+                tokens=tokens,
+                tokens_per_s=round(tokens / best, 2),
+                latency_per_request_ms=round(1000 * best / len(flat), 2),
+            )
+        )
     hf_tps = rows[0]["tokens_per_s"]
     for r in rows:
         r["speedup_vs_hf"] = round(r["tokens_per_s"] / hf_tps, 3)
         r["sequences_equal_hf"] = sum(a == b for a, b in zip(outs[r["system"]], outs["hf"]))
         r["sequences"] = len(flat)
-    return dict(meta=dict(
-        device=(torch.cuda.get_device_name(dev) if dev.type == "cuda"
-                else f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"), dtype=args.dtype,
-        cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), load_average=list(os.getloadavg()),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command="python " + " ".join(sys.argv), torch=torch.__version__,
-        settings=dict(preset=args.preset, tenants=args.tenants, requests_per_tenant=args.requests,
-                      beams=args.beams, src_len=args.src_len, new_tokens=args.new_tokens,
-                      repeats=args.repeats, kv_cache_mib=args.kv_mib, shared_weights="none")),
-        rows=rows)
+    return dict(
+        meta=dict(
+            device=(
+                torch.cuda.get_device_name(dev)
+                if dev.type == "cuda"
+                else f"cpu-{platform.machine()}-{torch.get_num_threads()}threads"
+            ),
+            dtype=args.dtype,
+            cpu_count=os.cpu_count(),
+            torch_threads=torch.get_num_threads(),
+            load_average=list(os.getloadavg()),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            command="python " + " ".join(sys.argv),
+            torch=torch.__version__,
+            settings=dict(
+                preset=args.preset,
+                tenants=args.tenants,
+                requests_per_tenant=args.requests,
+                beams=args.beams,
+                src_len=args.src_len,
+                new_tokens=args.new_tokens,
+                repeats=args.repeats,
+                kv_cache_mib=args.kv_mib,
+                shared_weights="none",
+            ),
+        ),
+        rows=rows,
+    )
 
 
 def main(argv=None) -> int:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from itif.platform import cupy_module  # noqa: E402
 
+
 def timeit(fn: Callable[[], object], warmup: int, repeats: int, inner: int,
            cuda: bool = True) -> dict:
     """Median/p10/p90 microseconds per call; each sample times ``inner`` calls with CUDA events
@@ -74,7 +75,7 @@ def timeit(fn: Callable[[], object], warmup: int, repeats: int, inner: int,
                 fn()
             samples.append((time.perf_counter() - t0) * 1e6 / inner)
     samples.sort()
-    q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))]
+    q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))]  # noqa: E731 (a one-line local helper)
     return {"median_us": statistics.median(samples), "p10_us": q(0.1), "p90_us": q(0.9)}
 
 
@@ -384,10 +385,10 @@ def main() -> int:
                         plan = plan_gemm(segs, T, dev, dtype, b)
                         offs = (torch.tensor(plan.offs, dtype=torch.int32, device=dev)
                                 if b == "grouped_mm" else None)
-                        fn = (lambda plan=plan, offs=offs: run_gemm(x_h, w, plan, offs, out))
+                        fn = (lambda plan=plan, offs=offs: run_gemm(x_h, w, plan, offs, out))  # noqa: E731 (a one-line local helper)
                         how = "run_gemm (planned once)"
                     else:
-                        fn = (lambda b=b, segs=segs: grouped_linear(x_h, w, segs, backend=b,
+                        fn = (lambda b=b, segs=segs: grouped_linear(x_h, w, segs, backend=b,  # noqa: E731 (a one-line local helper)
                                                                     out=out))
                         how = "grouped_linear"
                     record(op, name, fn, max_abs_err_vs_loop=err, chosen_by_planner=chosen == b,

@@ -73,8 +73,10 @@ def run(a) -> dict:
         ref = out.clone()
         kernel()
         err = max(err, float(((out - ref).abs().max() / ref.abs().max())))
-    secs = _time({"mkl": lambda: [p[0]() for p in pairs], "kernel": lambda: [p[1]() for p in pairs]},
-                 a.repeats)
+    secs = _time(
+        {"mkl": lambda: [p[0]() for p in pairs], "kernel": lambda: [p[1]() for p in pairs]},
+        a.repeats,
+    )
     flop = 2 * T * R * 6 * sum(N * K for N, K in KINDS)
     rows = [dict(measure="step", system=k, tenants=T, rows=R, ms=round(s * 1e3, 2),
                  gflops=round(flop / s / 1e9, 1)) for k, s in secs.items()]

@@ -31,10 +31,10 @@ from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity
 from itif.generation.api import GenerateRequest
 from itif.generation.spec import PRESETS
+from itif.safetensors_io import save_safetensors
 from itif.server._proto.itif.v1 import itif_pb2_grpc
 from itif.server.admission import Admission
 from itif.server.service import AuthInterceptor, ItifService
-from itif.safetensors_io import save_safetensors
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -55,10 +55,14 @@ def main(argv=None) -> int:
     (root / "bb").mkdir()
     (root / "bb" / "config.json").write_text(json.dumps(cfg))
     tenants = {f"t{i}": f"token-{i}" for i in range(a.tenants)}
-    yaml = ("server:\n  listen: 127.0.0.1:0\n  data_dir: ./data\n"
-            f"  admin_token_sha256: {hash_token('admin')}\nbackbone:\n  config: {root / 'bb'}\n"
-            "  device: cpu\n  dtype: float32\ntenants:\n" + "".join(
-                f"  - id: {t}\n    token_sha256: {hash_token(tok)}\n" for t, tok in tenants.items()))
+    yaml = (
+        "server:\n  listen: 127.0.0.1:0\n  data_dir: ./data\n"
+        f"  admin_token_sha256: {hash_token('admin')}\nbackbone:\n  config: {root / 'bb'}\n"
+        "  device: cpu\n  dtype: float32\ntenants:\n"
+        + "".join(
+            f"  - id: {t}\n    token_sha256: {hash_token(tok)}\n" for t, tok in tenants.items()
+        )
+    )
     d = Daemon(parse_config(yaml, root))
     d.start()
     for i, t in enumerate(tenants):

@@ -13,7 +13,8 @@ groups in one variable-length flash call a layer, ``itif.ops.cuda.attention``; t
 without cuDNN per group otherwise, ``itif.platform.attention_backends``), ``groups`` (every
 length group its own SDPA call, as before the variable-length call:
 ``launch_policy(attention="sdpa")``) and ``cudnn`` (the groups with ``ITIF_CUDNN_SDPA=1``:
-torch's own order, cuDNN first on an H100). Each (attention, setting) runs in interleaved rounds, the
+torch's own order, cuDNN first on an H100). Each (attention, setting) runs in interleaved rounds,
+the
 graph cache emptied before each, over two sequences:
 
 - ``serving``: ``--batches`` batches as a serving load forms them: 1-64 requests each (a

@@ -21,10 +21,12 @@ core of its own; on a shared machine the wall clock would overstate it and grow 
 That fixes every batch; the batches therefore depend on the forward's speed (at 1,000 req/s
 this CPU sits near the point where a slower forward tips it into batches of tens of rows,
 which hide a per-batch cost), so ``--save-schedule`` keeps a run's schedule and ``--schedule``
-replays it: the same batches for the engine side of another commit. Then, per repeat, the engine side replays that schedule (measured
+replays it: the same batches for the engine side of another commit. Then, per repeat, the engine
+side replays that schedule (measured
 with ``time.process_time``, the process's CPU in every thread, torch held to one thread),
 and ``Engine.infer`` runs each batch as a ``Request`` list (built untimed) right beside its
-``infer_columns``, the order alternating from batch to batch, so that the drift of a shared machine's load cancels.
+``infer_columns``, the order alternating from batch to batch, so that the drift of a shared
+machine's load cancels.
 ``extra_us_per_request`` is (engine side - infer) / requests (``extra_us_per_batch`` the same
 a batch: the engine side's cost is mostly per batch), and the parts are reported too.
 Linux or macOS; needs no GPU.

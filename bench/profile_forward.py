@@ -53,7 +53,8 @@ def kind_of(name: str) -> str:
     # ("pytorch_flash::flash_fwd_kernel<...cutlass::half_t...>")
     if any(k in n for k in ("flash", "fmha", "attention", "efficient")):
         return "attention"
-    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "ampere_", "cublas", "nvjet", "s16816")):
+    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "ampere_", "cublas",
+                            "nvjet", "s16816")):
         return "gemm"
     if any(k in n for k in ("bias_act", "layernorm", "embed_text", "masked_softmax")):
         return "itif_rawkernel"

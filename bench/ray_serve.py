@@ -133,8 +133,11 @@ def _in_process(config: Path, tokens: dict[str, str], args) -> dict:
 
     app_s = asyncio.run(http_app())
     d.stop(0)
-    return {"engine_ms": 1e3 * statistics.median(eng), "http_app_ms": 1e3 * statistics.median(app_s),
-            "vocab": vocab}
+    return {
+        "engine_ms": 1e3 * statistics.median(eng),
+        "http_app_ms": 1e3 * statistics.median(app_s),
+        "vocab": vocab,
+    }
 
 
 async def _closed_loop(url: str, tokens: dict[str, str], args, vocab: int) -> dict:

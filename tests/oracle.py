@@ -43,7 +43,9 @@ def reference(model, request: itif.Request) -> dict[str, np.ndarray]:
     if request.pixel_values is not None:
         kwargs = dict(pixel_values=torch.as_tensor(np.asarray(request.pixel_values))[None])
     else:
-        kwargs = dict(input_ids=torch.as_tensor(np.asarray(request.input_ids), dtype=torch.long)[None])
+        kwargs = dict(
+            input_ids=torch.as_tensor(np.asarray(request.input_ids), dtype=torch.long)[None]
+        )
         if request.token_type_ids is not None:
             kwargs["token_type_ids"] = torch.as_tensor(
                 np.asarray(request.token_type_ids), dtype=torch.long)[None]

@@ -29,8 +29,8 @@ import grpc
 import pytest
 
 from itif.client import Client
-from itif.server._proto.itif.v1 import itif_pb2
 from itif.safetensors_io import save_safetensors
+from itif.server._proto.itif.v1 import itif_pb2
 from tests.daemon_harness import ADMIN, ROOT, TLS, Daemon, free_port
 
 # The harness (tests/daemon_harness.py: ADMIN ... free_port) is re-exported for the suite.

@@ -145,8 +145,10 @@ def test_sharded_checkpoint(tmp_path, hf_factory):
     half = len(names) // 2
     save_file({k: sd[k] for k in names[:half]}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({k: sd[k] for k in names[half:]}, tmp_path / "model-00002-of-00002.safetensors")
-    index = {k: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
-             for i, k in enumerate(names)}
+    index = {
+        k: ("model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors")
+        for i, k in enumerate(names)
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
     eng = itif.Engine("bert-tiny")
     eng.add_tenant("s", tmp_path)
@@ -170,14 +172,17 @@ def test_mismatch_names_first_differing_tensor(hf_factory):
     sd = dict(hf_factory("bert-tiny", 2, seed=8).state_dict())
     wrong = dict(sd)
     wrong["bert.encoder.layer.1.intermediate.dense.weight"] = torch.zeros(100, 64)
-    with pytest.raises(itif.InvalidWeights, match=r"'bert.encoder.layer.1.intermediate.dense.weight' "
-                                                   r"has shape \[100, 64\].*expects \[128, 64\]"):
+    with pytest.raises(itif.InvalidWeights,
+                       match=r"'bert.encoder.layer.1.intermediate.dense.weight' "
+                             r"has shape \[100, 64\].*expects \[128, 64\]"):
         eng.add_tenant("x", wrong)
     missing = {k: v for k, v in sd.items() if "layer.0.attention.self.key.weight" not in k}
-    with pytest.raises(itif.InvalidWeights, match="missing tensor 'bert.encoder.layer.0.attention.self.key.weight'"):
+    with pytest.raises(itif.InvalidWeights,
+                       match="missing tensor 'bert.encoder.layer.0.attention.self.key.weight'"):
         eng.add_tenant("x", missing)
     extra = dict(sd, **{"bert.encoder.layer.2.output.dense.bias": torch.zeros(64)})
-    with pytest.raises(itif.InvalidWeights, match="unexpected tensor 'bert.encoder.layer.2.output.dense.bias'"):
+    with pytest.raises(itif.InvalidWeights,
+                       match="unexpected tensor 'bert.encoder.layer.2.output.dense.bias'"):
         eng.add_tenant("x", extra)
     nan = dict(sd)
     nan["bert.pooler.dense.bias"] = torch.full((64,), float("nan"))
@@ -191,7 +196,8 @@ def test_mismatch_names_first_differing_tensor(hf_factory):
         eng.add_tenant("x", {})
     # A bigger model into a small backbone: the first tensor that differs is named.
     big = hf_factory("albert-tiny", 2, seed=1).state_dict()
-    with pytest.raises(itif.InvalidWeights, match="missing tensor 'bert.embeddings.word_embeddings.weight'"):
+    with pytest.raises(itif.InvalidWeights,
+                       match="missing tensor 'bert.embeddings.word_embeddings.weight'"):
         eng.add_tenant("x", big)
     assert eng.tenants() == [] and eng.weight_bytes == 0  # nothing half-added
 
@@ -222,7 +228,9 @@ def test_canonical_qkv_is_fused_in_order(hf_factory):
     spec = PRESETS["bert-tiny"]
     sd = hf_factory("bert-tiny", 2, seed=9).state_dict()
     cw = to_canonical(spec, sd)
-    q, k, v = (sd[f"bert.encoder.layer.1.attention.self.{n}.weight"] for n in ("query", "key", "value"))
+    q, k, v = (
+        sd[f"bert.encoder.layer.1.attention.self.{n}.weight"] for n in ("query", "key", "value")
+    )
     assert torch.equal(cw.tensors["layers.1.qkv.weight"], torch.cat([q, k, v]))
     assert cw.num_labels == 2 and cw.has_pooler
 
@@ -254,7 +262,9 @@ def test_real_pretrained_minilm_checkpoint(hf_factory):
         with torch.no_grad():
             out = ref_model(input_ids=torch.tensor([req.input_ids]))
         if req.tenant == "minilm":
-            np.testing.assert_allclose(res.last_hidden_state, out.last_hidden_state[0].numpy(), atol=1e-4)
+            np.testing.assert_allclose(
+                res.last_hidden_state, out.last_hidden_state[0].numpy(), atol=1e-4
+            )
             np.testing.assert_allclose(res.pooled, out.pooler_output[0].numpy(), atol=1e-4)
         else:
             want = out.pooler_output[0] @ tuned["classifier.weight"].T + tuned["classifier.bias"]

@@ -224,7 +224,9 @@ def test_infer_calls_go_by_columns_and_equal_hf(tmp_path, weights):
         with d.client(TOKENS["acme"]) as c:
             ids = [5, 6, 7, 8]
             got = c.infer("acme", ids, token_type_ids=[0, 0, 1, 1])
-            want = reference(weights["acme"][0], itif.Request("acme", ids, token_type_ids=[0, 0, 1, 1]))
+            want = reference(
+                weights["acme"][0], itif.Request("acme", ids, token_type_ids=[0, 0, 1, 1])
+            )
             np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4)
             assert set(c.infer("acme", ids, outputs=["pooled"])) == {"pooled"}
             with pytest.raises(grpc.RpcError) as e:

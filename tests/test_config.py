@@ -132,7 +132,12 @@ def test_full_file_all_fields(tmp_path):
         tls={"cert": "certs/s.pem", "key": "/abs/s.key", "client_ca": "certs/ca.pem"},
     )
     d["backbone"] = {"config": "ckpt", "device": "cpu", "dtype": "bfloat16", "max_seq_len": 256}
-    d["scheduler"] = {"max_batch_tokens": 4096, "max_batch_size": 32, "max_wait_ms": 0, "strategy": "itif_two_stage"}
+    d["scheduler"] = {
+        "max_batch_tokens": 4096,
+        "max_batch_size": 32,
+        "max_wait_ms": 0,
+        "strategy": "itif_two_stage",
+    }
     d["tenants"].append(
         {"id": "beta_2", "token_sha256": BETA, "max_queue": 1, "weight": 0.25, "max_seq_len": 128,
          "latency_target_ms": 20}
@@ -217,67 +222,196 @@ _DEL = object()
 
 BAD_CASES = [
     ("unknown top key", _set("serverz", {}), "serverz: unknown key"),
-    ("unknown server key", _set("server.listn", "x"), "server.listn: unknown key (did you mean 'listen'?"),
+    (
+        "unknown server key",
+        _set("server.listn", "x"),
+        "server.listn: unknown key (did you mean 'listen'?",
+    ),
     ("unknown tenant key", _set("tenants.0.quota", 3), "tenants[0].quota: unknown key"),
     ("unknown backbone key", _set("backbone.layers", 3), "backbone.layers: unknown key"),
-    ("unknown scheduler key", _set("scheduler", {"max_wait": 1}), "scheduler.max_wait: unknown key"),
+    (
+        "unknown scheduler key",
+        _set("scheduler", {"max_wait": 1}),
+        "scheduler.max_wait: unknown key",
+    ),
     ("bad id upper", _set("tenants.0.id", "Acme"), "tenants[0].id: must match"),
     ("bad id space", _set("tenants.0.id", "a b"), "tenants[0].id: must match"),
     ("bad id too long", _set("tenants.0.id", "a" * 64), "tenants[0].id: must match"),
     ("bad id leading dash", _set("tenants.0.id", "-a"), "tenants[0].id: must match"),
     ("bad id trailing newline", _set("tenants.0.id", "acme\n"), "tenants[0].id: must match"),
-    ("bad hash trailing newline", _set("tenants.0.token_sha256", ACME + "\n"),
-     "tenants[0].token_sha256: must be 64 lowercase hex"),
+    (
+        "bad hash trailing newline",
+        _set("tenants.0.token_sha256", ACME + "\n"),
+        "tenants[0].token_sha256: must be 64 lowercase hex",
+    ),
     ("id not string", _set("tenants.0.id", 12), "tenants[0].id: must be a string, got int 12"),
     ("missing id", _set("tenants.0.id", _DEL), "tenants[0].id: required key is missing"),
-    ("bad hash short", _set("tenants.0.token_sha256", "abc"), "tenants[0].token_sha256: must be 64 lowercase hex"),
-    ("bad hash upper", _set("tenants.0.token_sha256", ACME.upper()), "tenants[0].token_sha256: must be 64 lowercase hex"),
-    ("bad hash nonhex", _set("tenants.0.token_sha256", "g" * 64), "tenants[0].token_sha256: must be 64 lowercase hex"),
-    ("bad admin hash", _set("server.admin_token_sha256", "admin-token"), "server.admin_token_sha256: must be 64"),
-    ("missing admin", _set("server.admin_token_sha256", _DEL), "server.admin_token_sha256: required key is missing"),
+    (
+        "bad hash short",
+        _set("tenants.0.token_sha256", "abc"),
+        "tenants[0].token_sha256: must be 64 lowercase hex",
+    ),
+    (
+        "bad hash upper",
+        _set("tenants.0.token_sha256", ACME.upper()),
+        "tenants[0].token_sha256: must be 64 lowercase hex",
+    ),
+    (
+        "bad hash nonhex",
+        _set("tenants.0.token_sha256", "g" * 64),
+        "tenants[0].token_sha256: must be 64 lowercase hex",
+    ),
+    (
+        "bad admin hash",
+        _set("server.admin_token_sha256", "admin-token"),
+        "server.admin_token_sha256: must be 64",
+    ),
+    (
+        "missing admin",
+        _set("server.admin_token_sha256", _DEL),
+        "server.admin_token_sha256: required key is missing",
+    ),
     ("max_queue 0", _set("tenants.0.max_queue", 0), "tenants[0].max_queue: must be >= 1, got 0"),
-    ("max_queue negative", _set("tenants.0.max_queue", -5), "tenants[0].max_queue: must be >= 1, got -5"),
-    ("max_queue float", _set("tenants.0.max_queue", 2.5), "tenants[0].max_queue: must be an integer"),
-    ("max_queue bool", _set("tenants.0.max_queue", True), "tenants[0].max_queue: must be an integer"),
+    (
+        "max_queue negative",
+        _set("tenants.0.max_queue", -5),
+        "tenants[0].max_queue: must be >= 1, got -5",
+    ),
+    (
+        "max_queue float",
+        _set("tenants.0.max_queue", 2.5),
+        "tenants[0].max_queue: must be an integer",
+    ),
+    (
+        "max_queue bool",
+        _set("tenants.0.max_queue", True),
+        "tenants[0].max_queue: must be an integer",
+    ),
     ("weight 0", _set("tenants.0.weight", 0), "tenants[0].weight: must be > 0"),
     ("weight negative", _set("tenants.0.weight", -1.0), "tenants[0].weight: must be > 0"),
     ("weight nan", _set("tenants.0.weight", float("nan")), "tenants[0].weight: must be finite"),
     ("weight string", _set("tenants.0.weight", "heavy"), "tenants[0].weight: must be a number"),
-    ("latency 0", _set("tenants.0.latency_target_ms", 0), "tenants[0].latency_target_ms: must be > 0"),
+    (
+        "latency 0",
+        _set("tenants.0.latency_target_ms", 0),
+        "tenants[0].latency_target_ms: must be > 0",
+    ),
     ("tenant seq len 0", _set("tenants.0.max_seq_len", 0), "tenants[0].max_seq_len: must be >= 1"),
     ("tenant not mapping", _set("tenants.0", "acme"), "tenants[0]: must be a mapping"),
     ("tenants not list", _set("tenants", {"id": "acme"}), "tenants: must be a list"),
     ("listen no port", _set("server.listen", "127.0.0.1"), "server.listen: expected host:port"),
-    ("listen bad port", _set("server.listen", "127.0.0.1:99999"), "server.listen: port must be <= 65535"),
-    ("listen port text", _set("server.listen", "127.0.0.1:http"), "server.listen: port must be a number"),
-    ("listen ipv6 unbracketed", _set("server.listen", ":::50051"), "server.listen: IPv6 addresses must be bracketed"),
-    ("listen bad ipv6", _set("server.listen", "[zz]:1"), "server.listen: 'zz' inside [] is not an IPv6"),
-    ("metrics same as listen", _set("server.metrics_listen", "127.0.0.1:50051"), "server.metrics_listen: '127.0.0.1:50051' is the same address as server.listen"),
-    ("message bytes small", _set("server.max_message_bytes", 10), "server.max_message_bytes: must be >= 1024"),
-    ("message bytes huge", _set("server.max_message_bytes", "4GiB"), "server.max_message_bytes: must be <="),
-    ("upload bytes bad unit", _set("server.max_upload_bytes", "4 parsecs"), "server.max_upload_bytes: must be a byte count"),
-    ("upload bytes negative", _set("server.max_upload_bytes", -1), "server.max_upload_bytes: must be >= 1"),
+    (
+        "listen bad port",
+        _set("server.listen", "127.0.0.1:99999"),
+        "server.listen: port must be <= 65535",
+    ),
+    (
+        "listen port text",
+        _set("server.listen", "127.0.0.1:http"),
+        "server.listen: port must be a number",
+    ),
+    (
+        "listen ipv6 unbracketed",
+        _set("server.listen", ":::50051"),
+        "server.listen: IPv6 addresses must be bracketed",
+    ),
+    (
+        "listen bad ipv6",
+        _set("server.listen", "[zz]:1"),
+        "server.listen: 'zz' inside [] is not an IPv6",
+    ),
+    (
+        "metrics same as listen",
+        _set("server.metrics_listen", "127.0.0.1:50051"),
+        "server.metrics_listen: '127.0.0.1:50051' is the same address as server.listen",
+    ),
+    (
+        "message bytes small",
+        _set("server.max_message_bytes", 10),
+        "server.max_message_bytes: must be >= 1024",
+    ),
+    (
+        "message bytes huge",
+        _set("server.max_message_bytes", "4GiB"),
+        "server.max_message_bytes: must be <=",
+    ),
+    (
+        "upload bytes bad unit",
+        _set("server.max_upload_bytes", "4 parsecs"),
+        "server.max_upload_bytes: must be a byte count",
+    ),
+    (
+        "upload bytes negative",
+        _set("server.max_upload_bytes", -1),
+        "server.max_upload_bytes: must be >= 1",
+    ),
     ("grace negative", _set("server.grace_s", -1), "server.grace_s: must be >= 0"),
     ("server missing", _set("server", _DEL), "server: required section is missing"),
     ("server not mapping", _set("server", [1]), "server: must be a mapping, got list"),
     ("backbone missing", _set("backbone", _DEL), "backbone: required section is missing"),
-    ("backbone config missing", _set("backbone", {"device": "cpu"}), "backbone.config: required key is missing"),
-    ("device", _set("backbone.device", "tpu"), "backbone.device: must be one of 'cpu', 'cuda', 'auto', got string 'tpu'"),
+    (
+        "backbone config missing",
+        _set("backbone", {"device": "cpu"}),
+        "backbone.config: required key is missing",
+    ),
+    (
+        "device",
+        _set("backbone.device", "tpu"),
+        "backbone.device: must be one of 'cpu', 'cuda', 'auto', got string 'tpu'",
+    ),
     ("dtype", _set("backbone.dtype", "int8"), "backbone.dtype: must be one of"),
-    ("preset typo", _set("backbone.config", "bert_tiny"), "backbone.config: 'bert_tiny' is neither a preset nor an existing path; did you mean 'bert-tiny'?"),
-    ("batch tokens 0", _set("scheduler", {"max_batch_tokens": 0}), "scheduler.max_batch_tokens: must be >= 1, got 0"),
-    ("wait negative", _set("scheduler", {"max_wait_ms": -1}), "scheduler.max_wait_ms: must be >= 0"),
-    ("strategy", _set("scheduler", {"strategy": "Fast Please"}), "scheduler.strategy: must be 'auto' or one of"),
-    ("tls cert without key", _set("server.tls", {"cert": "c.pem"}), "server.tls.key: required when server.tls.cert is set ('/cfg/c.pem')"),
-    ("tls key without cert", _set("server.tls", {"key": "k.pem"}), "server.tls.cert: required when server.tls.key is set ('/cfg/k.pem')"),
-    ("tls ca only", _set("server.tls", {"client_ca": "ca.pem"}), "server.tls.cert: required (with server.tls.key) when server.tls.client_ca is set"),
+    (
+        "preset typo",
+        _set("backbone.config", "bert_tiny"),
+        "backbone.config: 'bert_tiny' is neither a preset nor an existing path; "
+        "did you mean 'bert-tiny'?",
+    ),
+    (
+        "batch tokens 0",
+        _set("scheduler", {"max_batch_tokens": 0}),
+        "scheduler.max_batch_tokens: must be >= 1, got 0",
+    ),
+    (
+        "wait negative",
+        _set("scheduler", {"max_wait_ms": -1}),
+        "scheduler.max_wait_ms: must be >= 0",
+    ),
+    (
+        "strategy",
+        _set("scheduler", {"strategy": "Fast Please"}),
+        "scheduler.strategy: must be 'auto' or one of",
+    ),
+    (
+        "tls cert without key",
+        _set("server.tls", {"cert": "c.pem"}),
+        "server.tls.key: required when server.tls.cert is set ('/cfg/c.pem')",
+    ),
+    (
+        "tls key without cert",
+        _set("server.tls", {"key": "k.pem"}),
+        "server.tls.cert: required when server.tls.key is set ('/cfg/k.pem')",
+    ),
+    (
+        "tls ca only",
+        _set("server.tls", {"client_ca": "ca.pem"}),
+        "server.tls.cert: required (with server.tls.key) when server.tls.client_ca is set",
+    ),
     ("tls empty", _set("server.tls", {}), "server.tls: must set cert and key"),
-    ("tls unknown", _set("server.tls", {"cert": "c", "key": "k", "ca": "x"}), "server.tls.ca: unknown key"),
-    ("admin hash reused", _set("tenants.0.token_sha256", ADMIN), "tenants[0].token_sha256: equals server.admin_token_sha256"),
+    (
+        "tls unknown",
+        _set("server.tls", {"cert": "c", "key": "k", "ca": "x"}),
+        "server.tls.ca: unknown key",
+    ),
+    (
+        "admin hash reused",
+        _set("tenants.0.token_sha256", ADMIN),
+        "tenants[0].token_sha256: equals server.admin_token_sha256",
+    ),
 ]
 
 
-@pytest.mark.parametrize("mutate,expected", [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES])
+@pytest.mark.parametrize("mutate,expected", [c[1:] for c in BAD_CASES],
+                         ids=[c[0] for c in BAD_CASES])
 def test_rejects_with_key_path(mutate, expected):
     d = mutate(copy.deepcopy(base_dict()))
     with pytest.raises(InvalidConfig) as ei:
@@ -292,13 +426,15 @@ def test_duplicate_ids_quote_both_indices():
         {"id": "beta", "token_sha256": BETA},
         {"id": "acme", "token_sha256": GAMMA},
     )
-    with pytest.raises(InvalidConfig, match=r"tenants\[2\]\.id: duplicate tenant id 'acme' \(also tenants\[0\]\.id\)"):
+    with pytest.raises(InvalidConfig, match=r"tenants\[2\]\.id: duplicate tenant id 'acme' "
+                                            r"\(also tenants\[0\]\.id\)"):
         parse(d)
 
 
 def test_duplicate_token_hashes_rejected():
     d = with_tenants({"id": "acme", "token_sha256": ACME}, {"id": "beta", "token_sha256": ACME})
-    with pytest.raises(InvalidConfig, match=r"tenants\[1\]\.token_sha256: same token hash as tenants\[0\]"):
+    with pytest.raises(InvalidConfig,
+                       match=r"tenants\[1\]\.token_sha256: same token hash as tenants\[0\]"):
         parse(d)
 
 
@@ -306,12 +442,14 @@ def test_cross_field_checks_quote_both_values():
     d = base_dict()
     d["backbone"]["max_seq_len"] = 128
     d["tenants"][0]["max_seq_len"] = 256
-    with pytest.raises(InvalidConfig, match=r"tenants\[0\]\.max_seq_len: 256 exceeds backbone\.max_seq_len 128"):
+    with pytest.raises(InvalidConfig,
+                       match=r"tenants\[0\]\.max_seq_len: 256 exceeds backbone\.max_seq_len 128"):
         parse(d)
     d = base_dict()
     d["backbone"]["max_seq_len"] = 512
     d["scheduler"] = {"max_batch_tokens": 256}
-    with pytest.raises(InvalidConfig, match=r"scheduler\.max_batch_tokens: 256 is less than backbone\.max_seq_len 512"):
+    with pytest.raises(InvalidConfig, match=r"scheduler\.max_batch_tokens: 256 is less than "
+                                            r"backbone\.max_seq_len 512"):
         parse(d)
 
 
@@ -324,7 +462,8 @@ def test_all_problems_reported_together():
         parse(d)
     msg = str(ei.value)
     assert msg.startswith("3 problems:")
-    for part in ("bogus: unknown key", "server.grace_s: must be >= 0", "tenants[0].max_queue: must be >= 1, got 0"):
+    for part in ("bogus: unknown key", "server.grace_s: must be >= 0",
+                 "tenants[0].max_queue: must be >= 1, got 0"):
         assert part in msg
 
 
@@ -343,11 +482,13 @@ def test_unquoted_numeric_hash_hint():
         ("just a string", "config must be a mapping"),
         ("server:\n  listen: [127.0.0.1\nbackbone: {}\n", "invalid YAML at line 3"),
         ("server:\n\tlisten: x\n", "invalid YAML at line 2"),
-        ("a: 1\nb: 2\na: 3\n", "invalid YAML at line 3, column 1: duplicate key 'a' (first defined on line 1)"),
+        ("a: 1\nb: 2\na: 3\n",
+         "invalid YAML at line 3, column 1: duplicate key 'a' (first defined on line 1)"),
         ("--- {}\n--- {}\n", "invalid YAML"),
         ("a: !!python/object:os.system {}\n", "invalid YAML"),
     ],
-    ids=["empty", "comment-only", "list", "scalar", "unclosed", "tab", "dup-key", "multi-doc", "python-tag"],
+    ids=["empty", "comment-only", "list", "scalar", "unclosed", "tab", "dup-key", "multi-doc",
+         "python-tag"],
 )
 def test_bad_yaml(tmp_path, text, expected):
     path = tmp_path / "tenants.yaml"
@@ -375,7 +516,15 @@ def test_no_env_vars_read(monkeypatch):
 
 
 def test_presets_listed():
-    required = {"bert-base", "bert-large", "albert-large", "vit-base", "bert-tiny", "albert-tiny", "vit-tiny"}
+    required = {
+        "bert-base",
+        "bert-large",
+        "albert-large",
+        "vit-base",
+        "bert-tiny",
+        "albert-tiny",
+        "vit-tiny",
+    }
     assert set(BACKBONE_PRESETS) >= required
     assert backbone_presets() >= required
     for name in sorted(backbone_presets()):
@@ -390,7 +539,9 @@ def test_presets_listed():
 
 
 def test_diff_added_removed_changed():
-    old = parse(with_tenants({"id": "acme", "token_sha256": ACME}, {"id": "beta", "token_sha256": BETA}))
+    old = parse(
+        with_tenants({"id": "acme", "token_sha256": ACME}, {"id": "beta", "token_sha256": BETA})
+    )
     new = parse(
         with_tenants(
             {"id": "acme", "token_sha256": ACME, "max_queue": 8},
@@ -423,9 +574,12 @@ def test_diff_live_keys():
 @pytest.mark.parametrize(
     "mutate,key",
     [
-        (_set("server.listen", "0.0.0.0:50051"), "server.listen: changed from '127.0.0.1:50051' to '0.0.0.0:50051'"),
-        (_set("server.data_dir", "/other"), "server.data_dir: changed from '/cfg/var/itif' to '/other'"),
-        (_set("backbone.config", "bert-base"), "backbone.config: changed from 'bert-tiny' to 'bert-base'"),
+        (_set("server.listen", "0.0.0.0:50051"),
+         "server.listen: changed from '127.0.0.1:50051' to '0.0.0.0:50051'"),
+        (_set("server.data_dir", "/other"),
+         "server.data_dir: changed from '/cfg/var/itif' to '/other'"),
+        (_set("backbone.config", "bert-base"),
+         "backbone.config: changed from 'bert-tiny' to 'bert-base'"),
         (_set("backbone.dtype", "float16"), "backbone.dtype"),
         (_set("server.tls", {"cert": "c", "key": "k"}), "server.tls: changed from None"),
         (_set("server.max_message_bytes", 2048), "server.max_message_bytes"),
@@ -484,7 +638,9 @@ def watch(tmp_path):
 
     def make(path: Path, debounce_s: float = DEBOUNCE, **kw) -> tuple[ConfigWatcher, Recorder]:
         rec = Recorder()
-        w = ConfigWatcher(path, rec.on_change, rec.on_error, poll_s=POLL, debounce_s=debounce_s, **kw)
+        w = ConfigWatcher(
+            path, rec.on_change, rec.on_error, poll_s=POLL, debounce_s=debounce_s, **kw
+        )
         watchers.append(w)
         w.start()
         return w, rec

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import itif
-from itif.server._proto.itif.v1 import itif_pb2
 from itif.safetensors_io import save_safetensors
+from itif.server._proto.itif.v1 import itif_pb2
 from tests.daemon_harness import ADMIN, Daemon
 from tests.oracle import make_hf_model, reference
 
@@ -117,8 +117,13 @@ def test_bad_input_is_invalid_argument_and_daemon_keeps_serving(daemon):
     with daemon.client(TOKENS["acme"]) as c:
         for ids in ([1, 2, 1000], [-1], [5] * 129, []):
             assert _code(lambda: c.infer("acme", ids)) == grpc.StatusCode.INVALID_ARGUMENT
-        assert _code(lambda: c.infer("acme", [1], outputs=("nope",))) == grpc.StatusCode.INVALID_ARGUMENT
-        assert _code(lambda: c.infer("acme", [1], text="hi")) == grpc.StatusCode.INVALID_ARGUMENT  # no tokenizer
+        assert (
+            _code(lambda: c.infer("acme", [1], outputs=("nope",)))
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert (
+            _code(lambda: c.infer("acme", [1], text="hi")) == grpc.StatusCode.INVALID_ARGUMENT
+        )  # no tokenizer
         assert c.infer("acme", [5] * 128)["logits"].shape == (2,)  # max length is fine
 
 
@@ -131,7 +136,9 @@ def test_cli_infer_json_and_error_line(daemon):
     import json
 
     assert len(json.loads(ok.stdout)["logits"]) == 4
-    bad = run("infer", "--server", daemon.addr, "--tenant", "gamma", "--token", "nope", "--ids", "1")
+    bad = run(
+        "infer", "--server", daemon.addr, "--tenant", "gamma", "--token", "nope", "--ids", "1"
+    )
     assert bad.returncode != 0 and bad.stderr.startswith("error: UNAUTHENTICATED: ")
     oov = run("infer", "--server", daemon.addr, "--tenant", "gamma", "--token", TOKENS["gamma"],
               "--ids", "99999")

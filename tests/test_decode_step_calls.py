@@ -44,7 +44,7 @@ from itif.generation.api import GenerateRequest, GenerationDefaults
 
 transformers = pytest.importorskip("transformers")
 
-from itif.generation.engine import GenEngine
+from itif.generation.engine import GenEngine  # noqa: E402 (imported after importorskip)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -132,7 +132,7 @@ def start(eng: GenEngine, tenants: list[str], n: int, bulk: bool = True):
     streaming = []
     for i in range(n):
         r = kinds[i % len(kinds)](i)
-        on = (lambda ev: events.update([ev.kind]))
+        on = (lambda ev: events.update([ev.kind]))  # noqa: E731 (a one-line local helper)
         t = eng.submit(r, on, sink=sink) if bulk else eng.submit(r, on)
         if r.mode != "beam" and r.num_return_sequences == 1:
             streaming.append(t.id)

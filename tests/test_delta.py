@@ -18,9 +18,9 @@ import itif
 from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity, State
 from itif.errors import InvalidConfig, InvalidWeights
+from itif.safetensors_io import read_metadata
 from itif.server.service import _tenant_info
 from itif.weights import delta
-from itif.safetensors_io import read_metadata
 from tests.daemon_harness import free_port
 from tests.oracle import make_hf_model, random_request, reference
 
@@ -188,10 +188,12 @@ def test_daemon_stores_the_blob_refuses_above_max_error_and_restores(models, tmp
 
 
 @pytest.mark.parametrize("tenant, message", [
-    ("  - id: x\n    token_sha256: {h}\n    compress: int8\n", r"tenants\[3\].compress: .*needs base"),
+    ("  - id: x\n    token_sha256: {h}\n    compress: int8\n",
+     r"tenants\[3\].compress: .*needs base"),
     ("  - id: x\n    token_sha256: {h}\n    max_error: 0.1\n",
      r"tenants\[3\].max_error: only applies to a delta tenant"),
-    ("  - id: x\n    token_sha256: {h}\n    base: d8\n", r"tenants\[3\].base: 'd8' is itself a delta"),
+    ("  - id: x\n    token_sha256: {h}\n    base: d8\n",
+     r"tenants\[3\].base: 'd8' is itself a delta"),
     ("  - id: x\n    token_sha256: {h}\n    base: base\n    compress: fp4\n",
      r"tenants\[3\].compress: must be one of 'none', 'int8', 'sign'"),
     ("  - id: x\n    token_sha256: {h}\n    base: base\n    compress: sign\n    max_error: 0\n",

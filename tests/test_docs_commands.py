@@ -46,10 +46,10 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from itif.cli import build_parser
 from tests.doc_blocks import REPO, Command, all_blocks, shell_commands
@@ -222,8 +222,8 @@ def _sh(text: str, cwd: Path, env: dict, where: str) -> str:
 
 
 def test_readme_daemon_block(tmp_path):
-    from tests.oracle import make_hf_model
     from itif.safetensors_io import save_safetensors
+    from tests.oracle import make_hf_model
 
     cmds = _cmds("executed: README daemon block")
     serve = [c for c in cmds if c.argv[1] == "serve"]

@@ -46,7 +46,9 @@ def test_fused_equals_hf_per_request(preset, mix, hf_factory):
         models = {f"d{i}": hf_factory(preset, 2 + i, seed=i) for i in range(4)}
     elif mix == "same_backbone":  # identical but for the head
         base = hf_factory(preset, 3, seed=0)
-        models = {f"h{i}": make_hf_model(preset, 2 + i, seed=10 + i, base_of=base) for i in range(4)}
+        models = {
+            f"h{i}": make_hf_model(preset, 2 + i, seed=10 + i, base_of=base) for i in range(4)
+        }
     else:  # skewed: one tenant sends most requests
         models = {f"s{i}": hf_factory(preset, 2, seed=20 + i) for i in range(3)}
     eng = _engine_with(preset, models)
@@ -73,7 +75,8 @@ def test_every_strategy_equals_hf(strategy, hf_factory):
     _check(eng, models, reqs, strategy=strategy)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_mixes_equal_hf(data, hf_factory):
     """Property: any mix of 2-8 tenants, any request counts and lengths, any strategy."""
@@ -125,7 +128,9 @@ def test_vit_pooled_is_the_pooler_where_the_weights_carry_one(hf_factory):
 
 def test_shared_backbone_holds_one_model_plus_heads(hf_factory):
     base = hf_factory("bert-tiny", 2, seed=3)
-    models = {f"h{i}": make_hf_model("bert-tiny", 2 + i, seed=30 + i, base_of=base) for i in range(4)}
+    models = {
+        f"h{i}": make_hf_model("bert-tiny", 2 + i, seed=30 + i, base_of=base) for i in range(4)
+    }
     one = itif.Engine("bert-tiny")
     one.add_tenant("only", base.state_dict())
     eng = _engine_with("bert-tiny", models)

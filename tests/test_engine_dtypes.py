@@ -32,7 +32,13 @@ import torch
 
 import itif
 from itif.backbones.spec import PRESETS
-from tests.oracle import make_hf_model, precision_errors, random_request, reference, reference_on_device
+from tests.oracle import (
+    make_hf_model,
+    precision_errors,
+    random_request,
+    reference,
+    reference_on_device,
+)
 
 FAMILIES = ["bert-tiny", "albert-tiny", "vit-tiny"]
 # A meaningful but quick GPU model: no preset sits between tiny and base.
@@ -59,7 +65,9 @@ def violations(errs: dict[str, dict], tol: float, logits_atol: float | None = No
     for name, e in errs.items():
         if name == "logits":
             if e["abs_scaled"] > tol:
-                bad.append(f"logits: abs err / (|W_j| |h| + |b_j|) {e['abs_scaled']:.3g} > {tol:.3g}")
+                bad.append(
+                    f"logits: abs err / (|W_j| |h| + |b_j|) {e['abs_scaled']:.3g} > {tol:.3g}"
+                )
             if logits_atol is not None and e["abs"] > logits_atol:
                 bad.append(f"logits: max abs {e['abs']:.3g} > {logits_atol:.3g}")
             continue
@@ -112,7 +120,10 @@ def _check_dtype(spec, dtype_name: str, device: str, ref_fn, logits_atol=None, m
     for i, (res, req) in enumerate(zip(results, reqs)):
         assert res.tenant == req.tenant
         for name in req.outputs:
-            assert getattr(res, name) is not None and np.isfinite(getattr(res, name)).all(), (i, name)
+            assert getattr(res, name) is not None and np.isfinite(getattr(res, name)).all(), (
+                i,
+                name,
+            )
         model = models[req.tenant]
         errs = precision_errors(res, ref_fn(model, req), model)
         assert set(errs) == set(req.outputs), (i, sorted(errs))
@@ -127,7 +138,8 @@ def _check_dtype(spec, dtype_name: str, device: str, ref_fn, logits_atol=None, m
         other = models[_wrong(req.tenant)]
         wrong_errs = precision_errors(res, ref_fn(other, req), other)
         assert violations(wrong_errs, tol, logits_atol), (
-            f"request {i}: tolerance {tol:.3g} does not tell {req.tenant} from {_wrong(req.tenant)}")
+            f"request {i}: tolerance {tol:.3g} does not tell {req.tenant} from {_wrong(req.tenant)}"
+        )
         assert min(e["rel"] for n, e in wrong_errs.items() if n != "logits") > 10 * tol
     summary = (f"{spec.name} {dtype_name} on {device} (rel_tol {tol:.3g}) worst: "
                + ", ".join(f"{o}.{k} {v:.3g}" for (o, k), v in sorted(worst.items())))

@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 
 from itif.server.fairgate import FairGate
-from tests.reliability_util import Daemon, make_tokens, promise, upload_bytes, weights_bytes
-from tests.reliability_util import rel  # noqa: F401 - the fixture, used by name
+from tests.reliability_util import (
+    Daemon,
+    make_tokens,
+    promise,
+    rel,  # noqa: F401 - the fixture, used by name
+    upload_bytes,
+    weights_bytes,
+)
 
 
 def _run(coro):

@@ -16,8 +16,8 @@ import pytest
 
 import itif
 from itif import daemon as daemon_mod
-from itif.bench.tenants import tenant_weights
 from itif.backbones.spec import load_spec
+from itif.bench.tenants import tenant_weights
 from itif.config import hash_token, parse_config, schema
 from itif.errors import InvalidRequest, TenantNotFound, Unauthenticated
 from itif.requests import Request
@@ -165,8 +165,10 @@ def test_check_reads_metadata_only_and_keeps_its_errors(engine):
 
 
 def test_metrics_interceptor_wraps_each_kept_handler_once():
-    import grpc
     from collections import namedtuple
+
+    import grpc
+
     from itif.metrics import Metrics
     from itif.server.call_metrics import MetricsInterceptor
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from itif.runtime.gemm import (
-    _weight_first,
     BACKENDS,
     Segments,
+    _weight_first,
     broadcast_rows,
     grouped_linear,
     grouped_mm_supported,

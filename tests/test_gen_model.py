@@ -28,19 +28,39 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model(spec, seed: int):
-    from transformers import (BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel,
-                              MarianConfig, MarianMTModel)
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        GPT2Config,
+        GPT2LMHeadModel,
+        MarianConfig,
+        MarianMTModel,
+    )
     torch.manual_seed(seed)
     cfg = spec.hf_config()
     if spec.family == "gpt2":
         m = GPT2LMHeadModel(GPT2Config(**cfg, bos_token_id=0, eos_token_id=0))
     elif spec.family == "bart":
-        m = BartForConditionalGeneration(BartConfig(**cfg, bos_token_id=0, eos_token_id=2,
-                                                    decoder_start_token_id=2, forced_eos_token_id=2))
+        m = BartForConditionalGeneration(
+            BartConfig(
+                **cfg,
+                bos_token_id=0,
+                eos_token_id=2,
+                decoder_start_token_id=2,
+                forced_eos_token_id=2,
+            )
+        )
     else:
-        m = MarianMTModel(MarianConfig(**cfg, eos_token_id=0, decoder_start_token_id=spec.pad_token_id,
-                                       forced_eos_token_id=0))
-    with torch.no_grad():  # random init leaves biases and final_logits_bias at zero: make them count
+        m = MarianMTModel(
+            MarianConfig(
+                **cfg,
+                eos_token_id=0,
+                decoder_start_token_id=spec.pad_token_id,
+                forced_eos_token_id=0,
+            )
+        )
+    # random init leaves biases and final_logits_bias at zero: make them count
+    with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("bias") or "layer_norm" in name or "ln_" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -241,5 +261,13 @@ def test_spec_from_config_and_marian_sinusoids():
     spec = PRESETS["marian-tiny"]
     m = hf_model(spec, 1)
     s = spec_from_hf_config(m.config.to_dict())
-    assert (s.family, s.hidden, s.enc_layers, s.scale_embedding, s.act) == ("marian", 32, 2, True, "silu")
-    torch.testing.assert_close(spec.sinusoidal(), m.model.decoder.embed_positions.weight, atol=0, rtol=0)
+    assert (s.family, s.hidden, s.enc_layers, s.scale_embedding, s.act) == (
+        "marian",
+        32,
+        2,
+        True,
+        "silu",
+    )
+    torch.testing.assert_close(
+        spec.sinusoidal(), m.model.decoder.embed_positions.weight, atol=0, rtol=0
+    )

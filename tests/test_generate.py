@@ -32,19 +32,42 @@ EOS = {"gpt2": 0, "bart": 2, "marian": 0}
 
 
 def hf_model(spec, seed: int):
-    from transformers import (BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel,
-                              MarianConfig, MarianMTModel)
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        GPT2Config,
+        GPT2LMHeadModel,
+        MarianConfig,
+        MarianMTModel,
+    )
     torch.manual_seed(seed)
     cfg = spec.hf_config()
     eos = EOS[spec.family]
     if spec.family == "gpt2":
-        m = GPT2LMHeadModel(GPT2Config(**cfg, bos_token_id=eos, eos_token_id=eos, initializer_range=0.2))
+        m = GPT2LMHeadModel(
+            GPT2Config(**cfg, bos_token_id=eos, eos_token_id=eos, initializer_range=0.2)
+        )
     elif spec.family == "bart":
-        m = BartForConditionalGeneration(BartConfig(**cfg, bos_token_id=0, eos_token_id=eos, init_std=0.2,
-                                                    decoder_start_token_id=2, forced_eos_token_id=eos))
+        m = BartForConditionalGeneration(
+            BartConfig(
+                **cfg,
+                bos_token_id=0,
+                eos_token_id=eos,
+                init_std=0.2,
+                decoder_start_token_id=2,
+                forced_eos_token_id=eos,
+            )
+        )
     else:
-        m = MarianMTModel(MarianConfig(**cfg, eos_token_id=eos, decoder_start_token_id=spec.pad_token_id,
-                                       forced_eos_token_id=eos, init_std=0.2))
+        m = MarianMTModel(
+            MarianConfig(
+                **cfg,
+                eos_token_id=eos,
+                decoder_start_token_id=spec.pad_token_id,
+                forced_eos_token_id=eos,
+                init_std=0.2,
+            )
+        )
         m.generation_config.bad_words_ids = [[spec.pad_token_id]]  # as Marian checkpoints ship
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -106,16 +129,34 @@ def requests_for(spec) -> list[GenerateRequest]:
     R = GenerateRequest
     lens = [3, 9, 1, 14, 6, 11, 4, 7, 2, 12, 5, 8]
     grid = [  # (tenant, beams, early_stopping, ngram, return, length_penalty, max_new)
-        ("a", 1, False, 0, 1, 1.0, 12), ("b", 1, False, 3, 1, 1.0, 12), ("c", 2, False, 0, 1, 1.0, 10),
-        ("a", 3, True, 0, 2, 1.0, 10), ("b", 4, "never", 3, 3, 0.5, 10), ("c", 5, False, 3, 5, 2.0, 9),
-        ("a", 4, True, 3, 1, 1.0, 11), ("b", 2, "never", 0, 2, -1.0, 8), ("c", 1, False, 0, 1, 1.0, 7),
-        ("a", 5, "never", 0, 4, 1.0, 10), ("b", 3, False, 0, 1, 1.5, 12), ("c", 4, True, 0, 2, 1.0, 6),
+        ("a", 1, False, 0, 1, 1.0, 12),
+        ("b", 1, False, 3, 1, 1.0, 12),
+        ("c", 2, False, 0, 1, 1.0, 10),
+        ("a", 3, True, 0, 2, 1.0, 10),
+        ("b", 4, "never", 3, 3, 0.5, 10),
+        ("c", 5, False, 3, 5, 2.0, 9),
+        ("a", 4, True, 3, 1, 1.0, 11),
+        ("b", 2, "never", 0, 2, -1.0, 8),
+        ("c", 1, False, 0, 1, 1.0, 7),
+        ("a", 5, "never", 0, 4, 1.0, 10),
+        ("b", 3, False, 0, 1, 1.5, 12),
+        ("c", 4, True, 0, 2, 1.0, 6),
     ]
     out = []
     for i, ((t, nb, es, ng, nr, lp, mx), n) in enumerate(zip(grid, lens)):
         ids = [(7 * i + 3 * j) % (spec.vocab_size - 10) + 5 for j in range(n)]
-        out.append(R(t, ids, max_new_tokens=mx, num_beams=nb, early_stopping=es, no_repeat_ngram_size=ng,
-                     num_return_sequences=nr, length_penalty=lp))
+        out.append(
+            R(
+                t,
+                ids,
+                max_new_tokens=mx,
+                num_beams=nb,
+                early_stopping=es,
+                no_repeat_ngram_size=ng,
+                num_return_sequences=nr,
+                length_penalty=lp,
+            )
+        )
     out.append(R("a", [9, 8, 7], max_new_tokens=8, num_beams=3, eos_token_id=11))
     return out
 
@@ -153,7 +194,12 @@ def test_cross_attention_cache_one_copy_per_source(family):
         assert sorted(cross.cached) == list(range(spec.dec_layers))
         d = spec.hidden // spec.heads
         for kt, v in cross.cached.values():
-            assert kt.shape == (1, spec.heads, d, len(src)) and v.shape == (1, spec.heads, len(src), d)
+            assert kt.shape == (1, spec.heads, d, len(src)) and v.shape == (
+                1,
+                spec.heads,
+                len(src),
+                d,
+            )
     else:
         assert cross is None
     while eng.cache_stats()["running"]:
@@ -191,7 +237,9 @@ def test_requests_joining_a_running_batch_do_not_change_the_others(family):
     finally:
         eng.stop()
     assert all(results[i].kind == "done" for i in results)
-    assert [results[i].generation.sequences for i in range(len(first))] == [g.sequences for g in alone]
+    assert [results[i].generation.sequences for i in range(len(first))] == [
+        g.sequences for g in alone
+    ]
     for i, r in enumerate(later, start=len(first)):
         assert results[i].generation.sequences == hf_generate(spec, models[r.tenant], r)[0]
 
@@ -200,12 +248,16 @@ def test_streamed_tokens_are_the_result_and_cancel_frees_blocks(family):
     spec, models, eng = family
     streamed, events = [], []
     r = GenerateRequest("c", [5, 6, 7], max_new_tokens=10)
-    t = eng.submit(r, lambda ev: (events.append(ev), ev.kind == "tokens" and streamed.extend(ev.tokens)))
+    t = eng.submit(
+        r, lambda ev: (events.append(ev), ev.kind == "tokens" and streamed.extend(ev.tokens))
+    )
     while not any(e.kind == "done" for e in events):
         eng._iterate()
     assert streamed == events[-1].generation.sequences[0]
     long_events: list = []
-    long = eng.submit(GenerateRequest("b", [5, 6], max_new_tokens=40, num_beams=3), long_events.append)
+    long = eng.submit(
+        GenerateRequest("b", [5, 6], max_new_tokens=40, num_beams=3), long_events.append
+    )
     eng._iterate()
     assert eng.cache_stats()["blocks_used"] > 0 and eng.cache_stats()["rows"] == 3
     eng.cancel(long)
@@ -282,7 +334,9 @@ def test_extreme_search_parameters_are_refused_or_served_exactly(family):
     huge_k, no_k = eng.generate([R("a", [5, 9], top_k=2 ** 70, **sample), R("a", [5, 9], **sample)])
     assert huge_k.sequences == no_k.sequences
     long_n = eng.generate([R("b", [5, 9], max_new_tokens=8, no_repeat_ngram_size=64)])
-    assert long_n[0].sequences == hf_generate(spec, models["b"], R("b", [5, 9], max_new_tokens=8))[0]
+    assert (
+        long_n[0].sequences == hf_generate(spec, models["b"], R("b", [5, 9], max_new_tokens=8))[0]
+    )
     assert eng.cache_stats()["blocks_used"] == 0
 
 
@@ -305,7 +359,9 @@ def test_a_request_the_search_refuses_fails_alone(family, monkeypatch):
     monkeypatch.setattr(sb, "add", add)
     while not events["b"]:
         eng._iterate()
-    assert [e.kind for e in events["a"]] == ["error"] and isinstance(events["a"][0].error, ItifError)
+    assert [e.kind for e in events["a"]] == ["error"] and isinstance(
+        events["a"][0].error, ItifError
+    )
     assert "unforeseen" in str(events["a"][0].error)
     assert [e.kind for e in events["b"]] == ["done"]
     assert events["b"][0].generation.sequences == hf_generate(spec, models["b"], rb)[0]

@@ -37,11 +37,11 @@ from itif.daemon import Identity
 from itif.errors import Unimplemented
 from itif.generation.api import GenerateRequest
 from itif.metrics import Metrics
-from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
+from itif.safetensors_io import save_safetensors
 from itif.server import kserve
+from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
 from itif.server.admission import Admission
 from itif.server.service import AuthInterceptor, ItifService
-from itif.safetensors_io import save_safetensors
 from tests.daemon_harness import ADMIN, Daemon
 from tests.reliability_util import error_of, wait_until
 
@@ -93,9 +93,14 @@ def hf_generate(model, ids: list[int], **kw) -> tuple[list[list[int]], list[floa
     """Hugging Face generate(): the new tokens of each returned sequence, cut after its first
     end token (what follows is padding), and the beam scores."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             pad_token_id=EOS, return_dict_in_generate=True, output_scores=True,
-                             **kw)
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            pad_token_id=EOS,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **kw,
+        )
     seqs = []
     for row in out.sequences[:, len(ids):].tolist():
         seqs.append(row[:row.index(EOS) + 1] if EOS in row else row)
@@ -254,7 +259,9 @@ def test_stream_equals_engine_generate_and_hugging_face(served):
         if params.get("num_beams", 1) > 1:
             hseqs, hscores = hf_generate(served.models[tenant], ids, **params)
             assert [list(s.ids) for s in got[i][-1].result.sequences] == hseqs, i
-            assert [s.score for s in got[i][-1].result.sequences] == pytest.approx(hscores, abs=1e-4)
+            assert [s.score for s in got[i][-1].result.sequences] == pytest.approx(
+                hscores, abs=1e-4
+            )
     wait_until(lambda: idle(served), what="every sequence to leave the batch")
 
 

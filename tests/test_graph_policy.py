@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import itif
-from itif.runtime import graphs
 from itif.backbones.random import random_weights
+from itif.runtime import graphs
 from tests.oracle import random_request
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -64,9 +64,15 @@ def test_pack_into_copies_as_bytes_what_numpy_would_write():
     values = rng.random(n * width).astype(np.float32)
     exact = Results.build(np.arange(n), np.zeros(n), np.arange(0, n * width + 1, width), values,
                           {2: "bad row", 4: "another"})
-    loose = Results(np.arange(n, dtype=np.int32), np.zeros(n, np.int64), np.arange(0, 19, 3, np.int32),
-                    np.repeat(values, 2)[::2], exact.err_row.astype(np.int64),
-                    exact.err_offsets, exact.err_text)
+    loose = Results(
+        np.arange(n, dtype=np.int32),
+        np.zeros(n, np.int64),
+        np.arange(0, 19, 3, np.int32),
+        np.repeat(values, 2)[::2],
+        exact.err_row.astype(np.int64),
+        exact.err_offsets,
+        exact.err_text,
+    )
     assert loose.to_bytes() == exact.to_bytes()
     big = rng.random(1 << 15).astype(np.float32)  # 128 KiB: past the shortcut
     r = Results.ok(np.arange(2), np.array([0, 1 << 14, 1 << 15]), big)

@@ -182,7 +182,9 @@ def test_forward_reads_nothing_on_the_host(preset, mix):
         with _NoHostReads():
             guarded = forward.run(spec, b, b.host_ints, b.host_floats)
         assert guarded.shape == eager.shape
-        assert torch.equal(guarded[: b.out_sizes[0]], eager[: b.out_sizes[0]]) or b.out_sizes[0] == 0
+        assert (
+            torch.equal(guarded[: b.out_sizes[0]], eager[: b.out_sizes[0]]) or b.out_sizes[0] == 0
+        )
 
 
 @pytest.mark.gpu

@@ -27,8 +27,8 @@ import zlib
 
 import pytest
 
-from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 from tests.daemon_harness import Daemon, free_port
+from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")

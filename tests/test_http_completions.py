@@ -35,9 +35,15 @@ from itif.server.service import AuthInterceptor, ItifService
 from tests.daemon_harness import ADMIN, free_port
 from tests.doc_blocks import REPO, blocks
 from tests.reliability_util import wait_until
+from tests.test_generate_daemon import (
+    VOCAB,
+    hf_config,
+    hf_model,
+    upload_models,
+    weights_bytes,
+    write_backbone,
+)
 from tests.test_generate_daemon import config_text as gen_config_text
-from tests.test_generate_daemon import (VOCAB, hf_config, hf_model, upload_models, weights_bytes,
-                                        write_backbone)
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 from tests.daemon_harness import Daemon, free_port, http_daemon
+from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 from tests.test_http_connections import _is_open, _read_to_close
 
 httpx = pytest.importorskip("httpx")

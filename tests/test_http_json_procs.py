@@ -26,14 +26,29 @@ import pytest
 
 from itif.bench.daemon_probe import child_pids
 from itif.errors import InvalidRequest, Unavailable
-from itif.server.json_procs import (OFFLOAD_BYTES, Decoded, JsonProcs, TokenLists, json_bytes,
-                                   json_load, load_embeddings, load_infer)
+from itif.server.json_procs import (
+    OFFLOAD_BYTES,
+    Decoded,
+    JsonProcs,
+    TokenLists,
+    json_bytes,
+    json_load,
+    load_embeddings,
+    load_infer,
+)
 from itif.server.tensors import decode_values
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
-from tests.test_http import BAD, EMB, TOKENS, H, _ids, _message  # noqa: E402
-from tests.test_http import daemon  # noqa: E402,F401 - the MiniLM daemon fixture
+from tests.test_http import (  # noqa: E402
+    BAD,
+    EMB,
+    TOKENS,
+    H,
+    _ids,
+    _message,
+    daemon,  # noqa: E402,F401 - the MiniLM daemon fixture
+)
 
 PAD = b" " * (OFFLOAD_BYTES + 1)  # JSON whitespace: the same request, parsed by a worker
 

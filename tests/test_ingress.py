@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import itif
-from itif.server.ingress import HOT, method_kinds, pack
 from itif.safetensors_io import save_safetensors
+from itif.server.ingress import HOT, method_kinds, pack
 from tests.daemon_harness import Daemon, free_port
 from tests.oracle import make_hf_model, reference
 

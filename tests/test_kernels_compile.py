@@ -511,7 +511,7 @@ def _emu_case(h, rows, dtype, seed=0, cap=5):
     g = torch.Generator().manual_seed(seed + h)
     slot = torch.randint(0, cap, (rows,), generator=g)
     slot[torch.rand(rows, generator=g) < 0.6] = 2  # skewed
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731 (a one-line local helper)
     return (rnd(rows, h), rnd(rows, h), RotParam(rnd(cap, h), slot),
             RotParam(rnd(cap, h), slot.flip(0).contiguous()), RotParam(rnd(cap, h),
                                                                       torch.roll(slot, 1)))

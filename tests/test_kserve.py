@@ -244,7 +244,8 @@ def test_a_call_of_more_rows_than_its_tenant_can_queue_stops_no_one(daemon):
     th = threading.Thread(target=probe)
     th.start()
     try:
-        with grpc.insecure_channel(daemon.addr, options=[("grpc.max_send_message_length", -1)]) as ch:
+        with grpc.insecure_channel(daemon.addr,
+                                   options=[("grpc.max_send_message_length", -1)]) as ch:
             from itif.server._proto.itif.v1 import itif_pb2_grpc
 
             stub, kstub = itif_pb2_grpc.ItifStub(ch), service_pb2_grpc.GRPCInferenceServiceStub(ch)
@@ -253,8 +254,9 @@ def test_a_call_of_more_rows_than_its_tenant_can_queue_stops_no_one(daemon):
                 with pytest.raises(grpc.RpcError) as e:
                     call()
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-                assert e.value.details().startswith(f"{n} requests of tenant 'acme' in one call "
-                                                    "are over its max_queue (64)"), e.value.details()
+                assert e.value.details().startswith(
+                    f"{n} requests of tenant 'acme' in one call are over its max_queue (64)"
+                ), e.value.details()
             batch.tenant = "beta"  # visible only to beta's token
             with pytest.raises(grpc.RpcError) as e:
                 stub.InferBatch(batch, metadata=acme, timeout=60)

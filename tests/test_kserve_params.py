@@ -18,8 +18,8 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 from tests.daemon_harness import http_daemon
+from tests.reliability_util import promise, rel  # noqa: F401 - rel: the fixture
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")

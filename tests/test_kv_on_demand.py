@@ -27,8 +27,8 @@ from itif.generation.spec import PRESETS, load_decoder_spec
 
 transformers = pytest.importorskip("transformers")
 
-from itif.generation.engine import GenEngine
-from tests import test_generate, test_llama, test_llama_lora
+from itif.generation.engine import GenEngine  # noqa: E402 (imported after importorskip)
+from tests import test_generate, test_llama, test_llama_lora  # noqa: E402 (imported after importorskip)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -315,7 +315,7 @@ def test_preempted_requests_can_be_cancelled_streamed_and_their_tenant_removed(m
             eng._iterate()
         raise AssertionError("not reached in 500 steps")
 
-    idle = lambda s: not s["running"] and not s["waiting"]
+    idle = lambda s: not s["running"] and not s["waiting"]  # noqa: E731 (a one-line local helper)
     reqs = [GenerateRequest(t, prompt(i, 4), max_new_tokens=60, eos_token_id=STOP)
             for i, t in ((8, "a"), (9, "b"))]
     tickets = [submit(r) for r in reqs]

@@ -51,7 +51,15 @@ def test_two_stage_merges_same_shapes_across_tenants():
     layout = plan("itif_two_stage", tenant, length, COST)
     assert (layout.group_op == BATCHED_GEMM).any()
     node = layout.node(0)
-    assert set(node) == {"tenant", "length", "offset", "padded_len", "minibatch", "gemm_group", "op"}
+    assert set(node) == {
+        "tenant",
+        "length",
+        "offset",
+        "padded_len",
+        "minibatch",
+        "gemm_group",
+        "op",
+    }
     assert plan("packed", tenant, length).group_op.tolist() == [GROUPED_GEMM]
 
 
@@ -83,9 +91,28 @@ def test_views_share_storage_with_the_token_buffer():
 
 def test_plan_cli_reports_every_strategy(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "itif", "plan", "--backbone", "bert-tiny", "--workload", "normal:20:20",
-         "--tenants", "3", "--requests", "24", "--skew", "zipf:1.5", "--json"],
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ})
+        [
+            sys.executable,
+            "-m",
+            "itif",
+            "plan",
+            "--backbone",
+            "bert-tiny",
+            "--workload",
+            "normal:20:20",
+            "--tenants",
+            "3",
+            "--requests",
+            "24",
+            "--skew",
+            "zipf:1.5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ},
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert set(report["strategies"]) == set(STRATEGIES)

@@ -360,8 +360,8 @@ def test_long_tenant_name_gets_not_found_with_a_short_message(tmp_path):
 def test_cli_upload_fits_a_1mib_message_limit(tmp_path):
     """A 3 MB file through ``itif upload`` against max_message_bytes 1 MiB (before the fix the
     CLI sent 1 MiB chunks plus framing and failed)."""
-    from tests.reliability_util import state_dict  # noqa: PLC0415
     from itif.safetensors_io import save_safetensors  # noqa: PLC0415
+    from tests.reliability_util import state_dict  # noqa: PLC0415
 
     d = Daemon(tmp_path / "d", {"a": "ta"}, backbone="bert-small",
                server_extra={"max_message_bytes": "1MiB"})

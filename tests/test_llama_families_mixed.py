@@ -35,9 +35,9 @@ from itif.generation.api import GenerateRequest
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from itif.generation.engine import GenEngine
-from tests.test_llama import EOS, VARIANTS, hf_generate, hf_model
-from tests.test_llama_lora import peft_model
+from itif.generation.engine import GenEngine  # noqa: E402 (imported after importorskip)
+from tests.test_llama import EOS, VARIANTS, hf_generate, hf_model  # noqa: E402 (imported after importorskip)
+from tests.test_llama_lora import peft_model  # noqa: E402 (imported after importorskip)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

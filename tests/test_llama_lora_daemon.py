@@ -39,8 +39,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("uvicorn")
 
-from tests.test_chat_completions import LLAMA3, SPECIALS, build_tokenizer
-from tests.test_http_completions import servers
+from tests.test_chat_completions import LLAMA3, SPECIALS, build_tokenizer  # noqa: E402 (imported after importorskip)
+from tests.test_http_completions import servers  # noqa: E402 (imported after importorskip)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -31,8 +31,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 stats = pytest.importorskip("scipy.stats")
 
-from itif.generation.engine import GenEngine
-from tests.test_llama_lora import ADAPTERS, EOS, base_model, peft_model
+from itif.generation.engine import GenEngine  # noqa: E402 (imported after importorskip)
+from tests.test_llama_lora import ADAPTERS, EOS, base_model, peft_model  # noqa: E402 (imported after importorskip)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -27,8 +27,13 @@ from itif.errors import InvalidWeights
 from itif.safetensors_io import load_safetensors, save_safetensors
 from tests.daemon_harness import ADMIN, Daemon
 from tests.oracle import make_hf_model, random_request
-from tests.reliability_util import error_of, promise, upload_bytes, weights_bytes
-from tests.reliability_util import rel  # noqa: F401 - the fixture, used by name
+from tests.reliability_util import (
+    error_of,
+    promise,
+    rel,  # noqa: F401 - the fixture, used by name
+    upload_bytes,
+    weights_bytes,
+)
 from tests.test_lora import _check, _engine_with_base
 from tests.test_lora_daemon import _adapter, _assert_equal
 

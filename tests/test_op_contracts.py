@@ -118,8 +118,9 @@ def test_the_contract_checker_finds_what_is_missing():
     assert _contract_problems(good.replace(" Read only.", ""), ["x", "b", "slot"]) == [
         "b: a tensor entry needs Shape, DType and in place / read only",
         "slot: a tensor entry needs Shape, DType and in place / read only"]
-    assert _contract_problems(good.replace("x[t, n] += b[slot[t], n]", "x += b"), ["x", "b", "slot"])[0].startswith(
-        "the Semantics line is not in index notation")
+    assert _contract_problems(
+        good.replace("x[t, n] += b[slot[t], n]", "x += b"), ["x", "b", "slot"]
+    )[0].startswith("the Semantics line is not in index notation")
     assert _contract_problems("``y = x @ w.T``. x: [rows, K]", ["x"]) == ["no 'Semantics:' line"]
     assert _contract_problems(None, []) == ["no docstring"]
 

@@ -23,8 +23,6 @@ import grpc
 import numpy as np
 import pytest
 
-from itif.server._proto.itif.v1 import itif_pb2
-from tests.reliability_util import rel  # noqa: F401 - the fixture, used by name
 from bench.hostile_load import (
     SlowReader,
     big_batch_raw,
@@ -33,12 +31,14 @@ from bench.hostile_load import (
     helper,
     quiet_calls,
 )
+from itif.server._proto.itif.v1 import itif_pb2
 from tests.reliability_util import (
     Daemon,
     free_port,
     make_tokens,
     metric,
     promise,
+    rel,  # noqa: F401 - the fixture, used by name
     scrape,
     upload_bytes,
     wait_until,

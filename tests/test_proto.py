@@ -21,9 +21,9 @@ from google.protobuf import descriptor_pb2
 from grpc_tools import grpc_version, protoc  # the test extra pins grpcio-tools
 
 import itif
+from itif.safetensors_io import save_safetensors
 from itif.server import gen
 from itif.server._proto.itif.v1 import itif_pb2, itif_pb2_grpc
-from itif.safetensors_io import save_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO = "itif/v1/itif.proto"
@@ -199,7 +199,8 @@ def test_rewrite_handles_both_import_styles():
     assert out == (
         "from pkg._proto.itif.v1 import itif_pb2 as itif_dot_v1_dot_itif__pb2\n"
         "from pkg._proto.itif.v1 import itif_pb2 as x\n"
-        "_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pkg._proto.itif.v1.itif_pb2', _globals)\n"
+        "_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "
+        "'pkg._proto.itif.v1.itif_pb2', _globals)\n"
         "path = '/itif.v1.Itif/Infer'\n"
     )
     with pytest.raises(RuntimeError, match="could not rewrite"):
@@ -267,7 +268,9 @@ def test_service_shape():
     assert set(methods) == {"UploadWeights", "Infer", "InferBatch", "GetTenant", "ListTenants",
                             "DeleteWeights", "Generate"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
-    assert methods["UploadWeights"].client_streaming and not methods["UploadWeights"].server_streaming
+    assert (
+        methods["UploadWeights"].client_streaming and not methods["UploadWeights"].server_streaming
+    )
     assert methods["Infer"].input_type.name == "InferRequest"
     assert methods["GetTenant"].output_type.name == "TenantInfo"
     assert itif_pb2.DESCRIPTOR.package == "itif.v1"
@@ -288,7 +291,9 @@ def f32(*values: float) -> bytes:
 def test_round_trip_messages():
     req = itif_pb2.InferRequest(
         tenant="acme",
-        input=itif_pb2.InferInput(input_ids=itif_pb2.TokenIds(ids=[101, 2023, 102], token_type_ids=[0, 0, 0])),
+        input=itif_pb2.InferInput(
+            input_ids=itif_pb2.TokenIds(ids=[101, 2023, 102], token_type_ids=[0, 0, 0])
+        ),
         outputs=["logits", "pooled"],
         priority=3,
     )
@@ -317,20 +322,35 @@ def test_round_trip_messages():
     )
     assert itif_pb2.InferBatchResponse.FromString(resp.SerializeToString()) == resp
 
-    header = itif_pb2.UploadWeightsRequest(header=itif_pb2.UploadHeader(tenant="acme", sha256="0" * 64, total_size=10))
+    header = itif_pb2.UploadWeightsRequest(
+        header=itif_pb2.UploadHeader(tenant="acme", sha256="0" * 64, total_size=10)
+    )
     chunk = itif_pb2.UploadWeightsRequest(chunk=b"\x00\x01")
-    assert itif_pb2.UploadWeightsRequest.FromString(header.SerializeToString()).WhichOneof("payload") == "header"
+    assert (
+        itif_pb2.UploadWeightsRequest.FromString(header.SerializeToString()).WhichOneof("payload")
+        == "header"
+    )
     assert itif_pb2.UploadWeightsRequest.FromString(chunk.SerializeToString()).chunk == b"\x00\x01"
 
     info = itif_pb2.TenantInfo(
-        id="acme", state=itif_pb2.TenantInfo.READY, sha256="1" * 64, weight_bytes=10, exclusive_bytes=4,
-        num_labels=2, queue_depth=1, error="",
+        id="acme",
+        state=itif_pb2.TenantInfo.READY,
+        sha256="1" * 64,
+        weight_bytes=10,
+        exclusive_bytes=4,
+        num_labels=2,
+        queue_depth=1,
+        error="",
     )
     lst = itif_pb2.ListTenantsResponse(tenants=[info])
-    assert itif_pb2.ListTenantsResponse.FromString(lst.SerializeToString()).tenants[0].state == itif_pb2.TenantInfo.READY
+    assert (
+        itif_pb2.ListTenantsResponse.FromString(lst.SerializeToString()).tenants[0].state
+        == itif_pb2.TenantInfo.READY
+    )
     assert itif_pb2.TenantInfo().state == itif_pb2.TenantInfo.NO_WEIGHTS
     for msg in (
-        itif_pb2.UploadWeightsResponse(tenant="a", sha256="s", bytes=5, weight_bytes=4, shared_bytes=1),
+        itif_pb2.UploadWeightsResponse(tenant="a", sha256="s", bytes=5, weight_bytes=4,
+                                       shared_bytes=1),
         itif_pb2.DeleteWeightsResponse(tenant="a", deleted=True, freed_bytes=7),
         itif_pb2.GetTenantRequest(tenant="a"),
         itif_pb2.DeleteWeightsRequest(tenant="a"),

@@ -119,7 +119,7 @@ def _errors(spec, dtype: str, device: str, n: int, seed: int):
 
 
 def _assert_no_less_accurate(mine, theirs, dtype: str) -> None:
-    rms = lambda a: float(np.sqrt((a ** 2).mean()))
+    rms = lambda a: float(np.sqrt((a ** 2).mean()))  # noqa: E731 (a one-line local helper)
     for col, what, bound in ((1, "last hidden state rel error", 1.05),
                              (0, "max |logits error|", 1.3)):
         a, b = rms(mine[:, col]), rms(theirs[:, col])

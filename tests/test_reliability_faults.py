@@ -368,7 +368,8 @@ def test_tenant_beyond_the_memory_budget_is_refused_others_untouched(tmp_path, r
     RESOURCE_EXHAUSTED before anything is committed (no stored file, no temp file, the tenant
     stays NO_WEIGHTS) and the others serve exactly as before; weights equal to a stored
     tenant's fit when the operator uploads them (their tensors are shared), but not when the
-    tenant does (a tenant is never credited, or told, what other tenants hold); a restart restores all that fit, and with a
+    tenant does (a tenant is never credited, or told, what other tenants hold); a restart restores
+    all that fit, and with a
     smaller budget the tenant that no longer fits fails alone (FAILED, the reason given)."""
     from itif.runtime.engine import Engine
 

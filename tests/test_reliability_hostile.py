@@ -19,8 +19,8 @@ import time
 import grpc
 import torch
 
-from itif.server._proto.itif.v1 import itif_pb2
 from itif.safetensors_io import save_safetensors
+from itif.server._proto.itif.v1 import itif_pb2
 from tests.reliability_util import (
     ADMIN,
     Daemon,

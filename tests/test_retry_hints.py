@@ -21,12 +21,12 @@ from itif.errors import Busy, InvalidRequest, Overloaded
 from itif.scheduler.tickets import OutOfMemory
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.errors import http_retry_headers, retry_hint
-from tests.reliability_util import rel  # noqa: F401 - the fixture, used by name
 from tests.reliability_util import (
     Daemon,
     free_port,
     make_tokens,
     promise,
+    rel,  # noqa: F401 - the fixture, used by name
     upload_bytes,
     weights_bytes,
 )

@@ -20,7 +20,12 @@ import torch
 
 from itif.errors import InvalidRequest
 from itif.generation.api import GenerateRequest, GenerationDefaults
-from itif.generation.processors import ban_bad_words, ban_repeated_ngrams, exponential_noise, sample_tokens
+from itif.generation.processors import (
+    ban_bad_words,
+    ban_repeated_ngrams,
+    exponential_noise,
+    sample_tokens,
+)
 from itif.generation.search import SearchBatch, search_params
 
 transformers = pytest.importorskip("transformers")
@@ -31,22 +36,52 @@ V = 96
 
 
 def _tiny(family: str, seed: int):
-    from transformers import (BartConfig, BartForConditionalGeneration, GPT2Config, GPT2LMHeadModel,
-                              MarianConfig, MarianMTModel)
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        GPT2Config,
+        GPT2LMHeadModel,
+        MarianConfig,
+        MarianMTModel,
+    )
     torch.manual_seed(seed)
-    seq2seq = dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-                   decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
-                   max_position_embeddings=128, init_std=0.1)
+    seq2seq = dict(
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        init_std=0.1,
+    )
     if family == "gpt2":
-        m = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=128, n_embd=32, n_layer=2, n_head=2,
-                                       bos_token_id=5, eos_token_id=5, initializer_range=0.1))
+        m = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=V,
+                n_positions=128,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                bos_token_id=5,
+                eos_token_id=5,
+                initializer_range=0.1,
+            )
+        )
     elif family == "bart":
-        m = BartForConditionalGeneration(BartConfig(**seq2seq, bos_token_id=0, pad_token_id=1, eos_token_id=2,
-                                                    decoder_start_token_id=2))
+        m = BartForConditionalGeneration(
+            BartConfig(
+                **seq2seq, bos_token_id=0, pad_token_id=1, eos_token_id=2, decoder_start_token_id=2
+            )
+        )
         m.generation_config.forced_bos_token_id = 0
         m.generation_config.forced_eos_token_id = 2
     else:
-        m = MarianMTModel(MarianConfig(**seq2seq, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+        m = MarianMTModel(
+            MarianConfig(**seq2seq, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+        )
         m.generation_config.forced_eos_token_id = 1
         m.generation_config.bad_words_ids = [[0]]
     with torch.no_grad():  # biases and LayerNorms away from 0/1; a logits bias so the EOS comes up
@@ -67,12 +102,18 @@ class Tenant:
             setattr(g, k, v)
         eos = g.eos_token_id
         self.defaults = GenerationDefaults(
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-            pad_token_id=g.pad_token_id, bos_token_id=g.bos_token_id,
-            decoder_start_token_id=g.decoder_start_token_id, forced_bos_token_id=g.forced_bos_token_id,
+            eos_token_ids=tuple(eos)
+            if isinstance(eos, list)
+            else ((eos,) if eos is not None else ()),
+            pad_token_id=g.pad_token_id,
+            bos_token_id=g.bos_token_id,
+            decoder_start_token_id=g.decoder_start_token_id,
+            forced_bos_token_id=g.forced_bos_token_id,
             forced_eos_token_id=g.forced_eos_token_id,
-            bad_words_ids=tuple(tuple(w) for w in (g.bad_words_ids or ())), min_length=g.min_length or 0,
-            min_new_tokens=g.min_new_tokens or 0)
+            bad_words_ids=tuple(tuple(w) for w in (g.bad_words_ids or ())),
+            min_length=g.min_length or 0,
+            min_new_tokens=g.min_new_tokens or 0,
+        )
 
     def history(self, req: GenerateRequest) -> list[int]:
         return [self.defaults.decoder_start_token_id] if self.enc_dec else list(req.input_ids)
@@ -80,7 +121,9 @@ class Tenant:
     @torch.no_grad()
     def encode(self, req: GenerateRequest):
         ids = torch.tensor([list(req.input_ids)])
-        return self.model.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
+        return self.model.get_encoder()(
+            input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True
+        )
 
     @torch.no_grad()
     def logits(self, rows: list[list[int]], req: GenerateRequest, enc) -> torch.Tensor:
@@ -89,8 +132,12 @@ class Tenant:
         n = len(rows)
         if self.enc_dec:
             h = enc.last_hidden_state.repeat_interleave(n, dim=0)
-            out = self.model(encoder_outputs=(h,), attention_mask=torch.ones(n, h.shape[1], dtype=torch.long),
-                             decoder_input_ids=torch.tensor(rows), use_cache=False)
+            out = self.model(
+                encoder_outputs=(h,),
+                attention_mask=torch.ones(n, h.shape[1], dtype=torch.long),
+                decoder_input_ids=torch.tensor(rows),
+                use_cache=False,
+            )
         else:
             out = self.model(input_ids=torch.tensor(rows), use_cache=False, logits_to_keep=1)
         return out.logits[:, -1, :].float()
@@ -98,9 +145,15 @@ class Tenant:
     @torch.no_grad()
     def generate(self, req: GenerateRequest):
         """(sequences without the prompt / start token and without padding, scores or None)."""
-        kw = dict(max_new_tokens=req.max_new_tokens, num_beams=req.num_beams, do_sample=req.do_sample,
-                  num_return_sequences=req.num_return_sequences, use_cache=False,
-                  return_dict_in_generate=True, output_scores=True)
+        kw = dict(
+            max_new_tokens=req.max_new_tokens,
+            num_beams=req.num_beams,
+            do_sample=req.do_sample,
+            num_return_sequences=req.num_return_sequences,
+            use_cache=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
         if req.num_beams > 1:
             kw.update(early_stopping=req.early_stopping, length_penalty=req.length_penalty)
         if req.no_repeat_ngram_size:
@@ -111,7 +164,9 @@ class Tenant:
             kw.update(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         out = self.model.generate(torch.tensor([list(req.input_ids)]), **kw)
         start = 1 if self.enc_dec else len(req.input_ids)
-        eos = {req.eos_token_id} if req.eos_token_id is not None else set(self.defaults.eos_token_ids)
+        eos = (
+            {req.eos_token_id} if req.eos_token_id is not None else set(self.defaults.eos_token_ids)
+        )
         if req.num_beams > 1:
             lengths = (out.beam_indices >= 0).sum(-1).tolist()
             seqs = [s[start:start + n] for s, n in zip(out.sequences.tolist(), lengths)]
@@ -217,7 +272,9 @@ def test_greedy_and_beam_mixed_tenants_equal_hf(tenants):
     for i, (nb, es, ng, lp) in enumerate(combos):
         kw = dict(num_beams=nb, no_repeat_ngram_size=ng, max_new_tokens=rng.randrange(1, 14))
         if nb > 1:
-            kw.update(early_stopping=es, length_penalty=lp, num_return_sequences=rng.randrange(1, nb + 1))
+            kw.update(
+                early_stopping=es, length_penalty=lp, num_return_sequences=rng.randrange(1, nb + 1)
+            )
         req = GenerateRequest(tenant=names[i % len(names)], input_ids=_prompt(rng), **kw)
         jobs.append((f"r{i}", rng.choice((0, 0, 1, 3, 6)), req))
     results, streamed = drive(tenants, jobs)
@@ -235,14 +292,36 @@ def test_greedy_and_beam_mixed_tenants_equal_hf(tenants):
 
 def test_joining_and_leaving_do_not_change_results(tenants):
     rng = random.Random(1)
-    base = [(f"b{i}", 0, GenerateRequest(tenant=t, input_ids=_prompt(rng), num_beams=nb, max_new_tokens=9,
-                                         num_return_sequences=min(2, nb), length_penalty=1.3))
-            for i, (t, nb) in enumerate([("gpt2-a", 3), ("bart", 4), ("marian", 2), ("gpt2-b", 1)])]
+    base = [
+        (
+            f"b{i}",
+            0,
+            GenerateRequest(
+                tenant=t,
+                input_ids=_prompt(rng),
+                num_beams=nb,
+                max_new_tokens=9,
+                num_return_sequences=min(2, nb),
+                length_penalty=1.3,
+            ),
+        )
+        for i, (t, nb) in enumerate([("gpt2-a", 3), ("bart", 4), ("marian", 2), ("gpt2-b", 1)])
+    ]
     alone, _ = drive(tenants, base)
-    extra = [(f"x{i}", i + 1, GenerateRequest(tenant=rng.choice(list(tenants)), input_ids=_prompt(rng),
-                                              num_beams=rng.choice((1, 2, 4)), max_new_tokens=rng.randrange(1, 8),
-                                              no_repeat_ngram_size=3))
-             for i in range(6)]
+    extra = [
+        (
+            f"x{i}",
+            i + 1,
+            GenerateRequest(
+                tenant=rng.choice(list(tenants)),
+                input_ids=_prompt(rng),
+                num_beams=rng.choice((1, 2, 4)),
+                max_new_tokens=rng.randrange(1, 8),
+                no_repeat_ngram_size=3,
+            ),
+        )
+        for i in range(6)
+    ]
     crowded, _ = drive(tenants, base + extra)
     for key, _, _ in base:
         assert crowded[key] == alone[key]
@@ -250,13 +329,40 @@ def test_joining_and_leaving_do_not_change_results(tenants):
 
 def test_cancelled_requests_leave_without_changing_the_others(tenants):
     rng = random.Random(6)
-    keep = [(f"k{i}", 0, GenerateRequest(tenant=t, input_ids=_prompt(rng), num_beams=nb, max_new_tokens=10))
-            for i, (t, nb) in enumerate([("gpt2-a", 3), ("marian", 1), ("bart", 2)])]
-    go = [("c0", 0, GenerateRequest(tenant="gpt2-b", input_ids=_prompt(rng), num_beams=4, max_new_tokens=30,
-                                    num_return_sequences=2)),
-          ("c1", 0, GenerateRequest(tenant="bart", input_ids=[9, 10], do_sample=True, seed=5, max_new_tokens=30,
-                                    num_return_sequences=2)),
-          ("c2", 0, GenerateRequest(tenant="gpt2-a", input_ids=_prompt(rng), max_new_tokens=30))]
+    keep = [
+        (
+            f"k{i}",
+            0,
+            GenerateRequest(tenant=t, input_ids=_prompt(rng), num_beams=nb, max_new_tokens=10),
+        )
+        for i, (t, nb) in enumerate([("gpt2-a", 3), ("marian", 1), ("bart", 2)])
+    ]
+    go = [
+        (
+            "c0",
+            0,
+            GenerateRequest(
+                tenant="gpt2-b",
+                input_ids=_prompt(rng),
+                num_beams=4,
+                max_new_tokens=30,
+                num_return_sequences=2,
+            ),
+        ),
+        (
+            "c1",
+            0,
+            GenerateRequest(
+                tenant="bart",
+                input_ids=[9, 10],
+                do_sample=True,
+                seed=5,
+                max_new_tokens=30,
+                num_return_sequences=2,
+            ),
+        ),
+        ("c2", 0, GenerateRequest(tenant="gpt2-a", input_ids=_prompt(rng), max_new_tokens=30)),
+    ]
     alone, _ = drive(tenants, keep)
     mixed, _ = drive(tenants, keep + go, cancel={"c0": 1, "c1": 2, "c2": 3})
     for key, _, _ in keep:
@@ -277,17 +383,24 @@ def test_checkpoint_settings_and_request_eos(tenants):
     mt = dict(tenants)
     mt["gpt2-min"] = Tenant("gpt2", 5, min_length=6)
     mt["bart-min"] = Tenant("bart", 6, min_new_tokens=3)
-    mt["gpt2-multi"] = Tenant("gpt2", 7, eos_token_id=[5, 9], bad_words_ids=[[12, 13], [20, 21, 22], [7], [9]])
+    mt["gpt2-multi"] = Tenant(
+        "gpt2", 7, eos_token_id=[5, 9], bad_words_ids=[[12, 13], [20, 21, 22], [7], [9]]
+    )
     mt["marian-min"] = Tenant("marian", 8, min_length=5)
     jobs = []
-    for i, name in enumerate(["gpt2-min", "bart-min", "gpt2-multi", "marian-min", "bart", "marian", "gpt2-multi"]):
+    for i, name in enumerate(["gpt2-min", "bart-min", "gpt2-multi", "marian-min", "bart", "marian",
+                              "gpt2-multi"]):
         for nb in (1, 2, 3, 4):
-            req = GenerateRequest(tenant=name, input_ids=_prompt(rng)[:4], num_beams=nb,
-                                  max_new_tokens=rng.choice((1, 2, 7, 10)),
-                                  eos_token_id=rng.choice((None, 7)) if name.startswith("gpt2") else None,
-                                  length_penalty=rng.choice((1.0, -0.5, 0.0, 2.0)) if nb > 1 else 1.0,
-                                  early_stopping=rng.choice((True, False, "never")) if nb > 1 else False,
-                                  no_repeat_ngram_size=rng.choice((0, 2, 3)))
+            req = GenerateRequest(
+                tenant=name,
+                input_ids=_prompt(rng)[:4],
+                num_beams=nb,
+                max_new_tokens=rng.choice((1, 2, 7, 10)),
+                eos_token_id=rng.choice((None, 7)) if name.startswith("gpt2") else None,
+                length_penalty=rng.choice((1.0, -0.5, 0.0, 2.0)) if nb > 1 else 1.0,
+                early_stopping=rng.choice((True, False, "never")) if nb > 1 else False,
+                no_repeat_ngram_size=rng.choice((0, 2, 3)),
+            )
             jobs.append((f"{name}-{nb}-{i}", rng.choice((0, 2)), req))
     results, _ = drive(mt, jobs)
     check_against_hf(mt, jobs, results)
@@ -296,7 +409,9 @@ def test_checkpoint_settings_and_request_eos(tenants):
         eos = {req.eos_token_id} if req.eos_token_id is not None else set(d.eos_token_ids)
         for seq in results[key].sequences:
             if req.tenant.startswith("bart"):
-                assert seq[0] == 0 or (req.max_new_tokens == 1 and seq == [2])   # forced BOS (EOS wins at 1)
+                assert seq[0] == 0 or (
+                    req.max_new_tokens == 1 and seq == [2]
+                )  # forced BOS (EOS wins at 1)
             if req.tenant.startswith("marian"):
                 assert 0 not in seq                                                 # pad banned
             if req.tenant == "gpt2-multi":
@@ -317,18 +432,50 @@ def test_sampling_reproducible_and_equal_to_hf_warpers(tenants):
     names = list(tenants)
     jobs = []
     for i in range(8):
-        req = GenerateRequest(tenant=names[i % 4], input_ids=_prompt(rng), do_sample=True, seed=1000 + i,
-                              max_new_tokens=rng.randrange(2, 12), num_return_sequences=rng.choice((1, 3)),
-                              temperature=rng.choice((1.0, 0.7, 1.5)), top_k=rng.choice((0, 5, 20)),
-                              top_p=rng.choice((1.0, 0.9, 0.5)), no_repeat_ngram_size=rng.choice((0, 3)))
+        req = GenerateRequest(
+            tenant=names[i % 4],
+            input_ids=_prompt(rng),
+            do_sample=True,
+            seed=1000 + i,
+            max_new_tokens=rng.randrange(2, 12),
+            num_return_sequences=rng.choice((1, 3)),
+            temperature=rng.choice((1.0, 0.7, 1.5)),
+            top_k=rng.choice((0, 5, 20)),
+            top_p=rng.choice((1.0, 0.9, 0.5)),
+            no_repeat_ngram_size=rng.choice((0, 3)),
+        )
         jobs.append((f"s{i}", rng.choice((0, 2)), req))
     # top_p = 0 keeps only the most likely token, as generate()'s warper does
-    jobs.append(("p0", 1, GenerateRequest(tenant="gpt2-b", input_ids=[4, 8, 15], do_sample=True, seed=77,
-                                          max_new_tokens=6, temperature=1.3, top_p=0.0)))
+    jobs.append(
+        (
+            "p0",
+            1,
+            GenerateRequest(
+                tenant="gpt2-b",
+                input_ids=[4, 8, 15],
+                do_sample=True,
+                seed=77,
+                max_new_tokens=6,
+                temperature=1.3,
+                top_p=0.0,
+            ),
+        )
+    )
     alone, _ = drive(tenants, jobs[:3])
-    crowded, _ = drive(tenants, jobs + [(f"g{i}", i, GenerateRequest(tenant="bart", input_ids=_prompt(rng),
-                                                                     num_beams=2, max_new_tokens=5))
-                                        for i in range(3)])
+    crowded, _ = drive(
+        tenants,
+        jobs
+        + [
+            (
+                f"g{i}",
+                i,
+                GenerateRequest(
+                    tenant="bart", input_ids=_prompt(rng), num_beams=2, max_new_tokens=5
+                ),
+            )
+            for i in range(3)
+        ],
+    )
     for key, _, _ in jobs[:3]:
         assert crowded[key] == alone[key]
     for key, _, req in jobs:
@@ -337,7 +484,9 @@ def test_sampling_reproducible_and_equal_to_hf_warpers(tenants):
 
         def multinomial(probs, num_samples, *a, **kw):
             n = probs.shape[0]
-            q = exponential_noise(seed.expand(n), torch.arange(n), torch.full((n,), calls["n"]), probs.shape[1])
+            q = exponential_noise(
+                seed.expand(n), torch.arange(n), torch.full((n,), calls["n"]), probs.shape[1]
+            )
             calls["n"] += 1
             return (probs / q).argmax(-1, keepdim=True)
 
@@ -345,10 +494,30 @@ def test_sampling_reproducible_and_equal_to_hf_warpers(tenants):
             want, _ = tenants[req.tenant].generate(req)
         assert crowded[key].sequences == want, (key, req)
     # different seeds give different samples
-    a = drive(tenants, [("a", 0, GenerateRequest(tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=1,
-                                                 max_new_tokens=12))])[0]["a"].sequences
-    b = drive(tenants, [("b", 0, GenerateRequest(tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=2,
-                                                 max_new_tokens=12))])[0]["b"].sequences
+    a = drive(
+        tenants,
+        [
+            (
+                "a",
+                0,
+                GenerateRequest(
+                    tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=1, max_new_tokens=12
+                ),
+            )
+        ],
+    )[0]["a"].sequences
+    b = drive(
+        tenants,
+        [
+            (
+                "b",
+                0,
+                GenerateRequest(
+                    tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=2, max_new_tokens=12
+                ),
+            )
+        ],
+    )[0]["b"].sequences
     assert a != b
 
 
@@ -384,9 +553,13 @@ def test_ngram_blocker_property():
         hists = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 25))] for _ in range(rows)]
         sizes = [rng.choice((0, 1, 2, 3, 4)) for _ in range(rows)]
         width = max(map(len, hists)) + rng.randrange(0, 4)
-        h = torch.tensor([x + [rng.randrange(vocab)] * (width - len(x)) for x in hists])   # junk past the end
+        h = torch.tensor(
+            [x + [rng.randrange(vocab)] * (width - len(x)) for x in hists]
+        )  # junk past the end
         scores = torch.randn(rows, vocab)
-        out = ban_repeated_ngrams(scores.clone(), h, torch.tensor(list(map(len, hists))), torch.tensor(sizes), max(sizes))
+        out = ban_repeated_ngrams(
+            scores.clone(), h, torch.tensor(list(map(len, hists))), torch.tensor(sizes), max(sizes)
+        )
         for r in range(rows):
             banned = _banned_oracle(hists[r], sizes[r])
             assert {i for i in range(vocab) if out[r, i] == float("-inf")} == banned
@@ -408,16 +581,27 @@ def test_bad_words_blocker_against_python():
     for _ in range(40):
         rows, vocab = rng.randrange(1, 6), rng.choice((3, 5))
         hists = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 9))] for _ in range(rows)]
-        words = [[[rng.randrange(vocab) for _ in range(rng.randrange(1, 5))] for _ in range(rng.randrange(0, 4))]
-                 for _ in range(rows)]
+        words = [
+            [
+                [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+                for _ in range(rng.randrange(0, 4))
+            ]
+            for _ in range(rows)
+        ]
         w = max(len(x) for x in words)
         p = max([len(s) - 1 for x in words for s in x], default=0)
         width = max(map(len, hists))
         h = torch.tensor([x + [0] * (width - len(x)) for x in hists])
         last = torch.tensor([[s[-1] for s in x] + [-1] * (w - len(x)) for x in words]).view(rows, w)
-        plen = torch.tensor([[len(s) - 1 for s in x] + [0] * (w - len(x)) for x in words]).view(rows, w)
-        pre = torch.tensor([[[-1] * (p - len(s) + 1) + s[:-1] for s in x] + [[-1] * p] * (w - len(x))
-                            for x in words]).view(rows, w, p)
+        plen = torch.tensor([[len(s) - 1 for s in x] + [0] * (w - len(x)) for x in words]).view(
+            rows, w
+        )
+        pre = torch.tensor(
+            [
+                [[-1] * (p - len(s) + 1) + s[:-1] for s in x] + [[-1] * p] * (w - len(x))
+                for x in words
+            ]
+        ).view(rows, w, p)
         scores = torch.randn(rows, vocab)
         out = ban_bad_words(scores.clone(), h, torch.tensor(list(map(len, hists))), pre, plen, last)
         for r in range(rows):
@@ -450,12 +634,23 @@ def test_bad_input_is_named(tenants):
 def test_search_params_resolution(tenants):
     bart = tenants["bart"].defaults
     p = search_params(GenerateRequest(tenant="bart", input_ids=[4, 5, 6], num_beams=3), bart, True)
-    assert (p.mode, p.rows, p.prompt_len, p.eos_token_ids, p.forced_bos_token_id) == ("beam", 3, 1, (2,), 0)
+    assert (p.mode, p.rows, p.prompt_len, p.eos_token_ids, p.forced_bos_token_id) == (
+        "beam",
+        3,
+        1,
+        (2,),
+        0,
+    )
     g = GenerationDefaults(eos_token_ids=(5, 9), min_length=10, bad_words_ids=((9,), (7,), (3, 4)))
     p = search_params(GenerateRequest(tenant="x", input_ids=[1, 2, 3, 4], eos_token_id=7), g, False)
     assert p.eos_token_ids == (7,) and p.pad_token_id == 7 and p.min_new_tokens == 6
-    assert p.bad_words_ids == ((9,), (3, 4))        # a ban equal to the EOS is dropped, as generate() does
-    p = search_params(GenerateRequest(tenant="x", input_ids=[1], do_sample=True, num_return_sequences=4), g, False)
+    assert p.bad_words_ids == (
+        (9,),
+        (3, 4),
+    )  # a ban equal to the EOS is dropped, as generate() does
+    p = search_params(
+        GenerateRequest(tenant="x", input_ids=[1], do_sample=True, num_return_sequences=4), g, False
+    )
     assert p.rows == 4 and p.pad_token_id == 5
 
 

@@ -25,6 +25,7 @@ from itif.backbones.spec import BackboneSpec
 from itif.bench.tenants import tenant_weights
 from itif.weights.store import WeightStore, tensor_key
 
+
 def _cw(tensors: dict[str, torch.Tensor]) -> CanonicalWeights:
     return CanonicalWeights(tensors, None, False)
 

@@ -19,7 +19,6 @@ import hashlib
 import time
 
 import pytest
-
 import safetensors.torch
 import torch
 

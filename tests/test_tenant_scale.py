@@ -32,11 +32,18 @@ import numpy as np
 import pytest
 import torch
 
-from itif.bench.tenant_cold import run_cold
-from itif.bench.tenant_scale import (COLD_SOURCES, Kind, ScaleSettings, check_sample, rss_bytes,
-                                     store_bytes, tenant_name)
-from itif.runtime.engine import Engine
 from itif.backbones.spec import load_spec
+from itif.bench.tenant_cold import run_cold
+from itif.bench.tenant_scale import (
+    COLD_SOURCES,
+    Kind,
+    ScaleSettings,
+    check_sample,
+    rss_bytes,
+    store_bytes,
+    tenant_name,
+)
+from itif.runtime.engine import Engine
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")

@@ -21,8 +21,8 @@ from itif.config import hash_token, parse_config
 from itif.daemon import Daemon, Identity, State
 from itif.errors import InvalidRequest, Overloaded, Unavailable
 from itif.requests import Request, Result
-from itif.scheduler import Scheduler, TenantQuota
 from itif.safetensors_io import save_safetensors
+from itif.scheduler import Scheduler, TenantQuota
 from itif.weights.tiers import Tier
 from tests.oracle import make_hf_model, reference
 
@@ -594,7 +594,9 @@ def test_a_promotion_waiting_for_an_idle_tenant_is_not_throttled_for_its_wait():
     W = {t: probe.load_weights({k: v.detach().clone() for k, v in m.state_dict().items()})
          for t, m in models.items()}
     size = sum(t.numel() * 4 for t in W["a"].tensors.values())
-    engine = itif.Engine("bert-tiny", device="cpu", dtype="float32", max_weight_bytes=2 * size + 8192)
+    engine = itif.Engine(
+        "bert-tiny", device="cpu", dtype="float32", max_weight_bytes=2 * size + 8192
+    )
     sched = Scheduler(engine.infer)
     for t in W:
         sched.set_tenant(t, TenantQuota())
