@@ -69,14 +69,15 @@ def test_bfloat16_product_rounds_once():
 
 def test_usable_only_for_long_segments_and_its_dtypes(monkeypatch):
     w = torch.zeros(2, 8, 8)
-    few = plan_gemm(_segs([10, 10], [0, 1]), 20, torch.device("cpu"), torch.float32)
-    many = plan_gemm(_segs([100, 100], [0, 1]), 200, torch.device("cpu"), torch.float32)
-    assert not cpu_linear.usable(torch.zeros(20, 8), w, few)
-    assert cpu_linear.usable(torch.zeros(200, 8), w, many) == cpu_linear.enabled(torch.float32)
-    assert not cpu_linear.usable(torch.zeros(200, 8, dtype=torch.float16), w.half(), many)
+    m = cpu_linear.MIN_ROWS
+    few = plan_gemm(_segs([m - 1, m - 1], [0, 1]), 2 * m - 2, torch.device("cpu"), torch.float32)
+    many = plan_gemm(_segs([m, m], [0, 1]), 2 * m, torch.device("cpu"), torch.float32)
+    assert not cpu_linear.usable(torch.zeros(2 * m - 2, 8), w, few)
+    assert cpu_linear.usable(torch.zeros(2 * m, 8), w, many) == cpu_linear.enabled(torch.float32)
+    assert not cpu_linear.usable(torch.zeros(2 * m, 8, dtype=torch.float16), w.half(), many)
     monkeypatch.setattr(cpu_linear, "_state", {})
     monkeypatch.setenv("ITIF_CPU_ONEDNN", "0")
-    assert not cpu_linear.usable(torch.zeros(200, 8), w, many)
+    assert not cpu_linear.usable(torch.zeros(2 * m, 8), w, many)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,6 +120,7 @@ def test_engine_fused_and_cls_only_equal_hf(tenants, monkeypatch):
     """Long segments go through oneDNN; a logits-only batch runs its last layer's products on
     n rows (n requests), and answers equal Hugging Face float32 either way; a batch that wants
     the last hidden state runs every layer on all rows."""
+    monkeypatch.setattr(cpu_linear, "MIN_ROWS", 64)  # this small batch's segments go to oneDNN
     eng, models = _engine_and_models(tenants)
     rows_seen: list[int] = []
     onednn_calls: list[int] = []

@@ -39,8 +39,12 @@ log = logging.getLogger("itif.runtime")
 __all__ = ["ACTS", "MAX_SEGMENTS", "MIN_ROWS", "enabled", "linear", "usable"]
 
 #: Average rows a segment needs before a product goes to oneDNN (below this a call's fixed
-#: cost shows and decode-sized products have their own kernel, ``cpu_gemm``).
-MIN_ROWS = 64
+#: cost shows and decode-sized products have their own kernel, ``cpu_gemm``). 64 made the
+#: serving path's forwards 1.5x dearer (bench/frontend_cost.py at 600 req/s, bert-tiny x16,
+#: segments of 64-300 rows: 932-1018 us a request against 634-652 without oneDNN); at 512
+#: they are at par (625 against 671) and the offline peer workload keeps its gain
+#: (segments of 1,600-13,000 rows: itif one model 1.92x HF with oneDNN, 1.41x without).
+MIN_ROWS = 512
 #: At most this many segments (one primitive call each; more go to ``run_gemm``'s backends).
 MAX_SEGMENTS = 64
 
