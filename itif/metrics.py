@@ -321,14 +321,15 @@ class Metrics:
         self._child(self.request_seconds, method).observe(seconds)
 
     def observe_rpcs(self, calls: dict[tuple[str, str, str], list[float]]) -> None:
-        """Calls counted elsewhere (an ingress process's column calls), in bulk:
-        ``{(tenant, method, code): [seconds of each call]}``."""
+        """Calls counted in bulk (an ingress process's): ``{(tenant, method, code): [s]}``."""
         for (tenant, method, code), seconds in calls.items():
             self._child(self.requests, tenant, method, code).inc(len(seconds))
             for s in seconds:
                 self._child(self.request_seconds, method).observe(s)
 
-    def observe_column_batch(self, rows: int, forward_cpu_s: float) -> None:
+    def observe_column_batch(self, rows: int, tokens: int, forward_cpu_s: float) -> None:
+        self.batch_size.observe(rows)
+        self.batch_tokens.observe(tokens)
         self.column_rows.inc(rows)
         self.column_forward_cpu.inc(forward_cpu_s)
 

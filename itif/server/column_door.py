@@ -248,7 +248,7 @@ class ColumnDoor:
             self._per_tenant(taken, e)
         self.batches += 1
         if self.daemon.metrics is not None:
-            self.daemon.metrics.observe_column_batch(n, cpu)
+            self.daemon.metrics.observe_column_batch(n, int(taken.offsets[-1]), cpu)
         return n, int(taken.offsets[-1])
 
     def _per_tenant(self, taken, first: Exception) -> None:
