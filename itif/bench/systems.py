@@ -332,7 +332,9 @@ class HFCompiled(HF):
 
 
 # ---- what one run launches ---------------------------------------------------------------------
-MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "matmul", "_grouped_mm", "linear", "baddbmm"})
+#: (``_linear_pointwise``: oneDNN's fused product, ``itif.runtime.cpu_linear``)
+MATMUL_OPS = frozenset({"mm", "bmm", "addmm", "matmul", "_grouped_mm", "linear", "baddbmm",
+                        "_linear_pointwise"})
 _LAUNCH_API = re.compile(r"^(cuda|cu)(LaunchKernel(ExC?)?|LaunchCooperativeKernel|GraphLaunch)"
                          r"(_v\d+|_ptsz|_ptds)?$")
 
