@@ -260,3 +260,27 @@ def attention_backends(device: torch.device) -> Iterator[None]:
             _sdpa_state["users"] -= 1
             if _sdpa_state["users"] == 0:
                 torch.backends.cuda.enable_cudnn_sdp(_sdpa_state["saved"])
+
+
+class ThreadSwitch:
+    """A kernel's per-thread off switch (``itif.runtime.cpu_gemm``, ``cpu_linear``): the cost
+    model calibrates MKL's backends alone this way, while forwards on other threads are
+    unaffected."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def off(self) -> bool:
+        return getattr(self._local, "off", False)
+
+    @contextlib.contextmanager
+    def suspended(self, off: bool = True) -> Iterator[None]:
+        """In this thread only, the kernel stays off (``off``; ``suspended(False)`` lets it run
+        again inside a suspended stretch)."""
+        old = self.off
+        self._local.off = off
+        try:
+            yield
+        finally:
+            self._local.off = old

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from itif.platform import ThreadSwitch
+
 log = logging.getLogger("itif.runtime")
 
 #: A product goes to the kernel when its longest segment has MIN_ROWS to MAX_ROWS rows.
@@ -45,7 +47,7 @@ CHUNK = 16
 STALE_LOCK_S = 300.0
 
 _lock = threading.Lock()
-_local = threading.local()
+_switch = ThreadSwitch()
 state: dict = {"module": None, "why_not": None, "build_s": None}
 
 
@@ -130,17 +132,9 @@ def ensure() -> bool:
         return state["module"] is not None
 
 
-@contextlib.contextmanager
-def suspended(off: bool = True):
-    """In this thread only, every product stays on MKL (the cost model calibrates MKL's
-    backends on their own this way; forwards on other threads are unaffected).
-    ``suspended(False)`` lets the kernel run again inside a suspended stretch."""
-    old = getattr(_local, "off", False)
-    _local.off = off
-    try:
-        yield
-    finally:
-        _local.off = old
+#: ``with suspended():`` every product of this thread stays on MKL (the cost model
+#: calibrates MKL's backends alone this way); ``suspended(False)`` lets the kernel run again.
+suspended = _switch.suspended
 
 
 def _suits(device: torch.device, dtype: torch.dtype) -> bool:
@@ -156,7 +150,7 @@ def ensure_for(device: torch.device, dtype: torch.dtype) -> bool:
 def applies(max_rows: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``run_gemm`` sends a plan whose longest segment has ``max_rows`` rows here (the
     one rule, for the runtime and the cost model alike)."""
-    return (state["module"] is not None and not getattr(_local, "off", False)
+    return (state["module"] is not None and not _switch.off
             and _suits(device, dtype) and MIN_ROWS <= max_rows <= MAX_ROWS)
 
 

@@ -27,12 +27,12 @@ at most :data:`MAX_SEGMENTS` of them. ``ITIF_CPU_ONEDNN=0`` turns it off.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 
 import torch
+
+from itif.platform import ThreadSwitch
 
 log = logging.getLogger("itif.runtime")
 
@@ -61,19 +61,10 @@ ACTS = {
 }
 
 _state: dict = {}
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def suspended(off: bool = True):
-    """In this thread only, products stay off oneDNN (as ``cpu_gemm.suspended``: the cost
-    model's calibration and its tests price MKL's backends, which it knows)."""
-    old = getattr(_local, "off", False)
-    _local.off = off
-    try:
-        yield
-    finally:
-        _local.off = old
+_switch = ThreadSwitch()
+#: ``with suspended():`` this thread's products stay off oneDNN (as ``cpu_gemm.suspended``: the
+#: cost model's calibration and its tests price MKL's backends, which it knows).
+suspended = _switch.suspended
 
 
 def enabled(dtype: torch.dtype) -> bool:
@@ -98,7 +89,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, plan) -> bool:
     over ``plan``'s segments goes to oneDNN (see the module docstring)."""
     n = len(plan.segs)
     return (x.device.type == "cpu" and x.dtype == w.dtype and enabled(x.dtype)
-            and not getattr(_local, "off", False)
+            and not _switch.off
             and 0 < n <= MAX_SEGMENTS and plan.rows >= MIN_ROWS * n
             and x.is_contiguous() and w.is_contiguous())
 

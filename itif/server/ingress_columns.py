@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from itif.errors import Busy
 from itif.hostpath.columns import STATUS, Arrivals, Results
 from itif.hostpath.ring import Consumer, Producer
 from itif.server._proto.itif.v1 import itif_pb2
+from itif.server.errors import retry_hint
 
 log = logging.getLogger("itif.server.ingress")
 
@@ -47,6 +49,11 @@ _CODES = {name: getattr(grpc.StatusCode, name) for name in STATUS}
 FLUSH_S = 0.001
 #: seconds between an ingress process's reports of its column calls to the daemon's metrics
 REPORT_S = 0.1
+
+
+def _busy(ms: int) -> tuple[tuple[str, str], ...]:
+    """The retry hint of a transient refusal, as the daemon's refusals trail it."""
+    return retry_hint(Busy(""), ms)
 
 
 class Refused(Exception):
@@ -222,8 +229,7 @@ class ColumnClient:
                     if mine >= share else f"the server has {self._total} calls in flight, its "
                     "limit (server.max_inflight_calls); retry after some are answered")
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, what,
-                          (("retry-after", str(max(1, math.ceil(ms / 1000)))),
-                           ("grpc-retry-pushback-ms", str(ms))))
+                          _busy(ms))
         self._inflight[p.tenant] = mine + 1
         self._total += 1
 
@@ -280,8 +286,7 @@ class ColumnClient:
         ms = self.snapshot["retry_after_ms"] if self.snapshot else 200
         err = Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                       "the engine is behind (its arrival ring is full); retry",
-                      (("retry-after", str(max(1, math.ceil(ms / 1000)))),
-                       ("grpc-retry-pushback-ms", str(ms))))
+                      _busy(ms))
         for cid, _, _ in chunk:
             call = self._calls.get(cid)
             if call is not None and not call.future.done():
@@ -314,8 +319,7 @@ class ColumnClient:
                     trailers = ()
                     if code == "RESOURCE_EXHAUSTED":
                         ms = self.snapshot["retry_after_ms"] if self.snapshot else 200
-                        trailers = (("retry-after", str(max(1, math.ceil(ms / 1000)))),
-                                    ("grpc-retry-pushback-ms", str(ms)))
+                        trailers = _busy(ms)
                     call.future.set_exception(Refused(_CODES[code], errors.get(i, code),
                                                       trailers))
                     continue
