@@ -316,7 +316,7 @@ def test_daemon_loads_neither_grpc_nor_metrics():
 # ---- private names used outside their owner -------------------------------------------------
 #: A private package that is everyone's to import all the same: its name -> why.
 OPEN_PRIVATE_MODULES = {
-    "itif.server._proto": "the generated gRPC stubs (``itif.server.gen``), private so the API "
+    "itif.server._proto": "the generated gRPC stubs (``itif.server.protogen``), private so the API "
                           "docs skip them; the client, the CLI and the benchmarks speak the "
                           "protocol through them",
 }

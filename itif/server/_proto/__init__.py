@@ -1,1 +1,1 @@
-"""Generated gRPC/protobuf stubs (``python -m itif.server.gen``). Do not edit."""
+"""Generated gRPC/protobuf stubs (``python -m itif.server.protogen``). Do not edit."""
