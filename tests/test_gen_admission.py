@@ -1,4 +1,4 @@
-"""Fair admission of generation requests across tenants (``itif.generation.admission``): the
+"""Fair admission of generation requests across tenants (``itif.generation.join_order``): the
 queue's order on its own, and the GenEngine admitting by it when the KV cache is contended."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest
+from itif.generation.join_order import FairWaiting
 from itif.generation.spec import PRESETS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,7 +11,7 @@ row, ``itif.generation.search``). The iteration loop, each step:
    it waits at the front of the queue to be recomputed;
 2. waiting requests join, preempted ones first, then in fair order across tenants (start-time
    fair queueing over their generated-token budgets, weighted by ``tenants[].weight``:
-   ``itif.generation.admission``) while the KV pool has room, after the running rows' growth,
+   ``itif.generation.join_order``) while the KV pool has room, after the running rows' growth,
    for their prompt and each row's next block (a tenant's cached prefix blocks are shared:
    ``itif.generation.cache``; encoder-decoder: the whole reservation); the next one that does
    not fit waits for blocks to free, never failing the batch;
@@ -54,9 +54,9 @@ import torch
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
 from itif.generation import deltas, lora, streams
-from itif.generation.admission import FairWaiting
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
+from itif.generation.join_order import FairWaiting
 from itif.generation.running import Admission, RunningBatch
 from itif.generation.scheduling import StepParts, error_for
 from itif.generation.spec import PRESET_DEFAULTS, DecoderSpec, defaults_from_dir, load_decoder_spec
@@ -351,7 +351,7 @@ class GenEngine(StepParts):
             self._restream.append(ticket)
 
     def _enqueue(self, t: Ticket) -> None:
-        """Queue ``t`` at its fair place; its cost is its token budget (see ``admission``)."""
+        """Queue ``t`` at its fair place; its cost is its token budget (see ``join_order``)."""
         a = t.admission
         cost = a.rows * a.max_new_tokens + len(a.prompt) + (len(a.source) if a.source else 0)
         self._waiting.append(t, t.request.tenant, cost)
