@@ -25,18 +25,21 @@ request's rows are contiguous (``add`` appends, ``remove`` keeps the survivors' 
 parameters are copied onto each of its rows, so ``step`` works on tensors only: its Python loops
 run over the modes and the distinct (num_beams, candidates) pairs, never over requests or rows.
 A request whose search ended keeps its rows (they step as no-ops) until ``remove``.
+
+What a request asks for (:class:`SearchParams`, resolved from the request and its checkpoint's
+defaults by :func:`search_params`) and what it gets back (:class:`SearchResult`) are
+``itif.generation.search_request``'s: this module only keeps the rows and steps them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from itif.errors import InvalidRequest
-from itif.generation.api import EarlyStopping, GenerateRequest, Generation, GenerationDefaults
 from itif.generation.processors import (
     ban_bad_words,
     ban_early_eos,
@@ -45,77 +48,16 @@ from itif.generation.processors import (
     sample_tokens,
     warp,
 )
+from itif.generation.search_request import SearchParams, SearchResult, search_params
 
-__all__ = ["Preempted", "SearchBatch", "SearchParams", "SearchResult", "StepResult", "search_params"]
+#: ``SearchParams``, ``SearchResult`` and ``search_params`` live in ``search_request`` (a request's
+#: side of the search) and are named here too: the engine reaches them through this module.
+__all__ = ["Preempted", "SearchBatch", "SearchParams", "SearchResult", "StepResult",
+           "search_params"]
 
 GREEDY, SAMPLE, BEAM = 0, 1, 2
 _MODES = {"greedy": GREEDY, "sample": SAMPLE, "beam": BEAM}
 _FAR = -1.0e9  # generate()'s "impossible" score
-
-
-@dataclass(frozen=True)
-class SearchParams:
-    """One request's search, resolved against its tenant's ``GenerationDefaults`` (see
-    :func:`search_params`). Token fields use None for "none"; ``min_new_tokens`` counts the
-    generated tokens before which EOS is banned (``generate()``'s min_length and min_new_tokens
-    folded into one); ``prompt_len``: the length of the history ``add`` receives."""
-
-    mode: str
-    num_beams: int
-    num_return_sequences: int
-    max_new_tokens: int
-    length_penalty: float
-    early_stopping: EarlyStopping
-    no_repeat_ngram_size: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int | None
-    forced_bos_token_id: int | None
-    forced_eos_token_id: int | None
-    bad_words_ids: tuple[tuple[int, ...], ...]
-    min_new_tokens: int
-    prompt_len: int
-
-    @property
-    def rows(self) -> int:
-        """Rows the request occupies: its beams, its samples, or one."""
-        if self.mode == "beam":
-            return self.num_beams
-        return self.num_return_sequences if self.mode == "sample" else 1
-
-
-def search_params(request: GenerateRequest, defaults: GenerationDefaults, encoder_decoder: bool) -> SearchParams:
-    """Resolve ``request`` as ``generate()`` resolves its arguments against the checkpoint's
-    generation config: a request's ``eos_token_id`` replaces the checkpoint's EOS ids; the pad
-    token falls back to the first EOS id; bad words equal to an EOS id are dropped (as
-    ``NoBadWordsLogitsProcessor`` drops them), suppressed tokens never; ``min_new_tokens`` (if set) wins over
-    ``min_length``, which counts the whole decoder sequence (the prompt of a decoder-only model,
-    the start token of an encoder-decoder one)."""
-    eos = (int(request.eos_token_id),) if request.eos_token_id is not None else tuple(defaults.eos_token_ids)
-    pad = defaults.pad_token_id if defaults.pad_token_id is not None else (eos[0] if eos else None)
-    prompt_len = 1 if encoder_decoder else len(request.input_ids)
-    if defaults.min_new_tokens:
-        min_new = int(defaults.min_new_tokens)
-    else:
-        min_new = max(0, int(defaults.min_length) - prompt_len)
-    bad = tuple(tuple(int(t) for t in w) for w in defaults.bad_words_ids
-                if len(w) > 0 and not (len(w) == 1 and int(w[0]) in eos))
-    bad += tuple((int(t),) for t in defaults.suppress_tokens)  # an end token too, as generate()
-    mode = request.mode
-    return SearchParams(
-        mode=mode, num_beams=int(request.num_beams) if mode == "beam" else 1,
-        num_return_sequences=int(request.num_return_sequences), max_new_tokens=int(request.max_new_tokens),
-        length_penalty=float(request.length_penalty), early_stopping=request.early_stopping,
-        # an n-gram as long as the whole decoder sequence can never repeat: larger sizes act alike
-        no_repeat_ngram_size=min(int(request.no_repeat_ngram_size), prompt_len + int(request.max_new_tokens)),
-        temperature=float(request.temperature),
-        top_k=int(request.top_k), top_p=float(request.top_p), seed=request.seed, eos_token_ids=eos,
-        pad_token_id=pad, forced_bos_token_id=defaults.forced_bos_token_id,
-        forced_eos_token_id=defaults.forced_eos_token_id, bad_words_ids=bad, min_new_tokens=min_new,
-        prompt_len=prompt_len)
 
 
 @dataclass
@@ -131,21 +73,6 @@ class StepResult:
     streamed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-@dataclass
-class SearchResult:
-    """One request's outcome: ``sequences`` best first (generated tokens only, no padding),
-    ``scores`` (beam search: ``generate()``'s ``sequences_scores``; else None) and a finish
-    reason per sequence: "eos", "length", or "cancelled" (removed before its search ended)."""
-
-    sequences: list[list[int]]
-    scores: list[float] | None
-    finish_reasons: list[str] = field(default_factory=list)
-
-    def generation(self, tenant: str) -> Generation:
-        return Generation(tenant=tenant, sequences=self.sequences, scores=self.scores,
-                          finish_reasons=self.finish_reasons)
-
-
 # Per-row state: name -> (dtype, padding value of trailing dimensions, pad on the left)
 _FIELDS: dict[str, tuple[torch.dtype, float, bool]] = {
     **{n: (torch.int64, 0, False) for n in (
@@ -155,7 +82,8 @@ _FIELDS: dict[str, tuple[torch.dtype, float, bool]] = {
     **{n: (torch.bool, False, False) for n in (
         "use_topp", "row_done", "req_done", "fin_flag", "heur", "never_pos")},
     "hist": (torch.int64, 0, False), "fin_hist": (torch.int64, 0, False),
-    "eos": (torch.int64, -1, False), "bw_last": (torch.int64, -1, False), "bw_len": (torch.int64, 0, False),
+    "eos": (torch.int64, -1, False), "bw_last": (torch.int64, -1, False),
+    "bw_len": (torch.int64, 0, False),
     "bw_pre": (torch.int64, -1, True), "lpt": (torch.float32, 1.0, False),
 }
 
@@ -197,7 +125,8 @@ class SearchBatch:
             raise ValueError(f"vocab_size must be at least 2, got {vocab_size!r}")
         self.vocab_size = int(vocab_size)
         self.device = torch.device(device)
-        self._t = {n: torch.empty((0,), dtype=dt, device=self.device) for n, (dt, _, _) in _FIELDS.items()}
+        self._t = {n: torch.empty((0,), dtype=dt, device=self.device)
+                   for n, (dt, _, _) in _FIELDS.items()}
         for n in ("hist", "fin_hist", "eos", "bw_last", "bw_len", "lpt"):
             self._t[n] = self._t[n].view(0, 0)
         self._t["bw_pre"] = self._t["bw_pre"].view(0, 0, 0)
@@ -205,7 +134,8 @@ class SearchBatch:
         self._keys: dict[int, Hashable] = {}
         self._next_id = 0
         self._ngrams: Counter[int] = Counter()     # no_repeat_ngram_size -> requests
-        self._groups: Counter[tuple[int, int]] = Counter()  # (num_beams, candidates) -> beam requests
+        # (num_beams, candidates) -> beam requests
+        self._groups: Counter[tuple[int, int]] = Counter()
         self._modes: Counter[int] = Counter()
         self._forced = 0
 
@@ -230,12 +160,14 @@ class SearchBatch:
         if not hist:
             raise InvalidRequest("history: is empty")
         if len(hist) != params.prompt_len:
-            raise InvalidRequest(f"history: {len(hist)} tokens, but prompt_len is {params.prompt_len}")
+            raise InvalidRequest(f"history: {len(hist)} tokens, but prompt_len is "
+                                 f"{params.prompt_len}")
         v = self.vocab_size
+        fbos, feos = params.forced_bos_token_id, params.forced_eos_token_id
         for name, ids in (("history", hist), ("eos_token_ids", params.eos_token_ids),
                           ("bad_words_ids", [t for w in params.bad_words_ids for t in w]),
-                          ("forced_bos_token_id", [params.forced_bos_token_id] if params.forced_bos_token_id is not None else []),
-                          ("forced_eos_token_id", [params.forced_eos_token_id] if params.forced_eos_token_id is not None else [])):
+                          ("forced_bos_token_id", [fbos] if fbos is not None else []),
+                          ("forced_eos_token_id", [feos] if feos is not None else [])):
             bad = [t for t in ids if not 0 <= t < v]
             if bad:
                 raise InvalidRequest(f"{name}: token id {bad[0]} outside the vocabulary [0, {v})")
@@ -245,12 +177,15 @@ class SearchBatch:
         if mode == BEAM and params.num_beams < 2:
             raise InvalidRequest(f"num_beams: beam search needs at least 2, got {params.num_beams}")
         if params.num_return_sequences > n:
-            raise InvalidRequest(f"num_return_sequences: {params.num_return_sequences} is more than "
-                                 f"the {n} rows of a {params.mode} search")
+            raise InvalidRequest(f"num_return_sequences: {params.num_return_sequences} is more "
+                                 f"than the {n} rows of a {params.mode} search")
         rid = self._next_id
         self._next_id += 1
         # any integer seed is served (folded into int64's range); none: a fresh one per request
-        seed = int(params.seed) % (1 << 63) if params.seed is not None else int(torch.randint(0, 2 ** 62, (1,)).item())
+        if params.seed is not None:
+            seed = int(params.seed) % (1 << 63)
+        else:
+            seed = int(torch.randint(0, 2 ** 62, (1,)).item())
         nb = params.num_beams
         K = max(2, 1 + len(params.eos_token_ids)) * nb if mode == BEAM else 0
         dev = self.device
@@ -258,7 +193,9 @@ class SearchBatch:
         words = list(params.bad_words_ids)
         plen_max = max((len(w) - 1 for w in words), default=0)
         lp = params.length_penalty
-        lpt = [1.0] + [float(t) ** lp for t in range(1, params.max_new_tokens + 1)] if mode == BEAM else [1.0]
+        lpt = [1.0]
+        if mode == BEAM:
+            lpt += [float(t) ** lp for t in range(1, params.max_new_tokens + 1)]
         scalars = dict(
             req=rid, mode=mode, nb=nb, K=K, plen=len(hist), gen=0, max_new=params.max_new_tokens,
             min_new=params.min_new_tokens, ngram=params.no_repeat_ngram_size,
@@ -271,7 +208,8 @@ class SearchBatch:
             temp=params.temperature if mode == SAMPLE else 1.0, fin_score=_FAR,
             use_topp=mode == SAMPLE and params.top_p < 1.0, row_done=False, req_done=False,
             fin_flag=False, heur=True, never_pos=params.early_stopping == "never" and lp > 0.0)
-        new = {k: torch.full((n,), val, dtype=_FIELDS[k][0], device=dev) for k, val in scalars.items()}
+        new = {k: torch.full((n,), val, dtype=_FIELDS[k][0], device=dev)
+               for k, val in scalars.items()}
         new["ridx"] = torch.arange(n, dtype=torch.int64, device=dev)
         # 1 - top_p in double, then rounded to float32 (as the warper's scalar comparison rounds it)
         new["topp_cut"] = torch.full((n,), 1.0 - params.top_p if mode == SAMPLE else 0.0,
@@ -283,14 +221,19 @@ class SearchBatch:
         new["hist"] = torch.tensor([hist] * n, dtype=torch.int64, device=dev)
         new["fin_hist"] = new["hist"].clone()
         new["eos"] = torch.tensor([eos] * n, dtype=torch.int64, device=dev).view(n, len(eos))
-        new["bw_last"] = torch.tensor([[w[-1] for w in words]] * n, dtype=torch.int64, device=dev).view(n, len(words))
-        new["bw_len"] = torch.tensor([[len(w) - 1 for w in words]] * n, dtype=torch.int64, device=dev).view(n, len(words))
+        nw = len(words)
+        new["bw_last"] = torch.tensor([[w[-1] for w in words]] * n, dtype=torch.int64,
+                                      device=dev).view(n, nw)
+        new["bw_len"] = torch.tensor([[len(w) - 1 for w in words]] * n, dtype=torch.int64,
+                                     device=dev).view(n, nw)
         pre = [[-1] * (plen_max - len(w) + 1) + list(w[:-1]) for w in words]
-        new["bw_pre"] = torch.tensor([pre] * n, dtype=torch.int64, device=dev).view(n, len(words), plen_max)
+        new["bw_pre"] = torch.tensor([pre] * n, dtype=torch.int64,
+                                     device=dev).view(n, nw, plen_max)
         new["lpt"] = torch.tensor([lpt] * n, dtype=torch.float64, device=dev).float()
         return self._join(key, rid, params, new)
 
-    def _join(self, key: Hashable, rid: int, params: SearchParams, new: dict[str, torch.Tensor]) -> slice:
+    def _join(self, key: Hashable, rid: int, params: SearchParams,
+              new: dict[str, torch.Tensor]) -> slice:
         """Append the rows ``new`` (every field) of request ``rid``; returns them."""
         width = params.prompt_len + params.max_new_tokens
         start, n = self.rows, int(new["req"].shape[0])
@@ -300,7 +243,8 @@ class SearchBatch:
             tail = [max(a, b) for a, b in zip(old.shape[1:], add.shape[1:])]
             if name in ("hist", "fin_hist"):
                 tail = [max(tail[0], width)]
-            grown[name] = torch.cat([_pad_tail(old, tail, fill, left), _pad_tail(add, tail, fill, left)])
+            grown[name] = torch.cat([_pad_tail(old, tail, fill, left),
+                                     _pad_tail(add, tail, fill, left)])
         self._t.update(grown)  # all fields or none: a request that fails here leaves no rows
         self._reqs[key] = _Req(rid, params)
         self._keys[rid] = key
@@ -325,7 +269,8 @@ class SearchBatch:
         plen, gen = state["plen"].tolist(), state["gen"].tolist()
         n = plen[0] + max(gen)  # done rows (sampling) are padded: their tokens are never read
         pad = int(state["pad"][0])
-        hist = [h[:p + g] + [pad] * (n - p - g) for h, p, g in zip(state["hist"].tolist(), plen, gen)]
+        hist = [h[:p + g] + [pad] * (n - p - g)
+                for h, p, g in zip(state["hist"].tolist(), plen, gen)]
         return Preempted(req.params, state, hist), keep
 
     def resume(self, key: Hashable, p: Preempted) -> slice:
@@ -353,7 +298,8 @@ class SearchBatch:
             counter[k] += sign
         if p.mode == "beam":
             self._groups[(p.num_beams, max(2, 1 + len(p.eos_token_ids)) * p.num_beams)] += sign
-        self._forced += sign * int(p.forced_bos_token_id is not None or p.forced_eos_token_id is not None)
+        forced = p.forced_bos_token_id is not None or p.forced_eos_token_id is not None
+        self._forced += sign * int(forced)
         for c in (self._ngrams, self._groups, self._modes):
             for k in [k for k, n in c.items() if n <= 0]:
                 del c[k]
@@ -406,7 +352,8 @@ class SearchBatch:
         if not keys:
             return {}
         t = self._t
-        ids = torch.tensor([self._reqs[k].id for k in keys], dtype=t["req"].dtype, device=self.device)
+        ids = torch.tensor([self._reqs[k].id for k in keys], dtype=t["req"].dtype,
+                           device=self.device)
         row = (t["req"][None, :] == ids[:, None]).to(torch.int8).argmax(1)  # first row of each
         end = t["plen"][row] + t["gen"][row]
         gen_host = t["gen"][row].tolist()
@@ -426,7 +373,8 @@ class SearchBatch:
         t = self._t
         n = self.rows
         if logits.dim() != 2 or logits.shape[0] != n or logits.shape[1] != self.vocab_size:
-            raise ValueError(f"logits: expected shape [{n}, {self.vocab_size}], got {list(logits.shape)}")
+            raise ValueError(f"logits: expected shape [{n}, {self.vocab_size}], "
+                             f"got {list(logits.shape)}")
         logits = logits.to(device=self.device, dtype=torch.float32)
         tokens = t["pad"].clone()
         parent = torch.arange(n, device=self.device)
@@ -446,13 +394,15 @@ class SearchBatch:
         gen = t["gen"][idx]
         hlen = t["plen"][idx] + gen
         if self._ngrams and max(self._ngrams) > 0:
-            scores = ban_repeated_ngrams(scores, t["hist"][idx], hlen, t["ngram"][idx], max(self._ngrams))
+            scores = ban_repeated_ngrams(scores, t["hist"][idx], hlen, t["ngram"][idx],
+                                         max(self._ngrams))
         if t["bw_last"].shape[1]:
             scores = ban_bad_words(scores, t["hist"][idx], hlen, t["bw_pre"][idx], t["bw_len"][idx],
                                    t["bw_last"][idx])
         scores = ban_early_eos(scores, gen, t["min_new"][idx], t["eos"][idx])
         if self._forced:
-            scores = force_tokens(scores, hlen, gen, t["max_new"][idx], t["fbos"][idx], t["feos"][idx])
+            scores = force_tokens(scores, hlen, gen, t["max_new"][idx], t["fbos"][idx],
+                                  t["feos"][idx])
         return scores
 
     def _append(self, idx: torch.Tensor, tok: torch.Tensor, grow: torch.Tensor) -> None:
@@ -481,13 +431,15 @@ class SearchBatch:
             sub = torch.nonzero(t["mode"][idx] == SAMPLE).view(-1)
             if sub.numel():
                 rows = idx[sub]
-                warped = warp(scores[sub], t["temp"][rows], t["topk"][rows], t["topp_cut"][rows], t["use_topp"][rows])
+                warped = warp(scores[sub], t["temp"][rows], t["topk"][rows],
+                              t["topp_cut"][rows], t["use_topp"][rows])
                 tok[sub] = sample_tokens(warped, t["seed"][rows], t["ridx"][rows], t["gen"][rows])
         was_done = t["row_done"][idx]
         tok = torch.where(was_done, t["pad"][idx], tok)
         self._append(idx, tok, ~was_done)
         grew[idx] = ~was_done
-        done = was_done | self._is_eos(tok.view(-1, 1), t["eos"][idx]).view(-1) | (t["gen"][idx] >= t["max_new"][idx])
+        done = (was_done | self._is_eos(tok.view(-1, 1), t["eos"][idx]).view(-1)
+                | (t["gen"][idx] >= t["max_new"][idx]))
         t["row_done"][idx] = done
         tokens[idx] = tok
         # a request ends when all its rows have: rows of a request are contiguous in idx
@@ -504,8 +456,8 @@ class SearchBatch:
         """The beam requests with ``nb`` beams and ``k`` candidates (``_beam_search`` of
         generate(), one request per row of its [B, ...] tensors)."""
         t = self._t
-        starts = torch.nonzero((t["mode"] == BEAM) & (t["nb"] == nb) & (t["K"] == k) & (t["ridx"] == 0)
-                               & ~t["req_done"]).view(-1)
+        starts = torch.nonzero((t["mode"] == BEAM) & (t["nb"] == nb) & (t["K"] == k)
+                               & (t["ridx"] == 0) & ~t["req_done"]).view(-1)
         b = int(starts.numel())
         if b == 0:
             return []
@@ -542,16 +494,17 @@ class SearchBatch:
         new_fin_score = merged.gather(1, sel)
         from_cand = sel >= nb
         cj = (sel - nb).clamp(min=0)
-        new_fin_flag = torch.where(from_cand, did.gather(1, cj), fin_flag.gather(1, sel.clamp(max=nb - 1)))
+        kept = sel.clamp(max=nb - 1)  # the kept hypothesis a slot holds (where not from_cand)
+        new_fin_flag = torch.where(from_cand, did.gather(1, cj), fin_flag.gather(1, kept))
         hist, fin_hist = t["hist"], t["fin_hist"]
         cand_rows = rows.gather(1, beam.gather(1, cj))                                 # [B, nb]
         hlen = (t["plen"][first] + gen).view(b, 1)
         cand_seq = hist[cand_rows]                                                     # [B, nb, H]
         cand_seq.scatter_(2, hlen.clamp(max=hist.shape[1] - 1).view(b, 1, 1).expand(b, nb, 1),
                           tok.gather(1, cj).unsqueeze(-1))
-        old_seq = fin_hist[rows.gather(1, sel.clamp(max=nb - 1))]
+        old_seq = fin_hist[rows.gather(1, kept)]
         new_fin_hist = torch.where(from_cand.unsqueeze(-1), cand_seq, old_seq)
-        new_fin_len = torch.where(from_cand, hlen + 1, t["fin_len"][rows.gather(1, sel.clamp(max=nb - 1))])
+        new_fin_len = torch.where(from_cand, hlen + 1, t["fin_len"][rows.gather(1, kept)])
         # can the running beams still beat the worst kept hypothesis? (_check_early_stop_heuristic)
         glen = torch.where(t["never_pos"][first], t["max_new"][first], gen + 1)
         best = new_run[:, :1] / lpt.gather(1, glen.view(b, 1))
@@ -587,11 +540,13 @@ def _result(p: SearchParams, idx: list[int], cols: dict[str, list]) -> SearchRes
 
     if p.mode == "beam":
         if done:
-            seqs = [cols["fin_hist"][i][p.prompt_len:cols["fin_len"][i]] for i in idx[:p.num_return_sequences]]
-            return SearchResult(seqs, [float(cols["fin_score"][i]) for i in idx[:p.num_return_sequences]],
+            best = idx[:p.num_return_sequences]
+            seqs = [cols["fin_hist"][i][p.prompt_len:cols["fin_len"][i]] for i in best]
+            return SearchResult(seqs, [float(cols["fin_score"][i]) for i in best],
                                 [reason(s, True) for s in seqs])
         top = idx[:p.num_return_sequences]
         seqs = [cols["hist"][i][p.prompt_len:p.prompt_len + cols["gen"][i]] for i in top]
-        return SearchResult(seqs, [float(cols["run_score"][i]) for i in top], ["cancelled"] * len(seqs))
+        return SearchResult(seqs, [float(cols["run_score"][i]) for i in top],
+                            ["cancelled"] * len(seqs))
     seqs = [cols["hist"][i][p.prompt_len:p.prompt_len + cols["gen"][i]] for i in idx]
     return SearchResult(seqs, None, [reason(s, cols["row_done"][i]) for s, i in zip(seqs, idx)])
