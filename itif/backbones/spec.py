@@ -23,12 +23,14 @@ sha256 decides whether two tenants share the whole attention input projection.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from itif.errors import InvalidConfig
 
@@ -45,8 +47,60 @@ class ParamDef:
     group: Literal["embeddings", "layer", "final", "pooler", "head"]
 
 
+class SpecShape:
+    """What an encoder :class:`BackboneSpec` and a decoder ``DecoderSpec``
+    (``itif.generation.spec``) derive alike from their ``family``, ``hidden`` and ``heads``
+    fields, said once: both engines' block code reads these names, whichever spec it has."""
+
+    #: the families whose blocks normalise before attention and the FFN (pre-LN) rather than
+    #: after the residual (post-LN)
+    PRE_LN_FAMILIES: ClassVar[tuple[str, ...]] = ()
+    #: the head size a config gives apart from ``hidden / heads`` (a DecoderSpec field, for
+    #: llama's ``head_dim``); 0: ``hidden / heads``
+    head_size: ClassVar[int] = 0
+
+    @property
+    def pre_ln(self) -> bool:
+        """True for pre-LayerNorm (or pre-RMSNorm) blocks; the others normalise after the
+        residual."""
+        return self.family in self.PRE_LN_FAMILIES
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_size or self.hidden // self.heads
+
+
+@contextlib.contextmanager
+def config_errors(family: str) -> Iterator[None]:
+    """Reading a ``family`` config.json: a missing key or a value of the wrong type becomes
+    InvalidConfig naming it (the specs' own InvalidConfig passes through)."""
+    try:
+        yield
+    except KeyError as e:
+        raise InvalidConfig(f"config.json of a {family} model lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, InvalidConfig):
+            raise
+        raise InvalidConfig(f"config.json has a bad value: {e}") from None
+
+
+def read_config_json(path: Path, what: str = "") -> dict:
+    """The JSON object in ``path``; InvalidConfig when it cannot be read or is not an object
+    (``what``: how the messages name the file before its path, e.g. "backbone config ")."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidConfig(f"cannot read {what}{str(path)!r}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise InvalidConfig(f"{what}{str(path)!r} is not a JSON object")
+    return cfg
+
+
 @dataclass(frozen=True)
-class BackboneSpec:
+class BackboneSpec(SpecShape):
+    #: ViT's blocks are pre-LN; BERT and ALBERT normalise after the residual
+    PRE_LN_FAMILIES: ClassVar[tuple[str, ...]] = ("vit",)
+
     family: Family
     hidden: int
     layers: int
@@ -86,15 +140,6 @@ class BackboneSpec:
     @property
     def is_text(self) -> bool:
         return self.family in ("bert", "albert")
-
-    @property
-    def pre_ln(self) -> bool:
-        """True for pre-LayerNorm blocks (ViT); BERT and ALBERT normalise after the residual."""
-        return self.family == "vit"
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     @property
     def emb_width(self) -> int:
@@ -268,7 +313,7 @@ def spec_from_hf_config(cfg: dict, name: str = "custom",
     if family == "vit" and cfg.get("pooler_act", "tanh") != "tanh":
         raise InvalidConfig(f"config.json pooler_act {cfg['pooler_act']!r} is not supported "
                             "(only 'tanh')")
-    try:
+    with config_errors(family):
         common = dict(
             hidden=int(cfg["hidden_size"]),
             layers=int(cfg["num_hidden_layers"]),
@@ -309,12 +354,6 @@ def spec_from_hf_config(cfg: dict, name: str = "custom",
             patch_size=_side(cfg.get("patch_size", 16), "patch_size"),
             num_channels=int(cfg.get("num_channels", 3)),
         )
-    except KeyError as e:
-        raise InvalidConfig(f"config.json of a {family} model lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, InvalidConfig):
-            raise
-        raise InvalidConfig(f"config.json has a bad value: {e}") from None
 
 
 def _side(value, key: str) -> int:
@@ -371,10 +410,5 @@ def load_spec(backbone: str | os.PathLike | BackboneSpec) -> BackboneSpec:
             f"backbone {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
             "nor an existing config.json or checkpoint directory"
         )
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidConfig(f"cannot read backbone config {str(cfg_path)!r}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise InvalidConfig(f"backbone config {str(cfg_path)!r} is not a JSON object")
+    cfg = read_config_json(cfg_path, "backbone config ")
     return spec_from_hf_config(cfg, name=cfg_path.parent.name, source_dir=cfg_path.parent)

@@ -50,15 +50,15 @@ the same tensor (all three families share them); they are ``emb.word``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
+from itif.backbones.spec import SpecShape, config_errors, read_config_json
 from itif.errors import InvalidConfig
 from itif.generation.api import GenerationDefaults
 
@@ -71,7 +71,12 @@ _ACT_NAMES = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu
 
 
 @dataclass(frozen=True)
-class DecoderSpec:
+class DecoderSpec(SpecShape):
+    """The decoder's sizes and family; ``pre_ln`` and ``head_dim`` are ``SpecShape``'s, as the
+    encoder spec's are."""
+
+    PRE_LN_FAMILIES: ClassVar[tuple[str, ...]] = ("gpt2", "llama")
+
     family: Family
     vocab_size: int
     hidden: int
@@ -128,14 +133,6 @@ class DecoderSpec:
     @property
     def encoder_decoder(self) -> bool:
         return self.family in ("bart", "marian")
-
-    @property
-    def pre_ln(self) -> bool:
-        return self.family in ("gpt2", "llama")
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size or self.hidden // self.heads
 
     @property
     def kv_heads_n(self) -> int:
@@ -403,7 +400,7 @@ def spec_from_hf_config(cfg: dict, name: str = "custom",
     if family not in FAMILIES[:3] + LLAMA_TYPES:
         raise InvalidConfig(f"model_type {family!r} is not a served decoder "
                             f"({', '.join(FAMILIES[:3] + LLAMA_TYPES)})")
-    try:
+    with config_errors(family):
         if family in LLAMA_TYPES:
             return _llama_spec(cfg, name, source_dir)
         if family == "gpt2":
@@ -460,22 +457,6 @@ def spec_from_hf_config(cfg: dict, name: str = "custom",
             name=name,
             source_dir=source_dir,
         )
-    except KeyError as e:
-        raise InvalidConfig(f"config.json of a {family} model lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, InvalidConfig):
-            raise
-        raise InvalidConfig(f"config.json has a bad value: {e}") from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidConfig(f"cannot read {str(path)!r}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise InvalidConfig(f"{str(path)!r} is not a JSON object")
-    return cfg
 
 
 def load_decoder_spec(backbone: str | os.PathLike | DecoderSpec) -> DecoderSpec:
@@ -490,7 +471,7 @@ def load_decoder_spec(backbone: str | os.PathLike | DecoderSpec) -> DecoderSpec:
     if not cfg_path.is_file():
         raise InvalidConfig(f"backbone {text!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
                             "nor an existing config.json or checkpoint directory")
-    return spec_from_hf_config(_read_json(cfg_path), cfg_path.parent.name, cfg_path.parent)
+    return spec_from_hf_config(read_config_json(cfg_path), cfg_path.parent.name, cfg_path.parent)
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -553,8 +534,8 @@ def defaults_from_dir(path: str | os.PathLike) -> GenerationDefaults | None:
     cfg_path, gen_path = p / "config.json", p / "generation_config.json"
     if not cfg_path.is_file() and not gen_path.is_file():
         return None
-    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
-    gen = _read_json(gen_path) if gen_path.is_file() else None
+    cfg = read_config_json(cfg_path) if cfg_path.is_file() else {}
+    gen = read_config_json(gen_path) if gen_path.is_file() else None
     return defaults_from_config(cfg, gen)
 
 
