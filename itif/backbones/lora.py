@@ -12,7 +12,7 @@ its base tenant where they are (the store shares the slots, nothing is copied) a
   adapted parts' ``A`` (``R`` = the sum of their ranks) and ``B`` is block-diagonal (a part that
   is not adapted has no rows in ``A`` and zero blocks in ``B``). The forward runs the base GEMM
   once for every tenant on it, then one grouped low-rank product per adapter shape over the rows
-  of the tenants that have one (``itif.runtime.lora``).
+  of the tenants that have one (``itif.runtime.lora_update``).
 * the heads it saves (``modules_to_save``: the classifier, the pooler), and heads with LoRA on
   them, merged into its own copy (``W + s B A``): heads are per tenant anyway.
 

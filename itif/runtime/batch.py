@@ -27,7 +27,7 @@ from itif.backbones.spec import BackboneSpec
 from itif.batching.layout import Layout
 from itif.runtime import triton_gemm
 from itif.runtime.gemm import GemmPlan, Segments, plan_gemm, segments_for, tenant_runs
-from itif.runtime.lora import lora_tables, plan_lora
+from itif.runtime.lora_update import lora_tables, plan_lora
 from itif.weights.store import StoreView
 
 
@@ -164,7 +164,7 @@ class PreparedBatch:
     labels: np.ndarray  # [n_tenants] label count of each batch tenant (0: no head)
     key: tuple = ()
     tok_row: np.ndarray | None = None  # text: row of every real token, in request order
-    lora: dict = field(default_factory=dict)  # linear weight name -> LoraGroups (runtime.lora)
+    lora: dict = field(default_factory=dict)  # weight name -> LoraGroups (runtime.lora_update)
     #: The longest sequence of the packed "varlen.cu" boundaries (``_varlen``); 0: not packed
     #: (one attention group, which is already one call).
     varlen_L: int = 0
@@ -220,7 +220,7 @@ class SlotTables:
     labels: np.ndarray  # [n_tenants] int64 (0: no head)
     head_kind: np.ndarray  # [n_tenants] int64 index into head_kinds (-1: no head)
     head_kinds: tuple  # KindKey of each head.weight kind in the batch
-    lora: dict = field(default_factory=dict)  # linear weight name -> LoraTables (runtime.lora)
+    lora: dict = field(default_factory=dict)  # weight name -> LoraTables (runtime.lora_update)
 
 
 HEAD_PARAMS = ("pooler.weight", "pooler.bias", "head.weight", "head.bias")

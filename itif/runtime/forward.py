@@ -38,7 +38,7 @@ from itif.platform import attention_backends
 from itif.runtime import cpu_linear, triton_gemm
 from itif.runtime.batch import PreparedBatch
 from itif.runtime.gemm import GemmPlan, Segments, broadcast_rows, plan_gemm, run_gemm
-from itif.runtime.lora import apply_lora
+from itif.runtime.lora_update import apply_lora
 
 
 class _Bound:
@@ -91,7 +91,7 @@ class _Bound:
             return y
         offs = self.offs(f"offs{k}") if plan.backend == "grouped_mm" else None
         y = run_gemm(x, self.params.buffer(name), plan, offs)
-        if groups:  # LoRA tenants' low-rank updates of their rows (itif.runtime.lora)
+        if groups:  # LoRA tenants' low-rank updates of their rows (itif.runtime.lora_update)
             apply_lora(y, x, groups, self.params.view.buffers, self.get, self.offs)
         if bias is not None:
             y = ops.bias_act(y, self.rot(bias), act)
