@@ -38,6 +38,7 @@ from itif.scheduler.tickets import (
     clone,
 )
 from itif.scheduler.triggers import decide
+from itif.scheduler.wakeup import Wakeup
 
 log = logging.getLogger("itif.scheduler")
 
@@ -69,7 +70,7 @@ class Scheduler:
         self._estimate_fn = estimate_ms
         self._clock = clock
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._wakeup = Wakeup(self._lock)  # how the loop sleeps (``itif.scheduler.wakeup``)
         self.max_batch_tokens = 0
         self.max_batch_size = 0
         self.max_wait_ms = 0.0
@@ -124,7 +125,7 @@ class Scheduler:
                 self.isolate_tenants = bool(isolate_tenants)
             if latency_sizing is not None:
                 self.latency_sizing = bool(latency_sizing)
-            self._cv.notify_all()
+            self._wakeup.notify()
 
     def set_tenant(self, tenant: str, quota: TenantQuota | None = None) -> None:
         """Add a tenant or change its quota live (a smaller max_queue only refuses new requests;
@@ -134,7 +135,7 @@ class Scheduler:
             raise TypeError(f"quota must be a TenantQuota, got {type(quota).__name__}")
         with self._lock:
             self._q.set_tenant(tenant, quota)
-            self._cv.notify_all()
+            self._wakeup.notify()
 
     def remove_tenant(self, tenant: str) -> None:
         """Refuse the tenant's new submissions (TenantNotFound); what is already queued or running
@@ -150,7 +151,7 @@ class Scheduler:
         with self._lock:
             self._q.park(tenant, parked)
             if not parked:
-                self._cv.notify_all()
+                self._wakeup.notify()
 
     def fail_parked(self, tenant: str, error: BaseException) -> int:
         """Fail every queued request of a parked tenant with (a copy of) ``error``; returns
@@ -276,7 +277,7 @@ class Scheduler:
                     continue
                 q.push(t)
             if len(tickets) > len(expired):
-                self._cv.notify_all()
+                self._wakeup.notify()
         for t in expired:
             self._complete(t, None, self._deadline_error(t, now), count=False)
         return tickets
@@ -288,6 +289,7 @@ class Scheduler:
                 raise RuntimeError("scheduler already started")
             if self._stopping:
                 raise RuntimeError("scheduler was stopped; make a new one")
+            self._wakeup.open()
             self._thread = threading.Thread(target=self._loop, name="itif-scheduler", daemon=True)
             self._thread.start()
         return self
@@ -299,7 +301,7 @@ class Scheduler:
             if not self._stopping:
                 self._stopping = True
                 self._grace_end = self._clock() + max(0.0, grace_s)
-            self._cv.notify_all()
+            self._wakeup.notify()
             thread = self._thread
             grace_end = self._grace_end
         own = thread is threading.current_thread()
@@ -328,14 +330,14 @@ class Scheduler:
     # ---- a second source of batches (``itif.scheduler.sources``) ---------------------------
     def attach_columns(self, source: ColumnSource | None) -> None:
         """Also run ``source``'s batches, on this loop's thread (the engine has one caller)."""
-        with self._cv:
+        with self._lock:
             self._columns = source
-            self._cv.notify_all()
+            self._wakeup.notify()
 
     def wake(self) -> None:
-        """Look for work now (a column source's arrivals came in)."""
-        with self._cv:
-            self._cv.notify_all()
+        """Look for work now."""
+        with self._lock:
+            self._wakeup.notify()
 
     # ---- ticket hooks ----------------------------------------------------------------------
     @property
@@ -404,7 +406,7 @@ class Scheduler:
         """Block until there is something to do: (batch to run, tickets to fail, exit?, tickets
         the shutdown fails). The first are counted where they were dropped (expired); the
         last are counted as failed when failed, as ``stop`` counts those it takes."""
-        with self._cv:
+        with self._lock:
             while True:
                 now = self._clock()
                 dropped = self._q.expire_due(now, self._deadline_error)
@@ -433,9 +435,16 @@ class Scheduler:
                 if self._stopping:  # parked requests may be all that is left: the grace ends it
                     timeout = min(1.0 if timeout is None else timeout,
                                   max(0.0, self._grace_end - now))
-                self._cv.wait(timeout)
+                self._wakeup.sleep(timeout, self._columns)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            with self._lock:
+                self._wakeup.close()
+
+    def _serve(self) -> None:
         while True:
             batch: list[Ticket] = []
             try:
@@ -571,3 +580,4 @@ class Scheduler:
             callbacks = t.settle(result, error, now)
         t.wake(callbacks)
         return True
+

@@ -21,3 +21,7 @@ class ColumnSource(Protocol):
 
     def run(self) -> tuple[int, int] | None:
         """Form and run one batch, deliver its results; (rows, tokens) run, or None."""
+
+    def wake_fds(self) -> tuple[int, ...]:
+        """Pipes whose bytes say arrivals came in: the loop sleeps on them (``poll``) and
+        reads them empty when it wakes."""

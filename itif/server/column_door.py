@@ -16,17 +16,15 @@ outputs, a tenant the ingress process has no ready entry for, any call that woul
 goes by frame to the daemon's own servicer, as before, and gets its exact answer there.
 
 Threads: ``decide`` and ``run`` run on the scheduler's loop thread (``Scheduler.attach_columns``):
-the engine keeps one caller, and the column batches and the ticket batches take turns. One
-watcher thread waits on every arrival ring's wake-up pipe and wakes the scheduler; the event
-loop publishes the tenant table to the ingress processes (:meth:`ColumnDoor.snapshot`).
+the engine keeps one caller, and the column batches and the ticket batches take turns. That
+loop sleeps on every arrival ring's wake-up pipe (:meth:`ColumnDoor.wake_fds`,
+``itif.scheduler.wakeup``), so arrivals wake it with no thread in between; the event loop
+publishes the tenant table to the ingress processes (:meth:`ColumnDoor.snapshot`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import select
-import threading
 import time
 
 import numpy as np
@@ -73,8 +71,6 @@ class ColumnDoor:
         self.queue: ColumnQueue | None = None
         self._config = None
         self._labels: dict[tuple[str, str], int] = {}  # (tenant, weights sha) -> num_labels
-        self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
         #: rows taken in / answered / refused, batches run (tests and the serve bench read them)
         self.rows_in = self.rows_answered = self.rows_refused = self.batches = 0
         self.decisions = 0  # times the scheduler asked whether a batch is due
@@ -131,8 +127,6 @@ class ColumnDoor:
         self.daemon = daemon
         self._sync(daemon.config)
         daemon.scheduler.attach_columns(self)
-        self._watcher = threading.Thread(target=self._watch, name="itif-columns", daemon=True)
-        self._watcher.start()
         return True
 
     def close(self) -> None:
@@ -140,30 +134,14 @@ class ColumnDoor:
             log.info("column path: %d rows in, %d answered, %d refused, %d batches, %d decisions",
                      self.rows_in, self.rows_answered, self.rows_refused, self.batches,
                      self.decisions)
-        self._stop.set()
         if self.daemon is not None and self.daemon.scheduler is not None:
             self.daemon.scheduler.attach_columns(None)
-        if self._watcher is not None:
-            self._watcher.join(2.0)
         for ring in (*self.arrivals, *self.results):  # its ends too (they share its mapping)
             ring.close()
 
-    def _watch(self) -> None:
-        """Wake the scheduler when an ingress process published arrivals: one wake-up a burst."""
-        fds = [r.handle("consumer")["fds"][0] for r in self.arrivals]
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        while not self._stop.is_set():
-            got = poller.poll(500)
-            for fd, _ in got:
-                try:
-                    while len(os.read(fd, 4096)) == 4096:
-                        pass
-                except BlockingIOError:
-                    pass
-            if got and self.daemon is not None and self.daemon.scheduler is not None:
-                self.daemon.scheduler.wake()
+    def wake_fds(self) -> tuple[int, ...]:
+        """Every arrival ring's wake-up pipe: the scheduler's loop sleeps on them."""
+        return tuple(r.handle("consumer")["fds"][0] for r in self.arrivals)
 
     def _sync(self, cfg) -> None:
         """The queue's tenants and quotas as ``cfg`` says (a reload: on the loop thread)."""
