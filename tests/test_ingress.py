@@ -16,12 +16,15 @@ import signal
 import struct
 import time
 import urllib.request
+from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
 import itif
+from itif.config import ServerConfig, hash_token
 from itif.safetensors_io import save_safetensors
 from itif.server.ingress import HOT, method_kinds, pack
 from tests.daemon_harness import Daemon, free_port
@@ -271,6 +274,39 @@ def test_an_answer_too_large_for_a_frame_goes_back_as_a_status(monkeypatch):
     assert [f[:2] for f in frames] == [(1, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]), (2, 0)]
     assert "too large" in frames[0][2] and frames[0][3] is None
     assert frames[1][3] == b"y" * 10
+
+
+def test_ingress_count_follows_the_cores():
+    """Unset, ``server.ingress_processes`` is one process a four cores, 1 to 8; set, it is what
+    it says; unset with an ephemeral port (each process would get its own), none."""
+    base = ServerConfig("127.0.0.1:50051", Path("/tmp"), hash_token("a"))
+    assert base.ingress_processes is None
+    assert [base.ingress_count(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 8]
+    assert base.ingress_count() >= 1  # this machine's cores
+    assert replace(base, ingress_processes=0).ingress_count(16) == 0
+    assert replace(base, ingress_processes=3).ingress_count(2) == 3
+    assert replace(base, listen="127.0.0.1:0").ingress_count(16) == 0
+
+
+def test_ingress_is_on_by_default(tmp_path, monkeypatch, model_file):
+    """A daemon whose config does not name ``ingress_processes`` serves its port from ingress
+    processes (as many as the cores give), says so in its log, and answers as HF does."""
+    monkeypatch.delenv("ITIF_TEST_INGRESS", raising=False)  # the harness would set the key
+    m, f = model_file
+    d = Daemon(tmp_path, dict(TOKENS), server_extra={}).start()
+    try:
+        assert "(server.ingress_processes: unset, from the cores)" in d.logs(), d.logs()[-2000:]
+        pids = _pids(d)
+        assert len(pids) == ServerConfig("127.0.0.1:1", tmp_path, "").ingress_count()
+        assert all(_alive(p) for p in pids)
+        ids = list(range(3, 20))
+        with d.client(TOKENS["acme"]) as c:
+            c.upload("acme", f)
+            got = c.infer("acme", ids)["logits"]
+        np.testing.assert_allclose(got, reference(m, itif.Request("acme", ids))["logits"],
+                                   atol=1e-4)
+    finally:
+        d.stop()
 
 
 def test_ingress_needs_a_fixed_port(tmp_path):

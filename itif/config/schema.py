@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,13 +115,28 @@ class ServerConfig:
     #: next request.
     max_new_tokens: int = setting(F.integer, 512, lo=1, hi=MAX_NEW_TOKENS_LIMIT)
     #: Processes that take the gRPC port's calls off the daemon's interpreter
-    #: (``itif.server.ingress``): each serves ``listen`` (the port shared, SO_REUSEPORT) and
-    #: hands Infer, InferBatch and ModelInfer calls to the daemon as raw bytes over a local
-    #: socket, so gRPC's own per-call work no longer holds the GIL the forward needs. 0: the
-    #: daemon serves the port itself.
-    ingress_processes: int = setting(F.integer, 0, lo=0, hi=64)
+    #: (``itif.server.ingress``): each serves ``listen`` (the port shared, SO_REUSEPORT), hands
+    #: Infer and InferBatch calls of token ids to the engine as columns through shared memory
+    #: and every other call as raw bytes over a local socket, so no per-call work holds the GIL
+    #: the forward needs. Unset: derived from the cores (:meth:`ingress_count`); 0: the daemon
+    #: serves the port itself.
+    ingress_processes: int | None = setting(F.integer, None, lo=0, hi=64)
     #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
     tls: TLSConfig | None = None
+
+    def ingress_count(self, cores: int | None = None) -> int:
+        """The ingress processes to start: ``ingress_processes`` when set, else one per four
+        of the cores this process may run on (at least 1, at most 8; ``cores`` overrides the
+        count), like vLLM's API servers beside its engine core. 0 when unset and ``listen``
+        asks for an ephemeral port (``:0``): the processes share one fixed port."""
+        if self.ingress_processes is not None:
+            return self.ingress_processes
+        if self.listen.rpartition(":")[2] == "0":
+            return 0
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                os.cpu_count() or 1)
+        return max(1, min(8, cores // 4))
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,10 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     creds = _credentials(cfg)
     listen = cfg.server.listen
     ingress = None
-    if cfg.server.ingress_processes:
+    n_ingress = cfg.server.ingress_count()
+    if n_ingress:
         # the port is the ingress processes'; this server listens on a private socket
-        ingress = await _start_ingress(cfg, server, reg, interceptors, metrics)
+        ingress = await _start_ingress(cfg, n_ingress, server, reg, interceptors, metrics)
     else:
         _listen(server, listen, creds)
     http = None
@@ -203,10 +204,10 @@ class _Ingress:
         shutil.rmtree(self.sockets, ignore_errors=True)
 
 
-async def _start_ingress(cfg: Config, server, reg: Recorder, interceptors,
+async def _start_ingress(cfg: Config, n: int, server, reg: Recorder, interceptors,
                          metrics: Metrics) -> _Ingress:
-    """The daemon's gRPC server on a private unix socket, the frame socket, and the pool that
-    will serve ``server.listen`` (started once the server is)."""
+    """The daemon's gRPC server on a private unix socket, the frame socket, and the pool of
+    ``n`` ingress processes that will serve ``server.listen`` (started once the server is)."""
     host, _, port = cfg.server.listen.rpartition(":")
     if port in ("", "0"):
         raise InvalidConfig("server.ingress_processes: needs a fixed port in server.listen, "
@@ -228,9 +229,11 @@ async def _start_ingress(cfg: Config, server, reg: Recorder, interceptors,
                 tls=None if tls is None else dict(
                     cert=str(tls.cert), key=str(tls.key),
                     client_ca=str(tls.client_ca) if tls.client_ca else None))
-    door = ColumnDoor(cfg.server.ingress_processes)
-    return _Ingress(frames, IngressPool(cfg.server.ingress_processes, spec, door), sockets,
-                    door)
+    door = ColumnDoor(n)
+    log.info("%d ingress process%s serve %s (server.ingress_processes%s)", n,
+             "" if n == 1 else "es", cfg.server.listen,
+             "" if cfg.server.ingress_processes is not None else ": unset, from the cores")
+    return _Ingress(frames, IngressPool(n, spec, door), sockets, door)
 
 
 def _port_free(host: str, port: int) -> None:
