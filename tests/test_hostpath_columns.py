@@ -293,6 +293,28 @@ def test_triggers_on_the_columns():
     assert cq.due(1.0, **kw2)[0]  # full
 
 
+def test_rows_read_at_the_first_look_after_a_batch_run_at_once():
+    """The engine's loop reads the arrival rings only between batches, so rows that came while a
+    batch ran are pushed after it ended: they run at once (hungry), where they used to wait out
+    max_wait_ms after every batch of a flood. Rows that come to an idle engine still wait."""
+    cq = ColumnQueue()
+    cq.add_tenant("a")
+    kw = {"max_tokens": 1000, "max_rows": 64, "max_wait_ms": 5.0,
+          "estimate_ms": lambda n, tokens: 1.0}
+    assert cq.due(0.5, last_end=0.0, **kw) == (False, None)  # an idle look
+    cq.push(arrivals([0], [3]), now=1.0)  # to an idle engine: the lazy timeout
+    assert cq.due(1.0, last_end=0.0, **kw) == (False, pytest.approx(1.005))
+    assert len(cq.take(1000, 64, now=1.005)) == 1
+    # that batch ran 1.005 to 1.010; two rows came meanwhile, read at the first look after it
+    cq.push(arrivals([0, 0], [3, 3], call_id=[1, 2]), now=1.0101)
+    assert cq.due(1.0101, last_end=1.010, **kw) == (True, None)
+    assert len(cq.take(1000, 64, now=1.0101)) == 2
+    # no batch since the last look: a row that comes now waits for company as before
+    assert cq.due(1.02, last_end=1.015, **kw) == (False, None)
+    cq.push(arrivals([0], [3], call_id=[3]), now=1.021)
+    assert cq.due(1.021, last_end=1.015, **kw) == (False, pytest.approx(1.026))
+
+
 def test_compaction_keeps_every_rows_ids():
     cq = ColumnQueue()
     cq.add_tenant("a", TenantQuota(max_queue=100_000))

@@ -22,7 +22,12 @@ The policy is the scheduler's (``itif.scheduler``, ``fairqueue.py``), restated f
   would still take a later, smaller one).
 - *Parked* tenants (weights loading) keep their rows out of batches.
 - *Triggers* (``due``): full, hungry, lazy timeout, the starvation guard, as
-  ``itif.scheduler.triggers`` decides them.
+  ``itif.scheduler.triggers`` decides them. One difference: a row's arrival time is when the
+  engine's loop read it from its ring, which it does only between batches, so rows that came
+  while a batch ran look as if they came after it, and "hungry" (a row waited while the engine
+  was busy) would never hold; they waited out ``max_wait_ms`` after every batch instead (2 of
+  every 11 ms of a flood, bench/hostile_load.py --parts fair). So the first look after a batch
+  ended counts every row it finds as hungry.
 
 Cost: ``push`` and ``take`` make a fixed number of numpy calls over the queued rows, plus one
 Python iteration for each tenant that a row did not fit the budget for in that batch (at most
@@ -136,6 +141,7 @@ class ColumnQueue:
         self._next_deadline = math.inf
         self._deadline_exact = True
         self._oldest: float | None = math.inf
+        self._end_seen = -math.inf  # the batch end ``due`` last saw
         self._arena = np.zeros(1 << 16, np.int32)
         self._arena_used = 0
         for name, dtype in _ROW_COLS:
@@ -505,7 +511,13 @@ class ColumnQueue:
             stopping: bool = False) -> tuple[bool, float | None]:
         """(run a batch now?, else when to look again): the triggers of
         ``itif.scheduler.triggers`` on the columns. From the counters alone while they are
-        exact (no parked tenant, every tenant the same latency target)."""
+        exact (no parked tenant, every tenant the same latency target). The first look after
+        a batch ended (``last_end`` newer than at the last look) finds rows that arrived while
+        it ran: hungry (the module docstring)."""
+        if last_end > self._end_seen:
+            self._end_seen = last_end
+            if self._live_rows:
+                last_end = now
         if not self._live_rows:
             return False, None
         half = self._half_const
