@@ -120,11 +120,11 @@ def _client(args):
 @contextlib.contextmanager
 def _upload_source(args):
     """The file to upload: FILE as given, or a PEFT adapter directory packed into one
-    safetensors file (``itif.backbones.lora.pack_adapter``) for a LoRA tenant."""
+    safetensors file (``itif.backbones.lora_tenants.pack_adapter``) for a LoRA tenant."""
     if args.adapter is None:
         yield args.file
         return
-    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+    from itif.backbones.lora_tenants import pack_adapter  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="itif-adapter-") as d:
         yield pack_adapter(args.adapter, os.path.join(d, "adapter.safetensors"))

@@ -114,7 +114,7 @@ def upload(d: InProcess, tenant: str, data: bytes):
 
 
 def packed(adapter_dir: Path) -> bytes:
-    from itif.backbones.lora import pack_adapter
+    from itif.backbones.lora_tenants import pack_adapter
 
     return Path(pack_adapter(adapter_dir, adapter_dir / "packed.safetensors")).read_bytes()
 

@@ -207,7 +207,7 @@ def test_alpha_patterns_that_backtrack_for_ever_end_within_their_budget(tmp_path
     import threading  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    from itif.backbones.lora import PATTERN_BUDGET_S  # noqa: PLC0415
+    from itif.backbones.lora_tenants import PATTERN_BUDGET_S  # noqa: PLC0415
 
     eng, base = _engine_with_base("bert-tiny")
     model, path = _adapter(base, tmp_path, "ok", 3, r=4, lora_alpha=8, target_modules=["query"])

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from itif.backbones.lora import pack_adapter
+from itif.backbones.lora_tenants import pack_adapter
 from itif.errors import InvalidWeights
 from itif.safetensors_io import load_safetensors, save_safetensors
 from tests.daemon_harness import ADMIN, Daemon

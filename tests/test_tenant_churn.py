@@ -152,7 +152,7 @@ def test_a_removed_tenant_leaves_no_series_behind(tmp_path):
 def _adapter(tmp_path, base) -> bytes:
     """A packed PEFT LoRA adapter (query, rank 4) trained on nothing, for ``base``."""
     peft = pytest.importorskip("peft")
-    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+    from itif.backbones.lora_tenants import pack_adapter  # noqa: PLC0415
 
     torch.manual_seed(1)
     lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(

@@ -441,7 +441,7 @@ def test_lora_tenant_leaves_and_returns_with_its_base(tmp_path, backbone, per_te
     import copy  # noqa: PLC0415
 
     peft = pytest.importorskip("peft")
-    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+    from itif.backbones.lora_tenants import pack_adapter  # noqa: PLC0415
 
     d = make_daemon(tmp_path, backbone, ["b0", "la", "x", "y"], device_tenants=2.5,
                     host_tenants=1.5, bases={"la": "b0"})

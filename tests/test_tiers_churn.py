@@ -97,7 +97,7 @@ def _diff(d: Daemon, tenant: str, model) -> float:
 
 def _adapter(base, tmp):
     peft = pytest.importorskip("peft")
-    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+    from itif.backbones.lora_tenants import pack_adapter  # noqa: PLC0415
 
     torch.manual_seed(7)
     lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(

@@ -108,7 +108,7 @@ def base():
 def test_lora_upload_while_its_base_is_deleted_is_refused_and_not_stored(tmp_path, monkeypatch,
                                                                          base):
     peft = pytest.importorskip("peft")
-    from itif.backbones.lora import pack_adapter  # noqa: PLC0415
+    from itif.backbones.lora_tenants import pack_adapter  # noqa: PLC0415
 
     torch.manual_seed(1)
     lora = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(

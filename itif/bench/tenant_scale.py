@@ -280,7 +280,7 @@ def run_daemon(cfg: ScaleSettings) -> list[dict]:
     import tempfile  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from itif.backbones.lora import CONFIG_KEY  # noqa: PLC0415
+    from itif.backbones.lora_tenants import CONFIG_KEY  # noqa: PLC0415
     from itif.bench.serving import free_ports  # noqa: PLC0415
     from itif.bench.tenants import to_hf  # noqa: PLC0415
     from itif.config import hash_token, parse_config  # noqa: PLC0415

@@ -8,14 +8,15 @@ and ``rank_pattern`` per module), exactly as ``PeftModel`` computes it. In the w
 tenant is its base's slots, shared (``WeightStore.add(base=)``: nothing copied); its adapter
 lives in the engine's :class:`LoraBank`.
 
-The adapter is read as PEFT loads it, with the encoder's checks (``itif.backbones.lora``: the
-config's fields, which modules ``target_modules`` / ``exclude_modules`` / ``layers_to_transform``
-select, each module's rank and scale): the llama family's ``q_proj``, ``k_proj``, ``v_proj``,
-``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; GPT-2's ``c_attn``, ``c_proj``, ``c_fc``
-(PEFT adapts GPT-2's ``Conv1D`` with ``fan_in_fan_out``: its ``A`` and ``B`` have the same
-orientation as a linear's, so the product is the same). Refused with InvalidWeights naming the
-field: what the encoder refuses, ``modules_to_save`` (a decoder's heads and embeddings are not
-per adapter), LoRA on ``lm_head`` or ``embed_tokens``, and a base that is itself a LoRA tenant.
+The adapter is read as PEFT loads it, with the encoder's checks (``itif.backbones.lora_tenants``:
+the config's fields, which modules ``target_modules`` / ``exclude_modules`` /
+``layers_to_transform`` select, each module's rank and scale): the llama family's ``q_proj``,
+``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; GPT-2's ``c_attn``,
+``c_proj``, ``c_fc`` (PEFT adapts GPT-2's ``Conv1D`` with ``fan_in_fan_out``: its ``A`` and ``B``
+have the same orientation as a linear's, so the product is the same). Refused with InvalidWeights
+naming the field: what the encoder refuses, ``modules_to_save`` (a decoder's heads and embeddings
+are not per adapter), LoRA on ``lm_head`` or ``embed_tokens``, and a base that is itself a LoRA
+tenant.
 
 Fused kinds: Q, K and V are one ``qkv`` product (gate and up one ``gate_up``), so an adapter's
 parts are packed into one pair per canonical projection: ``A`` stacks the parts' ``A`` (rank =
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 import torch
 
-from itif.backbones.lora import (
+from itif.backbones.lora_tenants import (
     PATTERN_BUDGET_S,
     check_config,
     module_rank,
@@ -212,9 +213,9 @@ def read_lora(spec: DecoderSpec, config: Mapping[str, Any],
 
 
 def load_adapter(eng: "GenEngine", source, base: str) -> LoraAdapter:
-    """An adapter (a PEFT adapter directory, a file ``itif.backbones.lora.pack_adapter`` wrote,
-    ``(adapter_config dict, tensors)``, or a LoraAdapter) for stored tenant ``base``, checked;
-    nothing is added."""
+    """An adapter (a PEFT adapter directory, a file ``itif.backbones.lora_tenants.pack_adapter``
+    wrote, ``(adapter_config dict, tensors)``, or a LoraAdapter) for stored tenant ``base``,
+    checked; nothing is added."""
     if base not in eng.store:
         raise TenantNotFound(f"base tenant {shown(base)} not found")
     if eng.lora.has(base):

@@ -32,7 +32,7 @@ from itif.config.fields import decoder_refusal
 from itif.errors import InvalidConfig, InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
-from itif.runtime import cpu_gemm, forward
+from itif.runtime import cpu_attention, cpu_gemm, forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.engine_columns import ColumnsMixin
 from itif.runtime.graphs import GraphCache
@@ -103,6 +103,7 @@ class Engine(ColumnsMixin):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         cpu_gemm.ensure_for(self.device, self.dtype)  # small batches' few-rows GEMMs, built now
+        cpu_attention.ensure_for(self.device, self.dtype)  # ragged batches' attention, ditto
         tune_host_malloc(self.device)  # large batches' activations: no page faults per forward
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
         self.strategy = strategy
@@ -197,7 +198,7 @@ class Engine(ColumnsMixin):
         """Add (or atomically replace) a tenant's weights: a safetensors file, a checkpoint
         directory, a dict of Hugging Face-named tensors, or already-validated weights. With
         ``base``: a PEFT LoRA adapter directory (or ``(adapter_config dict, tensors)``, or
-        what ``load_lora`` returned) on that stored tenant (``itif.backbones.lora``). With
+        what ``load_lora`` returned) on that stored tenant (``itif.backbones.lora_tenants``). With
         ``base`` and ``compress`` ("int8" or "sign"): a full checkpoint stored as that base
         plus a compressed delta and served as W_hat (``itif.weights.delta``; or what
         ``load_delta`` returned). ``tag``: names these weights in every Result they produce
@@ -230,7 +231,7 @@ class Engine(ColumnsMixin):
 
     def load_lora(self, source, base: str) -> CanonicalWeights:
         """Read and validate a LoRA adapter for stored tenant ``base`` without adding it."""
-        from itif.backbones.lora import load_lora, read_adapter  # noqa: PLC0415
+        from itif.backbones.lora_tenants import load_lora, read_adapter  # noqa: PLC0415
 
         config, tensors = (source if isinstance(source, tuple) else read_adapter(source))
         view = self.store.view

@@ -10,7 +10,7 @@ decided when the batch is prepared (``lora_tables`` once per tenant set, ``plan_
 batch structure), so the forward stays free of host reads and capturable in a CUDA graph.
 
 Weights: ``layers.{i}.{kind}.lora_a`` ``[R, in]`` and ``.lora_b`` ``[out, R]`` (the scale folded
-into ``B``), see ``itif.backbones.lora``.
+into ``B``), see ``itif.backbones.lora_tenants``.
 """
 
 from __future__ import annotations
