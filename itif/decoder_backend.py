@@ -34,7 +34,7 @@ __all__ = ["DecoderBackend", "DecoderLora", "DecoderTenantInfo", "build_generato
 
 @dataclass(frozen=True)
 class DecoderLora(CanonicalWeights):
-    """A checked LoRA adapter (``itif.generation.lora.LoraAdapter``) as the daemon's upload,
+    """A checked LoRA adapter (``itif.generation.decoder_lora.LoraAdapter``) as the daemon's upload,
     restore and tier paths carry weights: no tensors (its base's are shared, so the budget
     check charges nothing), no head; ``adapter`` is what ``GenEngine.add_tenant`` installs."""
 

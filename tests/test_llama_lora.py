@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from itif.errors import InvalidWeights, TenantNotFound
-from itif.generation import lora as glora
+from itif.generation import decoder_lora as glora
 from itif.generation.api import GenerateRequest
 
 transformers = pytest.importorskip("transformers")

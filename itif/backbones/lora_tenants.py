@@ -114,7 +114,7 @@ def check_config(config: Mapping[str, Any]) -> None:
     """InvalidWeights naming the field when an adapter_config asks for what itif does not
     serve (DoRA, LoRA biases, trained biases, ...) or holds a field of the wrong type; the
     checks that need the backbone (which modules, ranks of the tensors) come later. Shared by
-    the encoder's LoRA tenants and the decoder's (``itif.generation.lora``)."""
+    the encoder's LoRA tenants and the decoder's (``itif.generation.decoder_lora``)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise InvalidWeights(f"adapter peft_type {config.get('peft_type')!r}: only LORA is served")
     for key, ok in (("use_dora", False), ("lora_bias", False), ("fan_in_fan_out", False)):

@@ -53,7 +53,7 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
-from itif.generation import deltas, lora, streams
+from itif.generation import decoder_lora, deltas, streams
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.join_order import FairWaiting
@@ -93,7 +93,8 @@ class GenEngine(StepParts):
         self.kv_cache_bytes = kv_cache_bytes
         self._before_forward: Callable[[set[str]], None] | None = None
         self._rebuild = False  # the batch must be made again before the next step
-        self.lora = lora.LoraBank(self.spec, self.device, self.dtype)  # LoRA tenants' adapters
+        # LoRA tenants' adapters
+        self.lora = decoder_lora.LoraBank(self.spec, self.device, self.dtype)
         self._batch = RunningBatch(self.spec, self.store, kv_cache_bytes, lora=self.lora)
         self._sb = None
         self._defaults: dict[str, GenerationDefaults] = {}
@@ -141,7 +142,7 @@ class GenEngine(StepParts):
     #: plus an int8 or sign delta, its error measured (``itif.generation.deltas``)
     load_delta = deltas.load_delta
     load_delta_blob = deltas.load_delta_blob  # (blob path, base, base_sha256) -> W_hat
-    load_lora = lora.load_adapter  # (PEFT adapter, base) -> LoraAdapter, checked, not added
+    load_lora = decoder_lora.load_adapter  # (PEFT adapter, base) -> LoraAdapter, checked, not added
 
     def add_tenant(self, tenant: str, source, defaults: GenerationDefaults | None = None,
                    base: str | None = None, compress: str | None = None) -> None:
@@ -151,7 +152,7 @@ class GenEngine(StepParts):
         ``compress`` ("int8" or "sign"): a full checkpoint stored as that stored tenant plus a
         compressed delta, served as W_hat (``load_delta``; or pass what it returned). With
         ``base`` alone: ``source`` is a PEFT LoRA adapter on that stored tenant
-        (``itif.generation.lora``), which keeps the base's settings and tokenizer.
+        (``itif.generation.decoder_lora``), which keeps the base's settings and tokenizer.
 
         Replacing a tenant ends its running requests with Unavailable (retryable) between two
         steps, rather than letting them continue on other weights than they started with; its

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from itif.generation.lora import LoraBank, LoraRows
+from itif.generation.decoder_lora import LoraBank, LoraRows
 from itif.generation.spec import DecoderSpec
 from itif.ops import dispatch as ops
 from itif.ops.reference import RotParam
@@ -115,7 +115,7 @@ class TenantParams:
 
     def gemm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """``x W^T`` of every row with its tenant's ``name``; plus, for the rows of LoRA
-        tenants, their adapters' low-rank products (``itif.generation.lora``)."""
+        tenants, their adapters' low-rank products (``itif.generation.decoder_lora``)."""
         buf, plan, offs, _ = self.bind(name)
         y = run_gemm(x, buf, plan, offs)
         return y if self.lora is None else self.lora.apply(y, x, name)

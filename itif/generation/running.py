@@ -77,7 +77,7 @@ class RunningBatch:
                  block: int = 16, before_forward: Callable[[set[str]], None] | None = None,
                  lora=None) -> None:
         self.spec, self.store = spec, store
-        self.lora = lora  # the engine's LoraBank (itif.generation.lora), or None
+        self.lora = lora  # the engine's LoraBank (itif.generation.decoder_lora), or None
         # test hook (itif.faults): called with the tenants of each forward before it runs
         self.before_forward = before_forward
         self.device, self.dtype = store.device, store.dtype
