@@ -230,8 +230,7 @@ async def _start_ingress(cfg: Config, n: int, server, reg: Recorder, interceptor
                     cert=str(tls.cert), key=str(tls.key),
                     client_ca=str(tls.client_ca) if tls.client_ca else None))
     door = ColumnDoor(n)
-    log.info("%d ingress process%s serve %s (server.ingress_processes%s)", n,
-             "" if n == 1 else "es", cfg.server.listen,
+    log.info("ingress processes for %s: %d (server.ingress_processes%s)", cfg.server.listen, n,
              "" if cfg.server.ingress_processes is not None else ": unset, from the cores")
     return _Ingress(frames, IngressPool(n, spec, door), sockets, door)
 
