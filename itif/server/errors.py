@@ -105,18 +105,37 @@ async def abort_with(context, exc: BaseException, name: str, daemon=None) -> Non
     await context.abort(code, msg, retry_hint(exc, retry_after_ms(daemon)))
 
 
+class _Boundary:
+    """Held around a servicer method's behaviour (the unary and the streaming wrapper alike):
+    keeps the exception that escapes ``method`` (an ``AbortError`` passes: it already is a
+    status) for :meth:`abort`, which the wrapper awaits after the ``with``, where no exception
+    is being handled (so the status is not chained to it)."""
+
+    def __init__(self, method) -> None:
+        self.name = method.__name__
+        self.error: Exception | None = None
+
+    def __enter__(self) -> _Boundary:
+        return self
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+            self.error = exc  # the boundary: everything becomes a status
+            return True
+        return False
+
+    async def abort(self, servicer, context) -> None:
+        await abort_with(context, self.error, self.name, getattr(servicer, "daemon", None))
+
+
 def rpc(method):
     """Wrap an async servicer method: map exceptions to statuses, never leak a traceback."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        try:
+        with _Boundary(method) as boundary:
             return await method(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
-            error = e
-        await abort_with(context, error, method.__name__, getattr(self, "daemon", None))
+        await boundary.abort(self, context)
 
     return wrapper
 
@@ -126,14 +145,10 @@ def rpc_stream(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
-        try:
+        with _Boundary(method) as boundary:
             async for item in method(self, request, context):
                 yield item
             return
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the boundary: everything becomes a status
-            error = e
-        await abort_with(context, error, method.__name__, getattr(self, "daemon", None))
+        await boundary.abort(self, context)
 
     return wrapper

@@ -45,30 +45,33 @@ def wrap_handler(handler: grpc.RpcMethodHandler, *, guard: Guard | None = None,
     guard = guard or _no_guard
     kw = dict(request_deserializer=request_deserializer or handler.request_deserializer,
               response_serializer=response_serializer or handler.response_serializer)
-    if handler.unary_unary or handler.stream_unary:
-        inner, streamed = handler.unary_unary or handler.stream_unary, bool(handler.stream_unary)
+    unary_kind = bool(handler.unary_unary or handler.stream_unary)
+    streamed = bool(handler.stream_unary or handler.stream_stream)  # the client streams
+    inner = (handler.unary_unary or handler.stream_unary or handler.unary_stream
+             or handler.stream_stream)
 
+    async def begin(held, request, context):
+        """Both kinds' start, inside ``guard``: the context and request the original gets."""
+        if context_of is not None:
+            context = context_of(held, context)
+        if prepare is not None:
+            request = await prepare(request, context, streamed)
+        return request, context
+
+    if unary_kind:
         async def unary(request, context):
             with guard(context) as held:
-                if context_of is not None:
-                    context = context_of(held, context)
-                if prepare is not None:
-                    request = await prepare(request, context, streamed)
+                request, context = await begin(held, request, context)
                 out = inner(request, context)
                 return (await out) if inspect.isawaitable(out) else out
 
-        if streamed:
-            return grpc.stream_unary_rpc_method_handler(unary, **kw)
-        return grpc.unary_unary_rpc_method_handler(unary, **kw)
-
-    inner, streamed = handler.unary_stream or handler.stream_stream, bool(handler.stream_stream)
+        make = (grpc.stream_unary_rpc_method_handler if streamed
+                else grpc.unary_unary_rpc_method_handler)
+        return make(unary, **kw)
 
     async def streaming(request, context):
         with guard(context) as held:
-            if context_of is not None:
-                context = context_of(held, context)
-            if prepare is not None:
-                request = await prepare(request, context, streamed)
+            request, context = await begin(held, request, context)
             out = inner(request, context)
             if inspect.isasyncgen(out):
                 async for item in out:
@@ -79,6 +82,6 @@ def wrap_handler(handler: grpc.RpcMethodHandler, *, guard: Guard | None = None,
                 for item in out:
                     yield item
 
-    if streamed:
-        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
-    return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    make = (grpc.stream_stream_rpc_method_handler if streamed
+            else grpc.unary_stream_rpc_method_handler)
+    return make(streaming, **kw)
