@@ -4,12 +4,14 @@ introspection (descriptors, RSS) and restarts (SIGTERM, SIGKILL)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -302,3 +304,40 @@ def http_daemon(root: Path, tokens: dict[str, str], seed: int, **kw) -> Daemon:
             c.upload(tenant, path)
     d.http = server["http_listen"]
     return d
+
+
+#: ``pytest.fixture`` arguments of a module's daemon fixture that runs every test of the module
+#: twice: the daemon serving its port itself, and behind two ingress processes
+#: (``server.ingress_processes``); the fixture's ``request.param`` is the count for
+#: :func:`serving`.
+PORT_AND_INGRESS = dict(params=[0, 2], ids=["port", "ingress"])
+
+
+def save_hf_tenants(root: Path, tenants: dict[str, tuple[int | None, int]]
+                    ) -> tuple[dict[str, object], dict[str, Path]]:
+    """For each tenant id -> (num_labels, seed): a random bert-tiny Hugging Face model, saved as
+    ``root/<id>.safetensors``. Returns (models, files) by tenant id: the models are the oracle's,
+    the files what a client uploads."""
+    from itif.safetensors_io import save_safetensors  # noqa: PLC0415
+    from tests.oracle import make_hf_model  # noqa: PLC0415 - torch and transformers, on demand
+
+    models, files = {}, {}
+    for tid, (labels, seed) in tenants.items():
+        models[tid] = m = make_hf_model("bert-tiny", labels, seed=seed)
+        files[tid] = root / f"{tid}.safetensors"
+        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, files[tid])
+    return models, files
+
+
+@contextlib.contextmanager
+def serving(root: Path, tokens: dict[str, str], files: dict[str, Path], *, ingress: int,
+            upload: Iterable[str] | None = None) -> Iterator[Daemon]:
+    """A started daemon of the ``tokens`` tenants, with ``ingress`` ingress processes (0: it
+    serves its port itself), each tenant of ``upload`` (all by default) given its file through
+    its own token; stopped on leaving."""
+    d = Daemon(root, dict(tokens), server_extra={"ingress_processes": ingress}).start()
+    with d:
+        for tid in tokens if upload is None else upload:
+            with d.client(tokens[tid]) as c:
+                c.upload(tid, files[tid])
+        yield d

@@ -24,11 +24,10 @@ from itif.config import hash_token, parse_config
 from itif.daemon import Daemon as InProcessDaemon
 from itif.daemon_state import State
 from itif.hostpath.columns import STATUS, Arrivals, Results, status_code
-from itif.safetensors_io import save_safetensors
 from itif.server.column_door import ColumnDoor
 from itif.server.ingress_columns import FRONTEND_SHIFT
-from tests.daemon_harness import Daemon
-from tests.oracle import make_hf_model, reference
+from tests.daemon_harness import Daemon, save_hf_tenants
+from tests.oracle import reference
 
 
 # ---- in process: the door and its rings ---------------------------------------------------
@@ -173,14 +172,10 @@ TOKENS = {"acme": "acme-tok", "beta": "beta-tok"}
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    root = tmp_path_factory.mktemp("column-weights")
-    out = {}
-    for t, labels, seed in (("acme", 3, 5), ("beta", None, 6)):
-        m = make_hf_model("bert-tiny", labels, seed=seed)
-        f = root / f"{t}.safetensors"
-        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, f)
-        out[t] = (m, f)
-    return out
+    """tenant -> (model, file); beta has no classification head."""
+    models, files = save_hf_tenants(tmp_path_factory.mktemp("column-weights"),
+                                    {"acme": (3, 5), "beta": (None, 6)})
+    return {t: (models[t], files[t]) for t in models}
 
 
 def _column_rows(d: Daemon) -> int:

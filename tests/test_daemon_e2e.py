@@ -11,38 +11,26 @@ import numpy as np
 import pytest
 
 import itif
-from itif.safetensors_io import save_safetensors
 from itif.server._proto.itif.v1 import itif_pb2
-from tests.daemon_harness import ADMIN, Daemon
-from tests.oracle import make_hf_model, reference
+from tests.daemon_harness import ADMIN, PORT_AND_INGRESS, Daemon, save_hf_tenants, serving
+from tests.oracle import reference
 
 TOKENS = {"acme": "acme-tok", "beta": "beta-tok", "gamma": "gamma-tok"}
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    d = tmp_path_factory.mktemp("weights")
-    models, files = {}, {}
-    for i, tid in enumerate(TOKENS):
-        m = make_hf_model("bert-tiny", 2 + i, seed=200 + i)
-        models[tid] = m
-        files[tid] = d / f"{tid}.safetensors"
-        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, files[tid])
-    return models, files
+    """(models, files): tenant i has 2 + i labels."""
+    return save_hf_tenants(tmp_path_factory.mktemp("weights"),
+                           {tid: (2 + i, 200 + i) for i, tid in enumerate(TOKENS)})
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["port", "ingress"])
+@pytest.fixture(scope="module", **PORT_AND_INGRESS)
 def daemon(request, tmp_path_factory, weights):
-    """The daemon serving its port itself, and behind two ingress processes
-    (``server.ingress_processes``): every test here must pass against both."""
-    extra = {"ingress_processes": request.param} if request.param else {}
-    d = Daemon(tmp_path_factory.mktemp("daemon"), dict(TOKENS), server_extra=extra).start()
-    _, files = weights
-    for tid, tok in TOKENS.items():
-        with d.client(tok) as c:
-            c.upload(tid, files[tid])
-    yield d
-    d.stop()
+    """Every tenant uploaded; every test here must pass on the port and behind ingress."""
+    with serving(tmp_path_factory.mktemp("daemon"), TOKENS, weights[1],
+                 ingress=request.param) as d:
+        yield d
 
 
 def _code(fn) -> grpc.StatusCode:

@@ -11,7 +11,7 @@ import pytest
 
 import itif
 from itif.safetensors_io import save_safetensors
-from tests.daemon_harness import ADMIN, Daemon
+from tests.daemon_harness import ADMIN, PORT_AND_INGRESS, Daemon, save_hf_tenants, serving
 from tests.oracle import make_hf_model, reference
 
 tg = pytest.importorskip("tritonclient.grpc")
@@ -28,29 +28,18 @@ def H(token: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kserve-weights")
-    models, files = {}, {}
-    for i, tid in enumerate(TOKENS):
-        m = make_hf_model("bert-tiny", LABELS[tid], seed=300 + i)
-        models[tid] = m
-        files[tid] = d / f"{tid}.safetensors"
-        save_safetensors({k: v.contiguous() for k, v in m.state_dict().items()}, files[tid])
-    return models, files
+    """(models, files), with each tenant's LABELS."""
+    return save_hf_tenants(tmp_path_factory.mktemp("kserve-weights"),
+                           {tid: (LABELS[tid], 300 + i) for i, tid in enumerate(TOKENS)})
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["port", "ingress"])
+@pytest.fixture(scope="module", **PORT_AND_INGRESS)
 def daemon(request, tmp_path_factory, weights):
-    """The daemon serving its port itself, and behind two ingress processes
-    (``server.ingress_processes``): every test here must pass against both."""
-    extra = {"ingress_processes": request.param} if request.param else {}
-    d = Daemon(tmp_path_factory.mktemp("kserve-daemon"), dict(TOKENS),
-               server_extra=extra).start()
-    _, files = weights
-    for tid in ("acme", "beta"):  # gamma arrives through load_model
-        with d.client(TOKENS[tid]) as c:
-            c.upload(tid, files[tid])
-    yield d
-    d.stop()
+    """Every test here must pass on the port and behind ingress; gamma's weights are not
+    uploaded (they arrive through load_model)."""
+    with serving(tmp_path_factory.mktemp("kserve-daemon"), TOKENS, weights[1],
+                 ingress=request.param, upload=("acme", "beta")) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -494,31 +494,12 @@ def test_sampling_reproducible_and_equal_to_hf_warpers(tenants):
             want, _ = tenants[req.tenant].generate(req)
         assert crowded[key].sequences == want, (key, req)
     # different seeds give different samples
-    a = drive(
-        tenants,
-        [
-            (
-                "a",
-                0,
-                GenerateRequest(
-                    tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=1, max_new_tokens=12
-                ),
-            )
-        ],
-    )[0]["a"].sequences
-    b = drive(
-        tenants,
-        [
-            (
-                "b",
-                0,
-                GenerateRequest(
-                    tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=2, max_new_tokens=12
-                ),
-            )
-        ],
-    )[0]["b"].sequences
-    assert a != b
+    def sampled(key: str, seed: int):
+        req = GenerateRequest(tenant="gpt2-a", input_ids=[9, 9], do_sample=True, seed=seed,
+                              max_new_tokens=12)
+        return drive(tenants, [(key, 0, req)])[0][key].sequences
+
+    assert sampled("a", 1) != sampled("b", 2)
 
 
 def test_sample_draws_follow_softmax():
