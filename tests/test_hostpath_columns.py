@@ -229,6 +229,45 @@ def test_quiet_tenant_gets_into_the_next_batch_despite_a_flood():
         call += 1
 
 
+@pytest.mark.parametrize("quiet_len", [16, 32])
+def test_a_tenant_back_from_idle_runs_without_the_floods_tail(quiet_len):
+    """Issue 61: a tenant back from idle joins a flood. Its batch ends where its own rows'
+    service ends (the flood's rows that start before its finish tag ride along, the rest wait
+    for the next batch, in order), in the column queue and in the scheduler's fair queue."""
+    quotas = {"noisy": TenantQuota(max_queue=1000), "quiet": TenantQuota(max_queue=1000)}
+    fq = _fair_queue(quotas)
+    cq = ColumnQueue()
+    for n, q in quotas.items():
+        cq.add_tenant(n, q)
+    tickets = []
+
+    def push(tenant: int, lengths: list[int]) -> None:
+        name = ("noisy", "quiet")[tenant]
+        seq = len(tickets)
+        cq.push(arrivals([tenant] * len(lengths), lengths,
+                         call_id=np.arange(seq, seq + len(lengths))), now=0.0)
+        for n in lengths:
+            t = Ticket(None, fq.tenants[name], Request(name), n, 0, None, len(tickets), 0.0)
+            tickets.append(t)
+            fq.push(t)
+
+    def take(rows: int) -> list[tuple[str, int]]:
+        want, _ = fq.form(0.0, max_tokens=8192, max_size=rows, isolate=False,
+                          estimate=None, error=lambda t, now: RuntimeError())
+        got = cq.take(8192, rows, now=0.0)
+        assert got.call_id.tolist() == [t.seq for t in want]
+        return [(t.tenant, t.seq) for t in want]
+
+    push(0, [16] * 64)
+    assert len(take(8)) == 8  # the flood alone: noisy's tag 128, the virtual time 112
+    push(1, [quiet_len])
+    ride = [("noisy", 8)] if quiet_len == 32 else []  # noisy's row 8 starts at 128 < 144
+    assert take(256) == [("quiet", 64), *ride]
+    assert cq.vtime == fq.vtime and cq.queued == fq.queued == 56 - len(ride)
+    assert fq.tenants["noisy"].oldest().seq == 8 + len(ride)
+    assert take(256) == [("noisy", i) for i in range(8 + len(ride), 64)]  # then the flood
+
+
 def test_deadlines_expire_at_push_and_at_batch_formation():
     cq = ColumnQueue()
     cq.add_tenant("a")

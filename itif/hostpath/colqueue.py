@@ -12,6 +12,11 @@ The policy is the scheduler's (``itif.scheduler``, ``fairqueue.py``), restated f
 - *Within a tenant:* higher ``priority`` first, then arrival order.
 - *Budget:* a row that does not fit the rest of ``max_tokens`` leaves its tenant out of this
   batch only (it keeps the smallest tag); the first row always fits; at most ``max_rows``.
+- *No run-ahead tail:* in a batch of several tenants, its last rows, if all one tenant's,
+  starting at or after the finish tag of every other tenant's rows in it and more tokens than
+  the rest of the batch, wait for the next batch (tags kept). Else a tenant back from idle
+  rides in a batch filled with a flood's rows (this CPU: a one-row call in a 13-row batch,
+  9 ms, not 3; bench/hostile_load.py --parts fair). Backlogged tenants interleave by weight.
 - *Deadlines:* rows whose deadline passed leave at batch formation (and at ``push``) with
   DEADLINE_EXCEEDED, never run.
 - *Limits at push:* unknown or removed tenant (NOT_FOUND), longer than the tenant's
@@ -117,6 +122,23 @@ def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     idx = (starts - (ends - lengths)).repeat(lengths)
     idx += np.arange(total)
     return idx
+
+
+def _trim_tail(chosen: np.ndarray, t: np.ndarray, lengths: np.ndarray, start_tag: np.ndarray,
+               cost: np.ndarray) -> np.ndarray:
+    """``chosen`` (positions in start-tag order) less its run-ahead tail (the module
+    docstring): the last rows, all of one tenant, that start at or after the finish tag of
+    every other tenant's rows in the batch, when they hold more tokens than the rest."""
+    tc = t[chosen]
+    last = tc[-1]
+    other = tc != last
+    if not other.any():
+        return chosen  # one tenant's batch
+    finish = float(_MAX((start_tag[chosen] + cost[chosen])[other]))
+    k = int(np.flatnonzero(other)[-1]) + 1  # the tail starts after the others' last row
+    k += int(_COUNT(start_tag[chosen[k:]] < finish))
+    cum = _CUMSUM(lengths[chosen])
+    return chosen[:k] if 2 * int(cum[k - 1]) < int(cum[-1]) else chosen
 
 
 class ColumnQueue:
@@ -418,6 +440,7 @@ class ColumnQueue:
             chosen = pick  # everything fits
         else:
             chosen = self._budget(pick, t, lengths, max_tokens, max_rows)
+        chosen = _trim_tail(chosen, t, lengths, start_tag, cost)
         got, tc, lc = rows[chosen], t[chosen], lengths[chosen]
         self.vtime = max(self.vtime, float(start_tag[chosen[-1]]))
         self.tag += np.bincount(tc, cost[chosen], T)

@@ -3,7 +3,10 @@
 Every tenant has a virtual tag; a batch repeatedly takes the head request of the tenant with the
 smallest tag and advances that tag by ``tokens / weight``. A tenant whose queue was empty
 restarts at the system virtual time (the tag of the last request taken), so idling banks no
-credit. See ``itif.scheduler`` for the whole policy. Nothing here locks: the scheduler calls
+credit. A batch of several tenants ends with no run-ahead tail: its last requests, if all of one
+tenant, starting at or after the finish tag of every other tenant's requests in it and more
+tokens than the rest of the batch, go back to wait for the next batch (``itif.hostpath.colqueue``
+says why). See ``itif.scheduler`` for the whole policy. Nothing here locks: the scheduler calls
 every method with its lock held.
 """
 
@@ -231,6 +234,8 @@ class FairQueue:
         # Latency sizing: the smallest slack (time left to its tenant's latency target) of the
         # members that still meet their target in the batch as formed so far.
         sizing = estimate is not None
+        vtime0 = self.vtime
+        starts: list[float] = []  # each member's start tag
         feasible_slack = math.inf
         slacks: list[float] = []  # min-heap of the members' slacks that still meet their target
         while heap and len(batch) < size:
@@ -266,11 +271,44 @@ class FairQueue:
                     heapq.heappop(slacks)
                 feasible_slack = slacks[0] if slacks else math.inf
             self.vtime = max(self.vtime, tq.tag)
+            starts.append(tq.tag)
             tq.tag += max(t.tokens, 1) / tq.quota.weight
             if isolate:  # the rest of this batch comes from this tenant only
                 heap = [(tq.tag, tq.order, tq)] if tq.depth > 0 else []
             elif tq.depth > 0:
                 heapq.heappush(heap, (tq.tag, tq.order, tq))
         if batch:
+            self._trim_tail(batch, starts, vtime0)
             self._compact_deadlines()
         return batch, dropped
+
+    def _trim_tail(self, batch: list[Ticket], starts: list[float], vtime0: float) -> None:
+        """Put the batch's run-ahead tail (the module docstring) back in its queue, as if
+        never taken."""
+        last = batch[-1].queue
+        finish = max((s + max(t.tokens, 1) / t.queue.quota.weight
+                      for t, s in zip(batch, starts) if t.queue is not last), default=None)
+        if finish is None:
+            return  # one tenant's batch
+        k = len(batch)
+        while batch[k - 1].queue is last and starts[k - 1] >= finish:
+            k -= 1
+        if 2 * sum(t.tokens for t in batch[:k]) >= sum(t.tokens for t in batch):
+            return  # a short tail: it runs with the rest
+        back, batch[k:] = batch[k:], []
+        last.tag = starts[k]  # its tag before it took them
+        for t in back:
+            t.mark(QUEUED)
+            t.started_at = None
+            heapq.heappush(last.heap, (-t.priority, t.seq, t))
+            last.depth += 1
+            last.tokens += t.tokens
+            self.queued += 1
+            self.queued_tokens += t.tokens
+        # taking them may have dropped them from the FIFO (its compaction keeps queued ones)
+        last.fifo = deque(sorted((e[2] for e in last.heap if e[2].state == QUEUED),
+                                 key=lambda x: x.seq))
+        self.active[last.name] = last
+        if last.removed:
+            self.tenants.setdefault(last.name, last)
+        self.vtime = max(vtime0, max(starts[:k]))
