@@ -18,6 +18,7 @@ from itif.generation.hf_import import to_canonical
 from itif.generation.running import Admission, RunningBatch
 from itif.generation.spec import PRESETS, spec_from_hf_config
 from itif.weights.store import WeightStore
+from tests.decoder_oracle import hf_decoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,37 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model(spec, seed: int):
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        GPT2Config,
-        GPT2LMHeadModel,
-        MarianConfig,
-        MarianMTModel,
-    )
-    torch.manual_seed(seed)
-    cfg = spec.hf_config()
-    if spec.family == "gpt2":
-        m = GPT2LMHeadModel(GPT2Config(**cfg, bos_token_id=0, eos_token_id=0))
-    elif spec.family == "bart":
-        m = BartForConditionalGeneration(
-            BartConfig(
-                **cfg,
-                bos_token_id=0,
-                eos_token_id=2,
-                decoder_start_token_id=2,
-                forced_eos_token_id=2,
-            )
-        )
-    else:
-        m = MarianMTModel(
-            MarianConfig(
-                **cfg,
-                eos_token_id=0,
-                decoder_start_token_id=spec.pad_token_id,
-                forced_eos_token_id=0,
-            )
-        )
+    m = hf_decoder(spec, seed)
     # random init leaves biases and final_logits_bias at zero: make them count
     with torch.no_grad():
         for name, p in m.named_parameters():

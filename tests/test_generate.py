@@ -27,47 +27,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("itif.generation.search")
 
 from itif.generation.engine import GenEngine  # noqa: E402
-
-EOS = {"gpt2": 0, "bart": 2, "marian": 0}
+from tests.decoder_oracle import EOS, hf_decoder  # noqa: E402
 
 
 def hf_model(spec, seed: int):
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        GPT2Config,
-        GPT2LMHeadModel,
-        MarianConfig,
-        MarianMTModel,
-    )
-    torch.manual_seed(seed)
-    cfg = spec.hf_config()
+    m = hf_decoder(spec, seed, init_std=0.2)
     eos = EOS[spec.family]
-    if spec.family == "gpt2":
-        m = GPT2LMHeadModel(
-            GPT2Config(**cfg, bos_token_id=eos, eos_token_id=eos, initializer_range=0.2)
-        )
-    elif spec.family == "bart":
-        m = BartForConditionalGeneration(
-            BartConfig(
-                **cfg,
-                bos_token_id=0,
-                eos_token_id=eos,
-                init_std=0.2,
-                decoder_start_token_id=2,
-                forced_eos_token_id=eos,
-            )
-        )
-    else:
-        m = MarianMTModel(
-            MarianConfig(
-                **cfg,
-                eos_token_id=eos,
-                decoder_start_token_id=spec.pad_token_id,
-                forced_eos_token_id=eos,
-                init_std=0.2,
-            )
-        )
+    if spec.family == "marian":
         m.generation_config.bad_words_ids = [[spec.pad_token_id]]  # as Marian checkpoints ship
     with torch.no_grad():
         for name, p in m.named_parameters():
