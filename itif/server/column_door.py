@@ -169,32 +169,35 @@ class ColumnDoor:
                               estimate_ms=estimate_ms, stopping=stopping)
 
     def _take_in(self, now: float, stopping: bool) -> None:
-        """Every published arrival batch into the queue (copied there), its slots released."""
-        for c in self._in:
-            views = c.ready()
-            if not views:
-                continue
-            n_views, a = len(views), None
+        """Every published arrival batch of every ring into the queue, as one batch (one
+        unpack, one push: the engine's cost is per push, not per row), slots released."""
+        taken = [(c, c.ready()) for c in self._in]
+        views = [v for _, vs in taken for v in vs]
+        if not views:
+            return
+        a = None
+        try:
+            a = Arrivals.unpack_many(views)  # a copy: the slots are free again at once
+        except Exception:  # never leave a slot unread: that would spin
+            log.exception("arrivals could not be read; their calls fail INTERNAL")
+            status, call_id = self._unreadable(views)
+        finally:
+            views = None  # no view of a slot outlives its release
+            for c, vs in taken:
+                c.release(len(vs))
+            taken = None
+        if a is not None:
+            call_id = a.call_id
             try:
-                a = Arrivals.unpack_many(views)  # a copy: the slots are free again at once
-            except Exception:  # never leave a slot unread: that would spin
-                log.exception("arrivals could not be read; their calls fail INTERNAL")
-                status, call_id = self._unreadable(views)
-            finally:
-                views = None  # no view of a slot outlives its release
-                c.release(n_views)
-            if a is not None:
-                call_id = a.call_id
-                try:
-                    status = (np.full(len(a), status_code("UNAVAILABLE"), np.int8) if stopping
-                              else self.queue.push(a, now))
-                except Exception:  # the calls fail, the loop goes on
-                    log.exception("arrivals could not be queued; their calls fail INTERNAL")
-                    status = np.full(len(a), status_code("INTERNAL"), np.int8)
-            self.rows_in += call_id.size
-            bad = status != _OK
-            if bad.any():
-                self._refuse(call_id[bad], status[bad])
+                status = (np.full(len(a), status_code("UNAVAILABLE"), np.int8) if stopping
+                          else self.queue.push(a, now))
+            except Exception:  # the calls fail, the loop goes on
+                log.exception("arrivals could not be queued; their calls fail INTERNAL")
+                status = np.full(len(a), status_code("INTERNAL"), np.int8)
+        self.rows_in += call_id.size
+        bad = status != _OK
+        if bad.any():
+            self._refuse(call_id[bad], status[bad])
 
     @staticmethod
     def _unreadable(views) -> tuple[np.ndarray, np.ndarray]:
