@@ -55,12 +55,12 @@ from itif.backbones.hf import CanonicalWeights
 from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
 from itif.generation import decoder_lora, deltas, streams
 from itif.generation.api import GenerateRequest, Generation, GenerationDefaults, check_request
+from itif.generation.gen_tickets import GenEvent, GenTicket
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.join_order import FairWaiting
 from itif.generation.running import Admission, RunningBatch
 from itif.generation.scheduling import StepParts, error_for
 from itif.generation.spec import PRESET_DEFAULTS, DecoderSpec, defaults_from_dir, load_decoder_spec
-from itif.generation.tickets import GenEvent, Ticket
 from itif.platform import tune_host_malloc
 from itif.runtime import cpu_gemm
 from itif.weights.store import WeightStore
@@ -112,13 +112,13 @@ class GenEngine(StepParts):
         )
         self._ids = itertools.count()
         self._cv = threading.Condition()
-        self._waiting: FairWaiting[Ticket] = FairWaiting()
-        self._resume: deque[Ticket] = deque()  # preempted requests, resumed before any other
+        self._waiting: FairWaiting[GenTicket] = FairWaiting()
+        self._resume: deque[GenTicket] = deque()  # preempted requests, resumed before any other
         self.preemptions = 0  # requests preempted for lack of KV blocks, since the start
-        self._running: dict[int, Ticket] = {}
+        self._running: dict[int, GenTicket] = {}
         self._sinks = streams.Sinks()  # the streamed tokens' consumers
-        self._restream: list[Ticket] = []  # consumers given (``stream_to``) since the last step
-        self._cancel: list[Ticket] = []
+        self._restream: list[GenTicket] = []  # consumers given (``stream_to``) since the last step
+        self._cancel: list[GenTicket] = []
         self._step_lock = threading.Lock()  # one iteration at a time
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -203,7 +203,7 @@ class GenEngine(StepParts):
             dropped, TenantNotFound(f"tenant {shown(tenant)} was removed during its generation")
         )
 
-    def _take_running(self, tenant: str) -> list[Ticket]:
+    def _take_running(self, tenant: str) -> list[GenTicket]:
         """(Step lock held.) Take ``tenant``'s running requests out: rows and blocks freed."""
         with self._cv:
             held = [t for t in self._resume if t.request.tenant == tenant]
@@ -217,13 +217,13 @@ class GenEngine(StepParts):
         self._batch.remove(keys)
         return held + [self._running.pop(k) for k in keys]
 
-    def _fail(self, tickets: list[Ticket], err: ItifError) -> None:
+    def _fail(self, tickets: list[GenTicket], err: ItifError) -> None:
         for t in tickets:
             t.done = True
             if not t.cancelled:
                 self._emit(t, GenEvent("error", error=err))
 
-    def _emit(self, t: Ticket, ev: GenEvent) -> None:
+    def _emit(self, t: GenTicket, ev: GenEvent) -> None:
         """``ev`` to ``t``'s caller. A callback that raises (its caller's event loop closed,
         say) ends its own request only: cancelled, its rows leave at the next step; the step
         and every other request go on."""
@@ -251,7 +251,7 @@ class GenEngine(StepParts):
         out of range, over the positions, more than the whole KV cache), running nothing."""
         self._prepare(r)
 
-    def _prepare(self, r: GenerateRequest) -> Ticket:
+    def _prepare(self, r: GenerateRequest) -> GenTicket:
         """Validate ``r`` fully (InvalidRequest naming the field) and resolve its search."""
         spec = self.spec
         if r.tenant not in self.store:
@@ -284,7 +284,7 @@ class GenEngine(StepParts):
                                  f"{len(prompt)} decoder tokens need {total - 1} positions, "
                                  f"over the backbone's {spec.max_len}")
         params = _search().search_params(r, d, spec.encoder_decoder)
-        t = Ticket(next(self._ids), r, lambda ev: None, params)
+        t = GenTicket(next(self._ids), r, lambda ev: None, params)
         t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens - 1, source)
         t.history = prompt
         t.stream = params.mode != "beam"
@@ -330,7 +330,7 @@ class GenEngine(StepParts):
         return [ev.generation for ev in out]
 
     def submit(self, request: GenerateRequest, on_event: Callable[[GenEvent], None],
-               sink: streams.Consumer | None = None) -> Ticket:
+               sink: streams.Consumer | None = None) -> GenTicket:
         """Queue ``request`` (validated now: InvalidRequest raises here); events come from the
         loop thread and ``on_event`` must not block. ``sink``: the consumer its streamed tokens
         go to, in bulk with its other requests' (``itif.generation.streams``; held weakly);
@@ -342,7 +342,7 @@ class GenEngine(StepParts):
             self._cv.notify_all()
         return t
 
-    def stream_to(self, ticket: Ticket, sink: streams.Consumer) -> None:
+    def stream_to(self, ticket: GenTicket, sink: streams.Consumer) -> None:
         """Hand ``ticket``'s streamed tokens to ``sink`` from the next step on, rather than to
         its callback: for a caller whose ticket came through a front door that takes a
         callback only (``Daemon.submit_generate``). Tokens decided before came through the
@@ -351,7 +351,7 @@ class GenEngine(StepParts):
             ticket.sink = sink
             self._restream.append(ticket)
 
-    def _enqueue(self, t: Ticket) -> None:
+    def _enqueue(self, t: GenTicket) -> None:
         """Queue ``t`` at its fair place; its cost is its token budget (see ``join_order``)."""
         a = t.admission
         cost = a.rows * a.max_new_tokens + len(a.prompt) + (len(a.source) if a.source else 0)
@@ -362,7 +362,7 @@ class GenEngine(StepParts):
         with self._cv:
             self._waiting.set_weights(weights)
 
-    def cancel(self, ticket: Ticket) -> None:
+    def cancel(self, ticket: GenTicket) -> None:
         """Free the request's rows and cache blocks (at the loop's next step); no more events."""
         with self._cv:
             if ticket.done or ticket.cancelled:
@@ -416,7 +416,7 @@ class GenEngine(StepParts):
                 "bytes_used": (pool.blocks - pool.free_blocks) * pool.block_bytes,
                 "rows": self._batch.rows, "running": len(self._running), "waiting": waiting}
 
-    def cross_positions(self, ticket: Ticket) -> int:
+    def cross_positions(self, ticket: GenTicket) -> int:
         """Pool positions holding a running request's cross-attention K/V (one copy per source)."""
         return self._batch.cross_positions(ticket.id)
 
@@ -474,7 +474,7 @@ class GenEngine(StepParts):
                 sb.stream(t.id, t.id, self._sinks.slot(t.sink))
         self._preempt(batch, sb)  # room for the running rows' next blocks (decode takes them)
         with self._cv:
-            joins: list[Ticket] = []
+            joins: list[GenTicket] = []
             free = batch.pool.free_blocks - batch.grow_need()  # the running rows grow first
             while self._resume or self._waiting:
                 head = self._resume[0] if self._resume else self._waiting.peek()
@@ -534,7 +534,7 @@ class GenEngine(StepParts):
             self.cancel(self._running[key])
 
     @staticmethod
-    def _generation(t: Ticket, g: Any) -> Generation:
+    def _generation(t: GenTicket, g: Any) -> Generation:
         if isinstance(g, Generation):
             return replace(g, tenant=t.request.tenant)
         return Generation(t.request.tenant, [list(s) for s in g.sequences],
@@ -562,4 +562,4 @@ class GenEngine(StepParts):
                                    before_forward=self._before_forward, lora=self.lora)
         self._rebuild = False
 
-__all__ = ["GenEngine", "GenEvent", "Ticket"]
+__all__ = ["GenEngine", "GenEvent", "GenTicket"]

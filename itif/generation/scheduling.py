@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from itif.errors import Busy, ItifError, is_out_of_memory
+from itif.generation.gen_tickets import GenTicket
 from itif.generation.running import RunningBatch
-from itif.generation.tickets import Ticket
 
 log = logging.getLogger("itif.generation")
 
@@ -74,8 +74,8 @@ class StepParts:
             return keep.new_empty(0, 0, dtype=batch.dtype)
         return logits.index_select(0, keep)
 
-    def _admit(self, batch: RunningBatch, sb: Any, joins: list[Ticket],
-               parts: list[torch.Tensor]) -> list[Ticket]:
+    def _admit(self, batch: RunningBatch, sb: Any, joins: list[GenTicket],
+               parts: list[torch.Tensor]) -> list[GenTicket]:
         """Admit ``joins`` (their prompts run, their first logits appended to ``parts``); the
         ones admitted. If their prompts fail together (out of memory, most often: one long
         prompt), each runs again alone, in order, so only those that still fail fail; a failed
@@ -99,7 +99,7 @@ class StepParts:
                 self._refuse_join(sb, t, e)
         return admitted
 
-    def _refuse_join(self, sb: Any, t: Ticket, e: Exception) -> None:
+    def _refuse_join(self, sb: Any, t: GenTicket, e: Exception) -> None:
         """Fail a request whose prompt could not run: out of the search and the running set."""
         log.warning("generation request %s (tenant %s) could not start: %r", t.id,
                     t.request.tenant, e)
@@ -109,7 +109,7 @@ class StepParts:
                                   "prompt: retry, or send a shorter prompt or fewer rows",
                                "generation could not start"))
 
-    def _join_search(self, sb: Any, t: Ticket) -> bool:
+    def _join_search(self, sb: Any, t: GenTicket) -> bool:
         """Add ``t``'s rows to the search (before the cache admits it: the rows of both stay in
         the same order). A request the search refuses fails alone; the others go on."""
         try:

@@ -2,7 +2,7 @@
 
 A *consumer* is any object with ``put(ids, tokens)``. The GenEngine's loop thread calls it
 once per step in which any of its requests appended a token, with two int64 numpy arrays of
-one length that the consumer then owns: the requests' ids (``Ticket.id``, each at most once)
+one length that the consumer then owns: the requests' ids (``GenTicket.id``, each at most once)
 and the token each appended, in no particular order. ``put`` must not block: it posts the
 arrays on (to an event loop, a queue, shared memory) and returns. The server has one consumer
 per event loop (``itif.server.generate``), so however many calls stream, a step makes one call

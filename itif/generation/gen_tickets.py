@@ -1,5 +1,5 @@
 """What the generation loop hands its callers: ``GenEvent`` (one event of a submitted request)
-and ``Ticket`` (a submitted request and its state in the loop). Kept apart from
+and ``GenTicket`` (a submitted request and its state in the loop). Kept apart from
 ``itif.generation.engine``, which re-exports both."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class GenEvent:
 
 
 @dataclass(eq=False)
-class Ticket:
+class GenTicket:
     """One submitted request (hashable by identity)."""
 
     id: int
@@ -42,4 +42,4 @@ class Ticket:
     done: bool = False
 
 
-__all__ = ["GenEvent", "Ticket"]
+__all__ = ["GenEvent", "GenTicket"]
