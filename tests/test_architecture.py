@@ -362,18 +362,6 @@ FOREIGN_INTERNALS: dict[str, dict[str, str]] = {
                                                           "to find it again",
     },
 }
-#: Private reads in files other engineers owned when this rule came in, each to be fixed at
-#: its owner with a public name: file -> {what is read: why}. It may only shrink: a new read
-#: fails the test, and so does an entry nothing reads any more (delete it). A file not in the
-#: tree is passed over (one a parallel change is adding: its entries were written with it).
-OWNED_ELSEWHERE: dict[str, dict[str, str]] = {
-    "itif/bench/perf_doc.py": {
-        "itif.bench.report._ms": "owned elsewhere today (with itif/bench/report.py): the table "
-                                 "helpers perf_doc shares with report need public names",
-        "itif.bench.report._table": "owned elsewhere today: the same",
-        "itif.bench.report._x": "owned elsewhere today: the same",
-    },
-}
 _CALLS_BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 
 
@@ -456,10 +444,7 @@ def test_private_use_finder_finds_them():
 def test_no_module_uses_another_objects_private_names():
     """Where a file needs another object's ``_`` member (or another module's ``_helper``), its
     owner gets a public method or name: issue 64, item 2."""
-    allowed: dict[str, set[str]] = {}
-    for table in (FOREIGN_INTERNALS, OWNED_ELSEWHERE):
-        for rel, reads in table.items():
-            allowed.setdefault(rel, set()).update(reads)
+    allowed = {rel: set(reads) for rel, reads in FOREIGN_INTERNALS.items()}
     found: dict[str, set[str]] = {}
     for name, path in _modules().items():
         if _generated(path):
@@ -476,4 +461,4 @@ def test_no_module_uses_another_objects_private_names():
     gone = {f: sorted(a - found.get(f, set())) for f, a in allowed.items()
             if (REPO / f).is_file()}
     gone = {f: a for f, a in gone.items() if a}
-    assert not gone, f"no longer used: delete from FOREIGN_INTERNALS / OWNED_ELSEWHERE: {gone}"
+    assert not gone, f"no longer used: delete from FOREIGN_INTERNALS: {gone}"

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from itif.bench.report import _ms, _table, _x
+from itif.bench.report import fmt_ms, fmt_x, md_table
 from itif.bench.thesis import THESIS_DEVICE, THESIS_MODELS, THESIS_TABLE_5_2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,12 +184,12 @@ def offline_table(r: Result) -> str:
                 bad = [x for x in rows if (x["model"], x["tenants"], x.get("system")) == (m, t, s)]
                 cells.append(bad[0].get("status", "–") if bad else "–")
             else:
-                cells.append(_ms(got["latency_ms"]))
+                cells.append(fmt_ms(got["latency_ms"]))
         for b in bases:
             got = next(iter(_ok(rows, model=m, tenants=t, system=b)), None)
-            cells.append(_x(got["latency_ms"] / it["latency_ms"]) if got and it else "–")
+            cells.append(fmt_x(got["latency_ms"] / it["latency_ms"]) if got and it else "–")
         body.append([m, t, *cells])
-    return _table(["model", "tenants", *[f"{s} ms" for s in systems],
+    return md_table(["model", "tenants", *[f"{s} ms" for s in systems],
                    *[f"itif vs {b}" for b in bases]], body)
 
 
@@ -210,7 +210,7 @@ def _imp(r: Result | None, model: str, tenants: int) -> str:
     rows = _offline_rows(r)
     it = _fused(rows, model, tenants)
     seq = next(iter(_ok(rows, model=model, tenants=tenants, system="seq")), None)
-    return _x(seq["latency_ms"] / it["latency_ms"]) if it and seq else "–"
+    return fmt_x(seq["latency_ms"] / it["latency_ms"]) if it and seq else "–"
 
 
 def thesis_table(cpu: Result | None, gpu: Result | None, doc_dir: Path) -> list[str]:
@@ -234,7 +234,7 @@ def thesis_table(cpu: Result | None, gpu: Result | None, doc_dir: Path) -> list[
              "the encoder runs below; '–' where a run has no such N. The DECODING rows are "
              "generation (beam search): ours are the Generation sections' tokens/s, a different "
              "measure.\n"), "\n".join(srcs) + "\n",
-            _table(["thesis model", "N.T.", "thesis IMP", "our model", *heads], body), ""]
+            md_table(["thesis model", "N.T.", "thesis IMP", "our model", *heads], body), ""]
 
 
 def serve_table(r: Result) -> str:
@@ -247,11 +247,11 @@ def serve_table(r: Result) -> str:
         good = (x.get("goodput_rps") or {}).get("500")
         body.append([x["mix"], x["system"], x.get("strategy", "–"),
                      x.get("ingress_processes", "–"), f"{x['throughput_rps']:.1f}",
-                     _x(x["throughput_rps"] / b["throughput_rps"]) if b else "–",
-                     _ms(x.get("p99_ms")), x.get("at_fraction", "–"),
-                     _ms(x.get("p50_at_fraction_ms")), _ms(x.get("p99_at_fraction_ms")),
+                     fmt_x(x["throughput_rps"] / b["throughput_rps"]) if b else "–",
+                     fmt_ms(x.get("p99_ms")), x.get("at_fraction", "–"),
+                     fmt_ms(x.get("p50_at_fraction_ms")), fmt_ms(x.get("p99_at_fraction_ms")),
                      "–" if good is None else f"{good:.1f}"])
-    return _table(["mix", "system", "strategy", "ingress processes", "saturation req/s",
+    return md_table(["mix", "system", "strategy", "ingress processes", "saturation req/s",
                    "vs per_tenant", "p99 ms there", "fraction", "p50 ms there", "p99 ms there",
                    "goodput req/s at p99 <= 500 ms"], body)
 
@@ -261,9 +261,9 @@ def generate_table(r: Result) -> str:
     head = (f"{st.get('preset')}, {st.get('tenants')} tenants x {st.get('requests_per_tenant')} "
             f"requests, beam {st.get('beams')}, {st.get('src_len')} source tokens, "
             f"{st.get('new_tokens')} new; best of {st.get('repeats')}.\n\n")
-    return head + _table(
+    return head + md_table(
         ["system", "tokens/s", "vs hf", "sequences equal to HF"],
-        [[x["system"], f"{x['tokens_per_s']:.1f}", _x(x.get("speedup_vs_hf")),
+        [[x["system"], f"{x['tokens_per_s']:.1f}", fmt_x(x.get("speedup_vs_hf")),
           f"{x['sequences_equal_hf']}/{x['sequences']}"] for x in r.rows])
 
 
@@ -285,8 +285,8 @@ def decoder_table(r: Result) -> str:
         eq = "" if x.get("equal_to_hf") is None else f"{x['equal_to_hf']}/{x['compared']}"
         body.append([x["system"], f"{x['tokens_per_s']:,.0f}", f"{x['latency_ms'] / 1e3:.3f}",
                      f"{x['latency_ms_min'] / 1e3:.3f}",
-                     *([_ms(x.get("ms_per_output_token"))] if per_token else []), *vs, eq])
-    return head + _table(["system", "tokens/s (median)", "median s", "fastest s",
+                     *([fmt_ms(x.get("ms_per_output_token"))] if per_token else []), *vs, eq])
+    return head + md_table(["system", "tokens/s (median)", "median s", "fastest s",
                           *(["ms per output token"] if per_token else []), "itif vs hf",
                           "itif vs vllm", "sequences equal to HF + PEFT"], body)
 
@@ -301,10 +301,10 @@ def peer_table(r: Result) -> str:
                          "", "", x.get("reason", "")])
             continue
         body.append([x["workload"], x["system"], x["dtype"], f"{x['throughput_rps']:.1f}",
-                     _x(x["vs_vllm"]) if "vs_vllm" in x else "",
-                     _x(x["vs_hf"]) if "vs_hf" in x else "",
+                     fmt_x(x["vs_vllm"]) if "vs_vllm" in x else "",
+                     fmt_x(x["vs_hf"]) if "vs_hf" in x else "",
                      _sci(x.get("max_abs_diff_vs_hf_fp32"))])
-    return _table(["workload", "system", "dtype", "req/s", "vs vllm", "vs hf",
+    return md_table(["workload", "system", "dtype", "req/s", "vs vllm", "vs hf",
                    "max |Δ logits| vs HF float32"], body)
 
 
@@ -327,7 +327,7 @@ def hostpath_table(r: Result) -> str:
              .replace("_", " ") for k in keys]
     body = [[x.get("repeat"), x.get("requests"), x.get("batches"), *[x.get(k, "–") for k in keys]]
             for x in r.rows]
-    return head + _table(["repeat", "requests", "batches", *heads], body)
+    return head + md_table(["repeat", "requests", "batches", *heads], body)
 
 
 def plan_table(r: Result) -> str:
@@ -338,13 +338,13 @@ def plan_table(r: Result) -> str:
             f"{d['backbone']}.\n\n")
     body = [[name, v["padded_tokens"], v["useful_tokens"], f"{v['predicted_ms']:.0f}",
              f"{v['measured_ms']:.0f}", f"{v['predicted_ms'] / v['measured_ms'] - 1:+.1%}",
-             _x(base / v["measured_ms"]), f"{v['plan_us_per_request']:.2f}", v["gemm_calls"]]
+             fmt_x(base / v["measured_ms"]), f"{v['plan_us_per_request']:.2f}", v["gemm_calls"]]
             for name, v in s.items()]
     pairs = (d.get("prediction") or {}).get("discordant_pairs")
     tail = "" if pairs is None else "\n\nRanking implied by the predictions: " + (
         "agrees with the measured one." if not pairs else
         "disagrees on " + ", ".join(f"{a} < {b}" for a, b in pairs) + ".")
-    return head + _table(["strategy", "padded tokens", "useful tokens", "predicted ms",
+    return head + md_table(["strategy", "padded tokens", "useful tokens", "predicted ms",
                           "measured ms", "error", "vs pad_to_max", "plan us/request",
                           "GEMM calls"], body) + tail
 
@@ -422,7 +422,8 @@ KINDS: dict[str, Kind] = {
         "`itif bench --suites decoder`: one `GenEngine` holding every adapter and fine-tune "
         "against HF + PEFT and vLLM-CPU (`max_loras`); *itif vs X* is itif's generated tokens/s "
         "over X's in the same file (fastest: over the fastest repeats). The setup, the model "
-        "and the earlier runs on a busy machine: [cpu-peer.md](cpu-peer.md#decoder-suite-issue-62).",
+        "and the earlier runs on a busy machine: "
+        "[cpu-peer.md](cpu-peer.md#decoder-suite-issue-62).",
         _cpu(_has("decoder")), decoder_table),
     "cpu-peer": Kind(
         "Encoders against vLLM (the outside peer)",

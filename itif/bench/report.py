@@ -31,13 +31,16 @@ def _systems_of(rows) -> tuple[str, ...]:
     return SYSTEMS + extra
 
 
-def _ms(v) -> str:
+def fmt_ms(v) -> str:
+    """Milliseconds as a table cell: 3 significant digits under 10, one decimal above; "–" for
+    None. Public: ``itif.bench.perf_doc`` writes its tables with the same cells."""
     if v is None:
         return "–"
     return f"{v:.3g}" if v < 10 else f"{v:.1f}"
 
 
-def _x(v) -> str:
+def fmt_x(v) -> str:
+    """A ratio as a table cell ("1.23×"); "–" for None."""
     return "–" if v is None else f"{v:.2f}×"
 
 
@@ -58,7 +61,8 @@ def _status(rows, **m):
     return "–"
 
 
-def _table(header: list[str], body: list[list[str]]) -> str:
+def md_table(header: list[str], body: list[list[str]]) -> str:
+    """A markdown table of ``header`` and ``body`` (each cell through ``str``)."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
     return "\n".join(out)
@@ -170,13 +174,13 @@ def _table52(add, rows, strat, doc_dir, meta):
                 cells = []
                 for sname in systems:
                     r = _one(table, model=m, tenants=t, system=sname)
-                    cells.append(_ms(r["latency_ms"]) if r else _status(table, model=m, tenants=t,
-                                                                          system=sname))
+                    cells.append(fmt_ms(r["latency_ms"]) if r else
+                                 _status(table, model=m, tenants=t, system=sname))
                 body.append(left + [m] + cells + [
-                    _ms(it["latency_ms"]) if it else "–",
-                    f"{_ms(best['latency_ms'])} ({best['strategy']})" if best else "–",
-                    _x(it.get("speedup_vs_seq")) if it else "–"])
-    add(_table(["thesis model", "N.T.", "SEQ", "MULTI-STREAM", "MPS", "ITIF", "IMP.",
+                    fmt_ms(it["latency_ms"]) if it else "–",
+                    f"{fmt_ms(best['latency_ms'])} ({best['strategy']})" if best else "–",
+                    fmt_x(it.get("speedup_vs_seq")) if it else "–"])
+    add(md_table(["thesis model", "N.T.", "SEQ", "MULTI-STREAM", "MPS", "ITIF", "IMP.",
                 "ours: model", *systems, f"itif ({strat})", "itif best", "IMP (seq/itif)"],
                body))
     add("")
@@ -200,9 +204,11 @@ def _strategies(add, rows):
         vals = {st: _one(pts, strategy=st, **m) for st in strategies}
         ok = [v["latency_ms"] for v in vals.values() if v]
         best = min(ok) if ok else None
-        body.append(list(k) + [("**" + _ms(v["latency_ms"]) + "**" if v and v["latency_ms"] == best
-                                else _ms(v["latency_ms"]) if v else "–") for v in vals.values()])
-    add(_table(["suite", "model", "tenants", "req/tenant", "seq"] + strategies, body))
+        body.append(list(k) + [("**" + fmt_ms(v["latency_ms"]) + "**"
+                                 if v and v["latency_ms"] == best
+                                 else fmt_ms(v["latency_ms"]) if v else "–")
+                                for v in vals.values()])
+    add(md_table(["suite", "model", "tenants", "req/tenant", "seq"] + strategies, body))
     add("")
 
 
@@ -221,10 +227,10 @@ def _scale(add, rows, strat, meta, doc_dir):
             cells = []
             for sname in systems:
                 b = _one(pts, model=m, tenants=t, system=sname)
-                cells.append(_x(b["latency_ms"] / it["latency_ms"]) if b and it else
+                cells.append(fmt_x(b["latency_ms"] / it["latency_ms"]) if b and it else
                              _status(pts, model=m, tenants=t, system=sname))
-            body.append([m, t, _ms(it["latency_ms"]) if it else "–"] + cells)
-    add(_table(["model", "tenants", f"itif ({strat}) ms"] + [f"vs {s}" for s in systems], body))
+            body.append([m, t, fmt_ms(it["latency_ms"]) if it else "–"] + cells)
+    add(md_table(["model", "tenants", f"itif ({strat}) ms"] + [f"vs {s}" for s in systems], body))
     add("")
     _plot(add, meta, doc_dir, "-speedup.png", "speedup vs tenants")
 
@@ -248,12 +254,12 @@ def _batch(add, rows, strat, meta, doc_dir):
                     if sname == "itif":
                         kw["strategy"] = strat
                     r = _one(pts, **kw)
-                    cells.append(f"{_ms(r['latency_ms'])} ({r['throughput_rps']:.0f})" if r else
+                    cells.append(f"{fmt_ms(r['latency_ms'])} ({r['throughput_rps']:.0f})" if r else
                                  _status(pts, **kw))
                 it = _one(pts, model=m, tenants=t, requests_per_tenant=rr, system="itif",
                           strategy=strat)
-                body.append([m, t, rr] + cells + [_x(it.get("speedup_vs_seq")) if it else "–"])
-    add(_table(["model", "tenants", "req/tenant", *systems, f"itif ({strat})", "itif vs seq"],
+                body.append([m, t, rr] + cells + [fmt_x(it.get("speedup_vs_seq")) if it else "–"])
+    add(md_table(["model", "tenants", "req/tenant", *systems, f"itif ({strat})", "itif vs seq"],
                body))
     add("")
     _plot(add, meta, doc_dir, "-batch.png", "throughput vs batch")
@@ -280,8 +286,8 @@ def _serve(add, rows, meta, doc_dir):
     body = []
     for r in sat:
         body.append([r["mix"], r["system"], r["strategy"], f"{r['throughput_rps']:.1f}",
-                     _ms(r["p50_ms"]), _ms(r["p99_ms"])])
-    add(_table(["mix", "system", "strategy", "saturation req/s", "p50 ms there",
+                     fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"])])
+    add(md_table(["mix", "system", "strategy", "saturation req/s", "p50 ms there",
                 "p99 ms there"], body))
     add("")
     add("### Every rate\n")
@@ -289,9 +295,9 @@ def _serve(add, rows, meta, doc_dir):
     for r in pts:
         errs = ", ".join(f"{k} {v}" for k, v in (r.get("errors") or {}).items()) or "0"
         body.append([r["mix"], r["system"], r["strategy"], f"{r['rate_rps']:.1f}",
-                     f"{r['throughput_rps']:.1f}", _ms(r["p50_ms"]), _ms(r["p99_ms"]),
+                     f"{r['throughput_rps']:.1f}", fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]),
                      r["sent"], errs])
-    add(_table(["mix", "system", "strategy", "offered req/s", "answered req/s", "p50 ms",
+    add(md_table(["mix", "system", "strategy", "offered req/s", "answered req/s", "p50 ms",
                 "p99 ms", "sent", "errors"], body))
     add("")
     _plot(add, meta, doc_dir, "-load.png", "latency vs load")
@@ -310,9 +316,9 @@ def _roofline(add, rows, strat, meta):
         "Fraction = bound / measured.\n")
     body = [[r["suite"], r["model"], r["tenants"], r["requests_per_tenant"], r["seq_len"],
              f"{r['flops'] / 1e9:.2f}", f"{r['weight_bytes'] / 2**20:.1f}", r["bound_by"],
-             _ms(r["bound_ms"]), _ms(r["latency_ms"]), f"{r['achieved_tflops'] * 1e3:.1f}",
+             fmt_ms(r["bound_ms"]), fmt_ms(r["latency_ms"]), f"{r['achieved_tflops'] * 1e3:.1f}",
              f"{100 * r['roofline_fraction']:.1f}%"] for r in pts]
-    add(_table(["suite", "model", "tenants", "req/tenant", "seq", "GFLOP", "weights MiB",
+    add(md_table(["suite", "model", "tenants", "req/tenant", "seq", "GFLOP", "weights MiB",
                 "bound by", "bound ms", "measured ms", "GFLOP/s", "of roofline"], body))
     add("")
 
@@ -351,7 +357,7 @@ def _not_run(add, rows):
             why[(r["system"], r["status"], r["reason"])] += 1
     if why:
         add("## Not run\n")
-        add(_table(["system", "status", "rows", "reason"],
+        add(md_table(["system", "status", "rows", "reason"],
                    [[sy, st, n, re_] for (sy, st, re_), n in why.items()]))
         add("")
 
