@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from itif.daemon_state import State
 from itif.errors import ItifError, clip
 from itif.hostpath.colqueue import ColumnQueue
 from itif.hostpath.columns import STATUS, Arrivals, Results, status_code
@@ -96,19 +97,21 @@ class ColumnDoor:
         cfg = d.config
         eng = d.engine
         index = {n: i for i, n in enumerate(q.names)}
-        tenants = {}
+        tenants, known, seen = {}, self._labels, {}
         for t in cfg.tenants:
             st = d.tenants.status.get(t.id)
             i = index.get(t.id)
-            if st is None or st.state.name != "READY" or i is None or t.id not in eng.store:
+            if st is None or st.state is not State.READY or i is None or t.id not in eng.store:
                 continue
             key = (t.id, st.sha256)
-            labels = self._labels.get(key)
+            labels = known.get(key)
             if labels is None:
-                labels = self._labels[key] = eng.tenant_info(t.id).num_labels or 0
+                labels = eng.tenant_info(t.id).num_labels or 0
+            seen[key] = labels
             limit = min(t.max_seq_len or eng.max_seq_len, eng.max_seq_len)
             tenants[t.id] = (i, t.token_sha256, st.sha256, labels, limit,
                              t.max_inflight or 2 * t.max_queue, t.max_queue)
+        self._labels = seen  # the tenants of this snapshot only: weights replaced drop out
         return {"admin": cfg.server.admin_token_sha256, "tenants": tenants,
                 "hidden": eng.spec.hidden, "vocab": eng.spec.vocab_size,
                 "retry_after_ms": cfg.server.retry_after_ms,
