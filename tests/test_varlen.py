@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import itif
 from itif.backbones.random import random_weights
 from itif.ops import reference
-from itif.runtime import forward
+from itif.runtime import cpu_attention, forward
 from itif.runtime.batch import prepare
 
 
@@ -97,7 +97,8 @@ def test_the_forward_hands_the_boundaries_to_attention_only_for_several_groups(m
 
     monkeypatch.setattr(forward.ops, "attention", spy)
     eng, b = _batch("packed", RAGGED)
-    forward.run(eng.spec, b, b.host_ints, b.host_floats)
+    with cpu_attention.suspended():  # the CPU's own one call (test_cpu_attention) off
+        forward.run(eng.spec, b, b.host_ints, b.host_floats)
     cu = b.packer.view(b.host_ints, "varlen.cu").tolist()
     assert seen == [(cu, max(RAGGED))] * eng.spec.layers
     seen.clear()
@@ -115,7 +116,8 @@ def test_groups_are_built_only_when_attention_runs_them(monkeypatch):
     monkeypatch.setattr(forward._Bound, "attn_groups",
                         lambda self: built.append(1) or real_groups(self))
     eng, b = _batch("packed", RAGGED)
-    forward.run(eng.spec, b, b.host_ints, b.host_floats)  # the CPU reference runs the groups
+    with cpu_attention.suspended():  # the CPU reference runs the groups
+        forward.run(eng.spec, b, b.host_ints, b.host_floats)
     assert built == [1]
     built.clear()
 

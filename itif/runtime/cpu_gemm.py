@@ -51,13 +51,12 @@ _switch = ThreadSwitch()
 state: dict = {"module": None, "why_not": None, "build_s": None}
 
 
-def _source() -> Path:
+def _source(filename: str = "seg_gemm_cpu.cpp") -> Path:
     here = Path(__file__).resolve().parent.parent  # itif/
-    for cand in (here / "kernels" / "seg_gemm_cpu.cpp",
-                 here.parent / "kernels" / "seg_gemm_cpu.cpp"):
+    for cand in (here / "kernels" / filename, here.parent / "kernels" / filename):
         if cand.is_file():
             return cand
-    raise FileNotFoundError("kernels/seg_gemm_cpu.cpp not found next to the itif package")
+    raise FileNotFoundError(f"kernels/{filename} not found next to the itif package")
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -93,6 +92,24 @@ def _build_dir(name: str) -> Path | None:
     return Path(_get_build_directory(name, verbose=False))
 
 
+def load_kernel(name: str, filename: str, what: str):
+    """Build (first time in an environment) or load the C++ extension ``name`` from
+    ``kernels/<filename>`` (AVX2/FMA, OpenMP), after clearing a stale build lock; raises what
+    the build raises. Shared by this module and ``itif.runtime.cpu_attention``."""
+    from torch.utils.cpp_extension import load  # noqa: PLC0415
+
+    src = _source(filename)
+    build_dir = _build_dir(name)
+    if build_dir is not None:
+        clear_stale_lock(build_dir)
+    log.info("loading %s (%s; the first build in a fresh environment compiles it, about 30 s)",
+             what, src.name)
+    # -fopenmp: at::parallel_for is OpenMP inside torch; without it the pragma is dropped and
+    # the kernel runs on one thread
+    return load(name=name, sources=[str(src)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
 def ensure() -> bool:
     """Build (or load) the kernel now if this process may use it; True when it is usable."""
     if state["module"] is not None:
@@ -110,19 +127,8 @@ def ensure() -> bool:
         else:
             t0 = time.perf_counter()
             try:
-                from torch.utils.cpp_extension import load  # noqa: PLC0415
-
-                src = _source()
-                build_dir = _build_dir("itif_seg_gemm_cpu")
-                if build_dir is not None:
-                    clear_stale_lock(build_dir)
-                log.info("loading the CPU few-rows GEMM kernel (%s; the first build in a "
-                         "fresh environment compiles it, about 30 s)", src.name)
-                # -fopenmp: at::parallel_for is OpenMP inside torch; without it the pragma is
-                # dropped and the kernel runs on one thread
-                state["module"] = load(name="itif_seg_gemm_cpu", sources=[str(src)],
-                                       extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-                                       extra_ldflags=["-fopenmp"], verbose=False)
+                state["module"] = load_kernel("itif_seg_gemm_cpu", "seg_gemm_cpu.cpp",
+                                              "the CPU few-rows GEMM kernel")
                 state["build_s"] = round(time.perf_counter() - t0, 2)
             except Exception as e:  # no compiler, no ninja, a build error: MKL it is
                 state["why_not"] = f"build failed: {type(e).__name__}: {str(e)[:300]}"
@@ -171,5 +177,5 @@ def seg_gemm(x: torch.Tensor, w: torch.Tensor, start, end, slot, out: torch.Tens
     return out
 
 
-__all__ = ["CHUNK", "MAX_ROWS", "MIN_ROWS", "applies", "chunks", "ensure", "ensure_for", "seg_gemm",
-           "state", "suspended", "usable"]
+__all__ = ["CHUNK", "MAX_ROWS", "MIN_ROWS", "applies", "chunks", "ensure", "ensure_for",
+           "load_kernel", "seg_gemm", "state", "suspended", "usable"]

@@ -32,7 +32,7 @@ from itif.config.fields import decoder_refusal
 from itif.errors import InvalidConfig, InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
 from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
-from itif.runtime import cpu_gemm, forward
+from itif.runtime import cpu_attention, cpu_gemm, forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.engine_columns import ColumnsMixin
 from itif.runtime.graphs import GraphCache
@@ -103,6 +103,7 @@ class Engine(ColumnsMixin):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         cpu_gemm.ensure_for(self.device, self.dtype)  # small batches' few-rows GEMMs, built now
+        cpu_attention.ensure_for(self.device, self.dtype)  # ragged batches' attention, ditto
         tune_host_malloc(self.device)  # large batches' activations: no page faults per forward
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
         self.strategy = strategy

@@ -35,7 +35,7 @@ from itif.backbones.spec import BackboneSpec
 from itif.ops import dispatch as ops
 from itif.ops.reference import AttnGroup, RotParam
 from itif.platform import attention_backends
-from itif.runtime import cpu_linear, triton_gemm
+from itif.runtime import cpu_attention, cpu_linear, triton_gemm
 from itif.runtime.batch import PreparedBatch
 from itif.runtime.gemm import GemmPlan, Segments, broadcast_rows, plan_gemm, run_gemm
 from itif.runtime.lora_update import apply_lora
@@ -290,14 +290,20 @@ def encode(spec: BackboneSpec, bound: _Bound, dtype: torch.dtype,
 def _encode_cpu(spec: BackboneSpec, bound: _Bound, x: torch.Tensor, groups, varlen,
                 cls: np.ndarray | None) -> torch.Tensor:
     """The post-LN layers on the CPU: each product with its bias, GELU or residual add in one
-    oneDNN call where that applies (``_Bound.linear``), so LayerNorm reads a finished sum; and
-    with ``cls``, the last layer after its attention on those rows only (``_Rows``)."""
+    oneDNN call where that applies (``_Bound.linear``), so LayerNorm reads a finished sum;
+    attention over the batch's sequence boundaries in one call where it has several length
+    groups (``itif.runtime.cpu_attention``: no gather, padding or mask); and with ``cls``, the
+    last layer after its attention on those rows only (``_Rows``)."""
     eps = spec.layer_norm_eps
     T, H = x.shape
     for layer in range(spec.layers):
         p = f"layers.{spec.layer_params(layer)}."
         qkv = bound.linear(x, p + "qkv.weight", p + "qkv.bias")
-        ctx = ops.attention(qkv, groups, spec.heads, torch.empty(T, H, dtype=qkv.dtype), varlen)
+        ctx = torch.empty(T, H, dtype=qkv.dtype)
+        if varlen is not None and cpu_attention.applies(qkv):
+            ctx = cpu_attention.attention(qkv, varlen[0], spec.heads, ctx)
+        else:
+            ctx = ops.attention(qkv, groups, spec.heads, ctx, varlen)
         r = bound
         if cls is not None and layer == spec.layers - 1:
             idx = torch.from_numpy(cls)

@@ -1,0 +1,103 @@
+"""The CPU's variable-length attention (``kernels/varlen_attn_cpu.cpp``): one call a layer.
+
+Issue 65: torch's CPU attention runs a batch of short requests of many lengths as length
+groups (``itif.ops.reference.attention``): each group gathered into a padded block, masked,
+through PyTorch's CPU flash-attention kernel, and scattered back. On the peer workload (256
+requests of 2-100 tokens: 17 groups, 13,591 rows, BERT hidden 256, 4 heads) that was about
+half of the forward, though attention is about 6% of its FLOPs. The kernel here reads each
+sequence's rows in place over the batch's boundaries (``PreparedBatch.varlen_L``, "varlen.cu",
+the same boundaries a GPU's variable-length kernel takes), with no gather, padding or mask, one
+task per (sequence, head) spread dynamically over the threads.
+
+The forward (``itif.runtime.forward._encode_cpu``) sends a layer here when the batch has
+boundaries (several attention groups), qkv is float32 or bfloat16 and the kernel loaded; else
+``itif.ops.dispatch.attention`` runs the groups as before. The kernel is built like
+``itif.runtime.cpu_gemm``'s (``cpu_gemm.load_kernel``: about 30 s the first time in an
+environment, cached after); :func:`ensure` builds it synchronously when an engine starts, so a
+forward never changes attention path halfway. Without a compiler, without AVX2/FMA, or with
+``ITIF_CPU_ATTENTION=0``, the groups run (the reason is logged once and kept in :data:`state`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+
+import torch
+
+from itif.platform import ThreadSwitch
+from itif.runtime import cpu_gemm
+
+log = logging.getLogger("itif.runtime")
+
+__all__ = ["DTYPES", "applies", "attention", "ensure", "ensure_for", "state", "suspended"]
+
+#: The dtypes the kernel takes (it computes in float32 and rounds the output once).
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_switch = ThreadSwitch()
+state: dict = {"module": None, "why_not": None, "build_s": None}
+#: ``with suspended():`` this thread's layers run the length groups (``ops.attention``), as
+#: before this kernel: for comparisons and for tests of the group path.
+suspended = _switch.suspended
+
+
+def ensure() -> bool:
+    """Build (or load) the kernel now if this process may use it; True when it is usable."""
+    if state["module"] is not None:
+        return True
+    if state["why_not"] is not None:
+        return False
+    with _lock:
+        if state["module"] is not None or state["why_not"] is not None:
+            return state["module"] is not None
+        if os.environ.get("ITIF_CPU_ATTENTION", "1") == "0":
+            state["why_not"] = "disabled by ITIF_CPU_ATTENTION=0"
+        elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+            state["why_not"] = ("this CPU has no AVX2/FMA "
+                                f"({torch.backends.cpu.get_cpu_capability()})")
+        else:
+            t0 = time.perf_counter()
+            try:
+                state["module"] = cpu_gemm.load_kernel(
+                    "itif_varlen_attn_cpu", "varlen_attn_cpu.cpp",
+                    "the CPU variable-length attention kernel")
+                state["build_s"] = round(time.perf_counter() - t0, 2)
+            except Exception as e:  # no compiler, no ninja, a build error: the groups run
+                state["why_not"] = f"build failed: {type(e).__name__}: {str(e)[:300]}"
+        if state["why_not"] is not None:
+            log.warning("CPU variable-length attention kernel not used (%s); attention runs "
+                        "by length groups", state["why_not"])
+        return state["module"] is not None
+
+
+def ensure_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`ensure` for an engine on ``device`` in ``dtype``: built now (not mid-run) when its
+    layers can come here; False (nothing built) otherwise."""
+    return torch.device(device).type == "cpu" and dtype in DTYPES and ensure()
+
+
+def applies(qkv: torch.Tensor) -> bool:
+    """Whether a layer with this ``qkv`` (and boundaries) runs here."""
+    return (state["module"] is not None and not _switch.off and qkv.device.type == "cpu"
+            and qkv.dtype in DTYPES and qkv.is_contiguous())
+
+
+def attention(qkv: torch.Tensor, cu: torch.Tensor, heads: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Self-attention of every sequence ``[cu[s], cu[s+1])`` within itself: ``qkv`` [T, 3H]
+    (Q, K, V side by side, bias added), ``cu`` the ascending boundaries (any integer dtype);
+    returns ``out`` [T, H] (new if None), rows outside every sequence left as they were.
+    Scale ``1/sqrt(d)``, no mask (a sequence is its rows, padding runs are sequences of their
+    own), as ``itif.ops.reference.attention`` over the same sequences."""
+    T, H3 = qkv.shape
+    H = H3 // 3
+    if out is None:
+        out = torch.zeros(T, H, dtype=qkv.dtype)
+    state["module"].varlen_attention(qkv, cu.to(torch.int64).contiguous(), heads,
+                                     1.0 / math.sqrt(H // heads), out)
+    return out
