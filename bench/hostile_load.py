@@ -572,7 +572,11 @@ def main(argv=None) -> int:
     server.update(kv.split("=", 1) for kv in args.server)
     tenants = dict(kv.split("=", 1) for kv in args.tenant)
     parts = args.parts.split(",")
-    out: dict = {"settings": {"server": server, "tenant": tenants}}
+    out: dict = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                          "cpu_count": os.cpu_count(),
+                          "command": " ".join(["python bench/hostile_load.py", *argv]),
+                          "load_average_start": [round(x, 2) for x in os.getloadavg()]},
+                 "settings": {"server": server, "tenant": tenants}}
     with tempfile.TemporaryDirectory() as tmp:
         d, tokens = start_daemon(Path(tmp) / "d", server, tenants, args.profile)
         try:
@@ -589,6 +593,7 @@ def main(argv=None) -> int:
                 part_big(d, tokens, args, out)
             finally:
                 d.stop(60)
+    out["meta"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     text = json.dumps(out, indent=1)
     print(text)
     if args.json:

@@ -32,6 +32,7 @@ from bench.hostile_load import (
     quiet_calls,
 )
 from itif.server._proto.itif.v1 import itif_pb2
+from itif.server.ingress_columns import REPORT_S
 from tests.reliability_util import (
     Daemon,
     free_port,
@@ -105,6 +106,7 @@ def test_burst_is_answered_counted_and_confined_to_its_tenant(d, tmp_path, rel):
     out = tmp_path / "burst.json"
     with d.client(TOKENS["quiet"]) as c:
         quiet_calls(c, 0.3)
+        time.sleep(3 * REPORT_S)  # an ingress process reports its calls' counts every REPORT_S
         before = _infer_counts(d)
         p = helper("burst", d.addr, TOKENS["noisy"], "noisy", 3000, out)
         stop = threading.Event()
