@@ -48,7 +48,7 @@ from itif.generation.api import GenerateRequest, check_request
 from itif.observer import DaemonObserver
 from itif.requests import utf8_text
 from itif.runtime.engine import Engine, Request, Result
-from itif.scheduler import Scheduler, Ticket
+from itif.scheduler import Scheduler, SchedulerTicket
 from itif.weights import delta
 from itif.weights.blobstore import BlobStore, Upload
 
@@ -402,7 +402,7 @@ class Daemon:
 
     def admit(self, who: Identity, tenant: str, requests: list[Request], *,
               deadline: float | None = None, priority: int = 0,
-              reserve: Callable[[list[Request]], None] | None = None) -> list[Ticket]:
+              reserve: Callable[[list[Request]], None] | None = None) -> list[SchedulerTicket]:
         """The front door of Infer: every server's Infer call (gRPC, KServe, the HTTP APIs)
         comes in here, all-or-nothing. In order, each step once: a tenant ``who`` may not see
         is NotFound (unknown and other tenants' alike); a decoder daemon is Unimplemented; a
@@ -434,7 +434,7 @@ class Daemon:
         if reserve is not None:
             reserve(requests)
 
-        def queue() -> list[Ticket]:
+        def queue() -> list[SchedulerTicket]:
             return self.scheduler.submit_many(requests, tokens=tokens, deadline=deadline,
                                               priority=priority)
 
@@ -445,7 +445,7 @@ class Daemon:
         return tickets
 
     def submit(self, who: Identity, tenant: str, requests: list[Request],
-               deadline: float | None = None, priority: int = 0) -> list[Ticket]:
+               deadline: float | None = None, priority: int = 0) -> list[SchedulerTicket]:
         """:meth:`admit` without a reply to reserve (in-process callers, tests)."""
         return self.admit(who, tenant, requests, deadline=deadline, priority=priority)
 

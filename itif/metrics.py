@@ -50,7 +50,7 @@ from itif.daemon import Daemon, State
 if TYPE_CHECKING:  # pragma: no cover
     from itif.requests import Request, Result
     from itif.runtime.engine import Engine
-    from itif.scheduler import Ticket
+    from itif.scheduler import SchedulerTicket
 
 log = logging.getLogger("itif.metrics")
 
@@ -161,7 +161,7 @@ class TenantCallStats:
 class _CallWatch:
     __slots__ = ("tenant", "tickets", "left")
 
-    def __init__(self, tenant: str, tickets: Sequence[Ticket]) -> None:
+    def __init__(self, tenant: str, tickets: Sequence[SchedulerTicket]) -> None:
         self.tenant = tenant
         self.tickets = list(tickets)
         self.left = len(self.tickets)
@@ -353,7 +353,7 @@ class Metrics:
         if unstreamed > 0:
             self.generated_tokens.labels(tenant).inc(unstreamed)
 
-    def watch(self, tenant: str, tickets: Sequence[Ticket]) -> None:
+    def watch(self, tenant: str, tickets: Sequence[SchedulerTicket]) -> None:
         """Account for one accepted call: its rows as they finish, the call when all have."""
         if not tickets:
             return
@@ -361,7 +361,7 @@ class Metrics:
         for t in call.tickets:
             t.add_done_callback(lambda tk, c=call: self._row_done(c, tk))
 
-    def _row_done(self, call: _CallWatch, t: Ticket) -> None:
+    def _row_done(self, call: _CallWatch, t: SchedulerTicket) -> None:
         err = t.exception(0)
         code = "OK" if err is None else getattr(err, "code", "INTERNAL")
         self._child(self.rows, call.tenant, code).inc()

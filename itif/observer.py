@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     from itif.requests import Request, Result
-    from itif.scheduler import Ticket
+    from itif.scheduler import SchedulerTicket
 
 __all__ = ["DaemonObserver"]
 
@@ -20,7 +20,7 @@ class DaemonObserver(Protocol):
     def note_tenant(self, tenant: str) -> None:
         """The tenant the current call was authorised for (the label of its counters)."""
 
-    def watch(self, tenant: str, tickets: Sequence[Ticket]) -> None:
+    def watch(self, tenant: str, tickets: Sequence[SchedulerTicket]) -> None:
         """One accepted call of ``tenant``: its rows, as the scheduler finishes them."""
 
     def run_batch(self, engine) -> Callable[[list[Request]], list[Result]]:

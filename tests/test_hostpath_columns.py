@@ -22,7 +22,7 @@ from itif.hostpath.ring import Ring, RingFull
 from itif.requests import Request
 from itif.scheduler import TenantQuota
 from itif.scheduler.fairqueue import FairQueue
-from itif.scheduler.tickets import Ticket
+from itif.scheduler.tickets import SchedulerTicket
 
 REPO = Path(__file__).resolve().parents[1]
 OK, INVALID, NOT_FOUND, EXHAUSTED, EXPIRED = (STATUS.index(c) for c in (
@@ -179,8 +179,8 @@ def test_column_queue_forms_the_schedulers_batches(seed):
             seq += 1
             lengths_of[seq - 1] = int(lengths[i])
             ids_of[seq - 1] = a.ids[a.offsets[i]:a.offsets[i + 1]].tolist()
-            t = Ticket(None, fq.tenants[names[tenant[i]]], Request(names[tenant[i]]),
-                       int(lengths[i]), int(prio[i]), None, seq - 1, 0.0)
+            t = SchedulerTicket(None, fq.tenants[names[tenant[i]]], Request(names[tenant[i]]),
+                                int(lengths[i]), int(prio[i]), None, seq - 1, 0.0)
             fq.push(t)
         for _ in range(int(rng.integers(0, 3))):
             budget, rows = int(rng.integers(20, 200)), int(rng.integers(1, 12))
@@ -247,7 +247,8 @@ def test_a_tenant_back_from_idle_runs_without_the_floods_tail(quiet_len):
         cq.push(arrivals([tenant] * len(lengths), lengths,
                          call_id=np.arange(seq, seq + len(lengths))), now=0.0)
         for n in lengths:
-            t = Ticket(None, fq.tenants[name], Request(name), n, 0, None, len(tickets), 0.0)
+            t = SchedulerTicket(None, fq.tenants[name], Request(name), n, 0, None, len(tickets),
+                                0.0)
             tickets.append(t)
             fq.push(t)
 

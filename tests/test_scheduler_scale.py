@@ -9,7 +9,7 @@ import time
 
 from itif.requests import Request
 from itif.scheduler.fairqueue import FairQueue
-from itif.scheduler.tickets import TenantQuota, Ticket
+from itif.scheduler.tickets import SchedulerTicket, TenantQuota
 from itif.scheduler.triggers import decide
 
 
@@ -25,8 +25,8 @@ def _round(q: FairQueue, seq: list[int]) -> float:
     for k in range(8):
         name = f"t{k % 3}"
         seq[0] += 1
-        q.push(Ticket(None, q.tenants[name], Request(name, input_ids=[1] * 16), 16, 0, None,
-                      seq[0], 0.0))
+        q.push(SchedulerTicket(None, q.tenants[name], Request(name, input_ids=[1] * 16), 16, 0,
+                               None, seq[0], 0.0))
     t0 = time.perf_counter()
     while q.queued:
         decide(q, 1.0, stopping=False, max_batch_tokens=64, max_batch_size=4, max_wait_ms=5.0,
@@ -56,7 +56,8 @@ def test_emptied_tenants_leave_the_active_set_and_removed_ones_go():
     seq = [0]
     _round(q, seq)
     assert q.active == {} and q.queued == 0
-    q.push(Ticket(None, q.tenants["t4"], Request("t4", input_ids=[1]), 1, 0, None, 99, 0.0))
+    q.push(SchedulerTicket(None, q.tenants["t4"], Request("t4", input_ids=[1]), 1, 0, None, 99,
+                           0.0))
     q.remove_tenant("t4")  # queued work still runs, then the tenant goes
     assert list(q.active) == ["t4"] and "t4" in q.tenants
     batch, _ = q.form(1.0, max_tokens=64, max_size=4, isolate=False, estimate=None,

@@ -80,9 +80,10 @@ dies.
 Modules
 -------
 ``tickets`` (the value types, :class:`TenantQuota` with the limits of ``config.Tenant``, and
-:class:`Ticket`), ``fairqueue`` (per-tenant queues, fair batch formation), ``triggers`` (when a
-batch runs), ``loop`` (:class:`Scheduler`: submission, lifecycle, the loop, bisection). Nothing
-here imports the engine or torch: requests are ``itif.requests.Request``.
+:class:`SchedulerTicket`), ``fairqueue`` (per-tenant queues, fair batch formation),
+``triggers`` (when a batch runs), ``loop`` (:class:`Scheduler`: submission, lifecycle, the
+loop, bisection). Nothing here imports the engine or torch: requests are
+``itif.requests.Request``.
 """
 
 from itif.scheduler.loop import Scheduler
@@ -90,9 +91,9 @@ from itif.scheduler.tickets import (
     InternalError,
     OutOfMemory,
     SchedulerStats,
+    SchedulerTicket,
     TenantQuota,
     TenantStats,
-    Ticket,
 )
 
 __all__ = [
@@ -102,5 +103,5 @@ __all__ = [
     "SchedulerStats",
     "TenantQuota",
     "TenantStats",
-    "Ticket",
+    "SchedulerTicket",
 ]

@@ -18,12 +18,12 @@ from collections import deque
 from typing import Callable
 
 from itif.errors import TenantNotFound, shown
-from itif.scheduler.tickets import DONE, QUEUED, RUNNING, TenantQuota, TenantStats, Ticket
+from itif.scheduler.tickets import DONE, QUEUED, RUNNING, SchedulerTicket, TenantQuota, TenantStats
 
 __all__ = ["FairQueue", "TenantQueue"]
 
 #: ``error(ticket, now)``: the error of a ticket whose deadline passed while it was queued.
-DeadlineError = Callable[[Ticket, float], BaseException]
+DeadlineError = Callable[[SchedulerTicket, float], BaseException]
 
 
 class TenantQueue:
@@ -38,8 +38,8 @@ class TenantQueue:
         self.name = name
         self.quota = quota
         self.order = order
-        self.heap: list[tuple[int, int, Ticket]] = []
-        self.fifo: deque[Ticket] = deque()
+        self.heap: list[tuple[int, int, SchedulerTicket]] = []
+        self.fifo: deque[SchedulerTicket] = deque()
         self.depth = 0
         self.tokens = 0
         self.tag = tag
@@ -48,25 +48,25 @@ class TenantQueue:
         #: batch formation, until the tenant is unparked.
         self.parked = False
 
-    def push(self, t: Ticket) -> None:
+    def push(self, t: SchedulerTicket) -> None:
         heapq.heappush(self.heap, (-t.priority, t.seq, t))
         self.fifo.append(t)
         self.depth += 1
         self.tokens += t.tokens
 
-    def head(self) -> Ticket | None:
+    def head(self) -> SchedulerTicket | None:
         heap = self.heap
         while heap and heap[0][2].state != QUEUED:
             heapq.heappop(heap)
         return heap[0][2] if heap else None
 
-    def oldest(self) -> Ticket | None:
+    def oldest(self) -> SchedulerTicket | None:
         fifo = self.fifo
         while fifo and fifo[0].state != QUEUED:
             fifo.popleft()
         return fifo[0] if fifo else None
 
-    def left(self, t: Ticket) -> None:
+    def left(self, t: SchedulerTicket) -> None:
         """``t`` (queued until now) left the queue; the caller already changed its state."""
         self.depth -= 1
         self.tokens -= t.tokens
@@ -76,7 +76,7 @@ class TenantQueue:
         if len(self.fifo) > 2 * self.depth + 32:
             self.fifo = deque(x for x in self.fifo if x.state == QUEUED)
 
-    def queued(self) -> list[Ticket]:
+    def queued(self) -> list[SchedulerTicket]:
         return [e[2] for e in self.heap if e[2].state == QUEUED]
 
 
@@ -97,7 +97,7 @@ class FairQueue:
         self.vtime = 0.0
         self.queued = 0
         self.queued_tokens = 0
-        self.deadlines: list[tuple[float, int, Ticket]] = []
+        self.deadlines: list[tuple[float, int, SchedulerTicket]] = []
         self._order = 0
 
     # ---- tenants ---------------------------------------------------------------------------
@@ -125,7 +125,7 @@ class FairQueue:
         return None if tq is None or tq.removed else tq
 
     # ---- in and out ------------------------------------------------------------------------
-    def push(self, t: Ticket) -> None:
+    def push(self, t: SchedulerTicket) -> None:
         tq = t.queue
         if tq.parked:
             self.parked[tq.name] = tq
@@ -140,7 +140,7 @@ class FairQueue:
         if t.deadline is not None:
             heapq.heappush(self.deadlines, (t.deadline, t.seq, t))
 
-    def dequeue(self, t: Ticket) -> None:
+    def dequeue(self, t: SchedulerTicket) -> None:
         """A queued ticket leaves the queue without running (cancel, expiry, shutdown)."""
         t.mark(DONE)
         self.queued -= 1
@@ -158,7 +158,7 @@ class FairQueue:
             self.deadlines = [e for e in self.deadlines if e[2].state == QUEUED]
             heapq.heapify(self.deadlines)
 
-    def _left(self, tq: TenantQueue, t: Ticket) -> None:
+    def _left(self, tq: TenantQueue, t: SchedulerTicket) -> None:
         """``t`` left ``tq`` (taken or dropped): an emptied queue leaves ``active`` (or
         ``parked``), and a removed tenant's emptied queue goes."""
         tq.left(t)
@@ -200,7 +200,7 @@ class FairQueue:
         """Queued requests that batch formation may take (not parked)."""
         return self.queued - self.parked_n
 
-    def take_all(self) -> list[Ticket]:
+    def take_all(self) -> list[SchedulerTicket]:
         out = []
         for tq in [*self.active.values(), *self.parked.values()]:
             for t in tq.queued():
@@ -208,7 +208,8 @@ class FairQueue:
                 out.append(t)
         return out
 
-    def expire_due(self, now: float, error: DeadlineError) -> list[tuple[Ticket, BaseException]]:
+    def expire_due(self, now: float, error: DeadlineError
+                   ) -> list[tuple[SchedulerTicket, BaseException]]:
         out = []
         dl = self.deadlines
         while dl and dl[0][0] <= now:
@@ -222,11 +223,11 @@ class FairQueue:
     # ---- batch formation -------------------------------------------------------------------
     def form(self, now: float, *, max_tokens: int, max_size: int, isolate: bool,
              estimate: Callable[[int, int], float] | None, error: DeadlineError,
-             ) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]]]:
+             ) -> tuple[list[SchedulerTicket], list[tuple[SchedulerTicket, BaseException]]]:
         """Weighted fair batch formation. ``estimate(n, tokens)`` (ms) given: latency sizing
         (see "How big a batch" in ``itif.scheduler``); ``isolate``: one tenant per batch."""
-        batch: list[Ticket] = []
-        dropped: list[tuple[Ticket, BaseException]] = []
+        batch: list[SchedulerTicket] = []
+        dropped: list[tuple[SchedulerTicket, BaseException]] = []
         budget, size = max_tokens, max_size
         heap = [(tq.tag, tq.order, tq) for tq in self.active.values()]
         heapq.heapify(heap)
@@ -282,7 +283,7 @@ class FairQueue:
             self._compact_deadlines()
         return batch, dropped
 
-    def _trim_tail(self, batch: list[Ticket], starts: list[float], vtime0: float) -> None:
+    def _trim_tail(self, batch: list[SchedulerTicket], starts: list[float], vtime0: float) -> None:
         """Put the batch's run-ahead tail (the module docstring) back in its queue, as if
         never taken."""
         last = batch[-1].queue

@@ -32,9 +32,9 @@ from itif.scheduler.tickets import (
     QUEUED,
     InternalError,
     SchedulerStats,
+    SchedulerTicket,
     TenantQuota,
     TenantStats,
-    Ticket,
     clone,
 )
 from itif.scheduler.triggers import decide
@@ -78,7 +78,7 @@ class Scheduler:
                        max_wait_ms=max_wait_ms)
         self._q = FairQueue()
         self._seq = 0
-        self._inflight: list[Ticket] = []
+        self._inflight: list[SchedulerTicket] = []
         self._last_end = -math.inf
         self._learned = BatchTimeEstimate()  # fixed + per request + per token, from runs
         self._batches = 0
@@ -217,7 +217,7 @@ class Scheduler:
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, request: Request, *, tokens: int, deadline: float | None = None,
-               priority: int = 0) -> Ticket:
+               priority: int = 0) -> SchedulerTicket:
         """Queue one request; never blocks. ``tokens`` is its length (for the batch token
         budget), ``deadline`` an absolute ``clock()`` time, ``priority`` orders requests within
         the tenant (higher first). Raises Busy (queue full), TenantNotFound, InvalidRequest
@@ -225,7 +225,7 @@ class Scheduler:
         return self.submit_many([request], tokens=[tokens], deadline=deadline, priority=priority)[0]
 
     def submit_many(self, requests: Sequence[Request], *, tokens: Sequence[int],
-                    deadline: float | None = None, priority: int = 0) -> list[Ticket]:
+                    deadline: float | None = None, priority: int = 0) -> list[SchedulerTicket]:
         """Queue several requests all-or-nothing (a batch RPC): if any tenant's queue cannot take
         all of its requests, Busy is raised and nothing is queued."""
         requests = list(requests)
@@ -237,7 +237,7 @@ class Scheduler:
         priority = count(priority, "priority")
         if deadline is not None and not isinstance(deadline, (int, float)):
             raise InvalidRequest(f"deadline must be a clock() time in seconds, got {deadline!r}")
-        expired: list[Ticket] = []
+        expired: list[SchedulerTicket] = []
         with self._lock:
             q = self._q
             if self._stopping:
@@ -267,7 +267,8 @@ class Scheduler:
             tickets = []
             for r, n in zip(requests, tokens):
                 self._seq += 1
-                t = Ticket(self, q.tenants[r.tenant], r, n, priority, deadline, self._seq, now)
+                t = SchedulerTicket(self, q.tenants[r.tenant], r, n, priority, deadline,
+                                    self._seq, now)
                 tickets.append(t)
                 q.stats[r.tenant].submitted += 1
                 if deadline is not None and deadline <= now:
@@ -350,8 +351,8 @@ class Scheduler:
         """The scheduler's clock (monotonic seconds, or the one given for tests)."""
         return self._clock()
 
-    def cancel(self, t: Ticket) -> bool:
-        """Withdraw a queued ticket (``Ticket.cancel``): True, or False once it runs."""
+    def cancel(self, t: SchedulerTicket) -> bool:
+        """Withdraw a queued ticket (``SchedulerTicket.cancel``): True, or False once it runs."""
         with self._lock:
             if t.state != QUEUED:
                 return False
@@ -361,8 +362,9 @@ class Scheduler:
                        count=False)
         return True
 
-    def expire(self, t: Ticket) -> None:
-        """Fail a queued ticket whose deadline passed (a waiter in ``Ticket.result`` saw it)."""
+    def expire(self, t: SchedulerTicket) -> None:
+        """Fail a queued ticket whose deadline passed (a waiter in ``SchedulerTicket.result``
+        saw it)."""
         with self._lock:
             if t.state != QUEUED:
                 return
@@ -371,7 +373,7 @@ class Scheduler:
             now = self._clock()
         self._complete(t, None, self._deadline_error(t, now), count=False)
 
-    def _deadline_error(self, t: Ticket, now: float) -> DeadlineExceeded:
+    def _deadline_error(self, t: SchedulerTicket, now: float) -> DeadlineExceeded:
         return DeadlineExceeded(
             f"request of tenant {t.tenant!r}: deadline passed after "
             f"{(now - t.enqueued_at) * 1e3:.0f} ms in the queue, before it could run")
@@ -392,7 +394,8 @@ class Scheduler:
                       max_wait_ms=self.max_wait_ms, last_end=self._last_end,
                       estimate=self._estimate_locked)
 
-    def _form_locked(self, now: float) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]]]:
+    def _form_locked(self, now: float
+                     ) -> tuple[list[SchedulerTicket], list[tuple[SchedulerTicket, BaseException]]]:
         """The next batch: ``FairQueue.form`` with this scheduler's limits."""
         sizing = self.latency_sizing and not self._stopping
         return self._q.form(now, max_tokens=self.max_batch_tokens, max_size=self.max_batch_size,
@@ -401,8 +404,8 @@ class Scheduler:
                             error=self._deadline_error)
 
     # ---- the loop --------------------------------------------------------------------------
-    def _next(self) -> tuple[list[Ticket], list[tuple[Ticket, BaseException]], bool,
-                             list[Ticket]]:
+    def _next(self) -> tuple[list[SchedulerTicket], list[tuple[SchedulerTicket, BaseException]],
+                             bool, list[SchedulerTicket]]:
         """Block until there is something to do: (batch to run, tickets to fail, exit?, tickets
         the shutdown fails). The first are counted where they were dropped (expired); the
         last are counted as failed when failed, as ``stop`` counts those it takes."""
@@ -446,7 +449,7 @@ class Scheduler:
 
     def _serve(self) -> None:
         while True:
-            batch: list[Ticket] = []
+            batch: list[SchedulerTicket] = []
             try:
                 batch, dropped, exit_, shut = self._next()
                 for t, err in dropped:
@@ -487,7 +490,7 @@ class Scheduler:
                     self._tokens_run += shape[1]
                     self._learned.observe(*shape, (time.perf_counter() - start) * 1000.0)
 
-    def _execute(self, batch: list[Ticket]) -> None:
+    def _execute(self, batch: list[SchedulerTicket]) -> None:
         """Run one batch (bisecting per-request errors) and deliver every ticket."""
         n = len(batch)
         tokens = sum(t.tokens for t in batch)
@@ -536,7 +539,7 @@ class Scheduler:
             with self._lock:
                 self._last_end = self._clock()
 
-    def _call(self, part: list[Ticket]) -> list[Result] | BaseException:
+    def _call(self, part: list[SchedulerTicket]) -> list[Result] | BaseException:
         """One run_batch call; its results, or the exception it raised."""
         requests = [t.request for t in part]
         start = time.perf_counter()
@@ -563,7 +566,7 @@ class Scheduler:
                 f"run_batch returned {len(results)} results for {len(part)} requests")
         return results
 
-    def _complete(self, t: Ticket, result: Result | None, error: BaseException | None,
+    def _complete(self, t: SchedulerTicket, result: Result | None, error: BaseException | None,
                   count: bool = True) -> bool:
         """Finish a ticket once (first writer wins); callbacks run outside the lock.
         ``count``: bump completed/failed (the other outcomes were counted by the caller)."""

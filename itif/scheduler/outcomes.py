@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from itif.errors import InvalidRequest, ItifError, NoWeights, TenantNotFound, is_out_of_memory
-from itif.scheduler.tickets import InternalError, OutOfMemory, Ticket
+from itif.scheduler.tickets import InternalError, OutOfMemory, SchedulerTicket
 
 __all__ = ["PER_REQUEST_ERRORS", "by_tenant", "count", "wrap"]
 
@@ -27,15 +27,15 @@ def count(v: Any, what: str) -> int:
         raise InvalidRequest(f"{what} must be an integer, got {v!r}") from None
 
 
-def by_tenant(part: list[Ticket]) -> list[list[Ticket]]:
+def by_tenant(part: list[SchedulerTicket]) -> list[list[SchedulerTicket]]:
     """``part``'s tickets grouped by tenant, tenants in first-seen order."""
-    groups: dict[str, list[Ticket]] = {}
+    groups: dict[str, list[SchedulerTicket]] = {}
     for t in part:
         groups.setdefault(t.tenant, []).append(t)
     return list(groups.values())
 
 
-def wrap(exc: BaseException, part: list[Ticket]) -> ItifError:
+def wrap(exc: BaseException, part: list[SchedulerTicket]) -> ItifError:
     """The typed error every ticket of a failed (sub-)batch gets."""
     if isinstance(exc, ItifError):
         if len(part) == 1 and isinstance(exc, InvalidRequest) and exc.args:

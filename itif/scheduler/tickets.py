@@ -1,4 +1,4 @@
-"""The scheduler's value types and the future of one request (:class:`Ticket`)."""
+"""The scheduler's value types and the future of one request (:class:`SchedulerTicket`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ __all__ = [
     "SchedulerStats",
     "TenantQuota",
     "TenantStats",
-    "Ticket",
+    "SchedulerTicket",
 ]
 
 
@@ -42,7 +42,7 @@ class OutOfMemory(Busy):
     code = "RESOURCE_EXHAUSTED"
 
 
-# Ticket states
+# SchedulerTicket states
 QUEUED, RUNNING, DONE = 0, 1, 2
 
 
@@ -108,8 +108,9 @@ class SchedulerStats:
     queued_tokens: int = 0
 
 
-class Ticket:
-    """The future of one submitted request.
+class SchedulerTicket:
+    """The future of one request submitted to the scheduler (the generation loop's request is
+    ``itif.generation.gen_tickets.GenTicket``).
 
     ``result()`` returns the :class:`Result` or raises the request's typed error. If the request's
     deadline passes while it is still queued, a waiter in ``result()`` fails it right away (even
@@ -139,7 +140,7 @@ class Ticket:
         self._result: Result | None = None
         self._error: BaseException | None = None
         self._event = threading.Event()
-        self._callbacks: list[Callable[[Ticket], Any]] | None = []
+        self._callbacks: list[Callable[[SchedulerTicket], Any]] | None = []
 
     # -- future API ------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -182,7 +183,7 @@ class Ticket:
         self._wait(timeout)
         return self._error
 
-    def add_done_callback(self, fn: Callable[[Ticket], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[SchedulerTicket], Any]) -> None:
         """Call ``fn(ticket)`` when done (at once, on this thread, if it already is). Callbacks run
         on the thread that finishes the ticket (usually the scheduler's) and must be quick;
         exceptions are logged."""
@@ -214,7 +215,7 @@ class Ticket:
         return self._event.is_set() or self._callbacks is None
 
     def settle(self, result: Result | None, error: BaseException | None,
-               now: float) -> list[Callable[[Ticket], Any]]:
+               now: float) -> list[Callable[[SchedulerTicket], Any]]:
         """Set the outcome once (the caller checked :attr:`settled`, under the lock) and hand
         back the callbacks, which :meth:`wake` runs outside the lock."""
         self._state = DONE
@@ -224,7 +225,7 @@ class Ticket:
         callbacks, self._callbacks = self._callbacks or [], None
         return callbacks
 
-    def wake(self, callbacks: list[Callable[[Ticket], Any]]) -> None:
+    def wake(self, callbacks: list[Callable[[SchedulerTicket], Any]]) -> None:
         """Release the waiters in ``result()`` and run the callbacks :meth:`settle` returned."""
         self._event.set()
         for fn in callbacks:
@@ -249,10 +250,10 @@ class Ticket:
 
     def __repr__(self) -> str:
         state = {QUEUED: "queued", RUNNING: "running", DONE: "done"}[self._state]
-        return f"<Ticket {self.tenant!r} #{self.seq} {state}>"
+        return f"<SchedulerTicket {self.tenant!r} #{self.seq} {state}>"
 
 
-def call_back(fn: Callable[[Ticket], Any], ticket: Ticket) -> None:
+def call_back(fn: Callable[[SchedulerTicket], Any], ticket: SchedulerTicket) -> None:
     try:
         fn(ticket)
     except Exception:
