@@ -142,6 +142,37 @@ def test_a_failing_tenant_fails_only_its_own_rows(door):
     assert got[2][0][0] == "NOT_FOUND" and "'b'" in got[2][0][2]
 
 
+def test_a_tenant_without_ready_weights_is_answered_as_the_servicer_answers(door):
+    """The snapshot still listed b as ready when its weights failed to load: its rows get
+    FAILED_PRECONDITION naming the state, as a call by frame would, not NOT_FOUND."""
+    d, door, (prod, cons) = door
+    d.engine.remove_tenant("b")
+    d.status["b"].state, d.status["b"].error = State.FAILED, "its base is missing"
+    prod[0].try_put(_arrivals([(1, 0, [3, 4, 5]), (2, 1, [3, 4, 5])]))
+    got = _collect(cons[0], 2)
+    assert got[1][0][0] == "OK"
+    assert got[2][0][0] == "FAILED_PRECONDITION", got[2]
+    assert "FAILED" in got[2][0][2] and "its base is missing" in got[2][0][2]
+
+
+def test_results_name_the_weights_each_tenant_used(door):
+    """The weights table of a batch's results is the forward's own view of the store: the
+    tag b's weights carry now, not the one a snapshot saw before they were replaced."""
+    d, door, (prod, cons) = door
+    spec = load_spec("bert-tiny")
+    d.engine.add_tenant("b", tenant_weights(spec, 7), tag="b-v2")
+    prod[0].try_put(_arrivals([(1, 0, [3, 4, 5]), (2, 1, [3, 4, 5])]))
+    assert cons[0].wait(20.0)
+    (view,) = cons[0].ready()[:1]
+    res = Results.unpack(bytes(view))
+    cons[0].release(1)
+    index = {int(c) & ((1 << FRONTEND_SHIFT) - 1): i for i, c in enumerate(res.call_id)}
+    assert len(res) == 2 and set(index) == {1, 2}
+    assert res.weights() == {0: "", 1: "b-v2"}
+    want = d.engine.infer([itif.Request("b", input_ids=[3, 4, 5])])[0].logits
+    np.testing.assert_allclose(res.row(index[2]), want, rtol=1e-5, atol=1e-6)
+
+
 def test_an_injected_out_of_memory_is_retryable_and_its_own(door):
     from itif import faults
 

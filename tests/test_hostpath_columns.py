@@ -79,7 +79,18 @@ def test_results_round_trip_with_messages_only_for_failures():
     assert np.array_equal(got.values, r.values) and got.row(2).tolist() == r.values[2:].tolist()
     assert got.errors() == {1: "request 0: bad id — ü"}
     ok = Results.unpack(Results.build([1], [OK], [0, 1], [2.0]).to_bytes())
-    assert ok.errors() == {} and ok.err_text.size == 0
+    assert ok.errors() == {} and ok.err_text.size == 0 and ok.weights() == {}
+
+
+def test_results_carry_the_weights_table_of_their_tenants():
+    """Each tenant's weights tag (a sha256 in hex, or any shorter tag) crosses with the rows,
+    beside failures' messages."""
+    sha = "ab" * 32
+    r = Results.build([7, 8], [OK, INVALID], [0, 2, 2], [1.0, 2.0], {1: "no"}).with_weights(
+        {"a": 3, "b": 11}, {"a": sha, "b": "v2"})
+    got = Results.unpack(r.to_bytes())
+    assert got.weights() == {3: sha, 11: "v2"} and got.errors() == {1: "no"}
+    assert got.values.tolist() == [1.0, 2.0] and got.status.tolist() == [OK, INVALID]
 
 
 # ---- the ring ---------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ of rows laid out as numpy columns in one contiguous buffer (a slot of ``itif.hos
                       | ids i4[offsets[n]] | priority i1[n]
     Results    header | call_id i8[n] | offsets i8[n+1] | values f4[offsets[n]] | status i1[n]
                       | err_row i4[k] | err_offsets i8[k+1] | err_text u1[...]
+                      | w_tenant i4[m] | w_tag u1[64 m]   (the weights each tenant's rows used)
 
 Row ``i``'s token ids are ``ids[offsets[i]:offsets[i+1]]``, its outputs
 ``values[offsets[i]:offsets[i+1]]``. ``deadline`` is a ``time.monotonic()`` time (``inf``: none;
@@ -17,7 +18,8 @@ gRPC code names itif's errors carry (``ItifError.code``); the few failed rows ha
 the error table (``err_row`` names the row), so a success costs no text at all.
 
 Every column starts on an 8-byte boundary; the header is 32 bytes (magic, row count, element
-count, table version, error count and text bytes). ``unpack`` returns numpy views of the buffer
+count, table version (for Results: the weights table's entries), error count and text bytes).
+``unpack`` returns numpy views of the buffer
 (no copy: read them before the ring slot is released, or copy), ``unpack_many`` copies the
 slots of one wake-up into one batch, ``pack_into`` writes straight into a ring slot. Each costs
 a fixed number of calls a column, whatever the number of rows, and the engine makes them for
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,7 +48,9 @@ _CODE = {name: i for i, name in enumerate(STATUS)}
 _NO_ROWS, _NO_OFFSETS = np.zeros(0, np.int32), np.zeros(1, np.int64)
 _NO_TEXT = np.zeros(0, np.uint8)
 _HEAD = struct.Struct("<4sIqqiI")  # magic, n rows, elements, table version, k errors, text bytes
-_ARRIVALS, _RESULTS = b"ITA1", b"ITR1"
+_ARRIVALS, _RESULTS = b"ITA1", b"ITR2"  # ITR2: with the weights table
+#: Bytes a weights tag takes in :class:`Results` (a sha256 in hex).
+TAG_BYTES = 64
 
 
 def status_code(name: str) -> int:
@@ -276,6 +280,11 @@ class Results(_Packed):
     err_row: np.ndarray  # int32 [k]: the rows with a message
     err_offsets: np.ndarray  # int64 [k+1] into err_text
     err_text: np.ndarray  # uint8: the messages, UTF-8, back to back
+    #: The weights the rows were computed with: tenant table index -> the store's tag of its
+    #: weights (the daemon's: their sha256), read in the forward's own view of the store, so a
+    #: reply names exactly the weights behind it even while an upload replaces them.
+    w_tenant: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32 [m]
+    w_tag: np.ndarray = field(default_factory=lambda: _NO_TEXT)  # uint8 [TAG_BYTES * m]
 
     @classmethod
     def build(cls, call_id, status, offsets, values,
@@ -300,28 +309,45 @@ class Results(_Packed):
         return cls(call_id, np.zeros(call_id.size, np.int8), offsets, values, _NO_ROWS,
                    _NO_OFFSETS, _NO_TEXT)
 
+    def with_weights(self, index: dict[str, int], tags: dict[str, str]) -> Results:
+        """These results with the weights table of ``tags`` (tenant name -> its weights'
+        tag; ``index``: name -> table index). A tag is at most :data:`TAG_BYTES` ASCII."""
+        self.w_tenant = np.fromiter((index[t] for t in tags), np.int32, count=len(tags))
+        self.w_tag = np.frombuffer(b"".join(t.encode("ascii").ljust(TAG_BYTES)[:TAG_BYTES]
+                                            for t in tags.values()), np.uint8)
+        return self
+
+    def weights(self) -> dict[int, str]:
+        """The weights table: tenant table index -> tag."""
+        raw = self.w_tag.tobytes()
+        return {int(t): raw[j * TAG_BYTES:(j + 1) * TAG_BYTES].decode("ascii").rstrip()
+                for j, t in enumerate(self.w_tenant.tolist())}
+
     def __len__(self) -> int:
         return self.call_id.size
 
     def _counts(self) -> list[tuple[np.dtype, int]]:
-        n, k = len(self), self.err_row.size
+        n, k, m = len(self), self.err_row.size, self.w_tenant.size
         return [(np.int64, n), (np.int64, n + 1), (np.float32, int(self.offsets[-1])),
-                (np.int8, n), (np.int32, k), (np.int64, k + 1), (np.uint8, self.err_text.size)]
+                (np.int8, n), (np.int32, k), (np.int64, k + 1), (np.uint8, self.err_text.size),
+                (np.int32, m), (np.uint8, TAG_BYTES * m)]
 
-    def _head(self) -> tuple:
-        return (_RESULTS, len(self), int(self.offsets[-1]), 0, self.err_row.size,
-                self.err_text.size)
+    def _head(self) -> tuple:  # the header's third field: the weights table's entries
+        return (_RESULTS, len(self), int(self.offsets[-1]), self.w_tenant.size,
+                self.err_row.size, self.err_text.size)
 
     def _columns(self) -> tuple[np.ndarray, ...]:
         return (self.call_id, self.offsets, self.values, self.status, self.err_row,
-                self.err_offsets, self.err_text)
+                self.err_offsets, self.err_text, self.w_tenant, self.w_tag)
 
     @classmethod
     def unpack(cls, buf) -> Results:
-        n, total, _, k, text = _header(buf, _RESULTS)
+        n, total, m, k, text = _header(buf, _RESULTS)
         counts = [(np.int64, n), (np.int64, n + 1), (np.float32, total), (np.int8, n),
-                  (np.int32, k), (np.int64, k + 1), (np.uint8, text)]
-        return cls(*(_views(buf, _layout(counts)[0], counts)[i] for i in (0, 3, 1, 2, 4, 5, 6)))
+                  (np.int32, k), (np.int64, k + 1), (np.uint8, text), (np.int32, m),
+                  (np.uint8, TAG_BYTES * m)]
+        cols = _views(buf, _layout(counts)[0], counts)
+        return cls(*(cols[i] for i in (0, 3, 1, 2, 4, 5, 6, 7, 8)))
 
     def errors(self) -> dict[int, str]:
         """``{row: message}`` of the failed rows."""

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from itif.daemon_state import State
-from itif.errors import ItifError, clip
+from itif.errors import ItifError, TenantNotFound, clip
 from itif.hostpath.colqueue import ColumnQueue
 from itif.hostpath.columns import STATUS, Arrivals, Results, status_code
 from itif.hostpath.ring import Ring
@@ -72,6 +72,7 @@ class ColumnDoor:
         self.queue: ColumnQueue | None = None
         self._config = None
         self._labels: dict[tuple[str, str], int] = {}  # (tenant, weights sha) -> num_labels
+        self._names: dict[str, int] = {}  # tenant -> queue index (``_index``)
         #: rows taken in / answered / refused, batches run (tests and the serve bench read them)
         self.rows_in = self.rows_answered = self.rows_refused = self.batches = 0
         self.decisions = 0  # times the scheduler asked whether a batch is due
@@ -145,6 +146,13 @@ class ColumnDoor:
     def wake_fds(self) -> tuple[int, ...]:
         """Every arrival ring's wake-up pipe: the scheduler's loop sleeps on them."""
         return tuple(r.handle("consumer")["fds"][0] for r in self.arrivals)
+
+    def _index(self) -> dict[str, int]:
+        """Tenant name -> its index in the queue's table (which only grows)."""
+        names = self.queue.names
+        if len(self._names) != len(names):
+            self._names = {n: i for i, n in enumerate(names)}
+        return self._names
 
     def _sync(self, cfg) -> None:
         """The queue's tenants and quotas as ``cfg`` says (a reload: on the loop thread)."""
@@ -226,7 +234,8 @@ class ColumnDoor:
             out = self.daemon.engine.infer_columns(taken.tenant, taken.ids, taken.offsets,
                                                    table=self.queue.names)
             cpu = time.thread_time() - cpu
-            self._send(Results.ok(taken.call_id, out.offsets, out.values))
+            self._send(Results.ok(taken.call_id, out.offsets, out.values)
+                       .with_weights(self._index(), out.weights))
         except Exception as e:  # noqa: BLE001 - each tenant's rows alone: its error is its own
             cpu = time.thread_time() - cpu
             self._per_tenant(taken, e)
@@ -247,8 +256,11 @@ class ColumnDoor:
                     raise first
                 out = self.daemon.engine.infer_columns(taken.tenant[rows], ids, offsets,
                                                        table=self.queue.names)
-                self._send(Results.ok(taken.call_id[rows], out.offsets, out.values))
+                self._send(Results.ok(taken.call_id[rows], out.offsets, out.values)
+                           .with_weights(self._index(), out.weights))
             except Exception as e:  # noqa: BLE001 - the rows' status says what went wrong
+                if isinstance(e, TenantNotFound):  # configured but without ready weights:
+                    e = self._not_ready(self.queue.names[t], e)  # the servicer's answer
                 err = wrap(e, ())  # as the ticket path types it (out of memory, internal)
                 if not isinstance(e, ItifError):
                     log.warning("a column batch of tenant %s failed: %s: %s",
@@ -257,6 +269,16 @@ class ColumnDoor:
                 msg = clip(str(err.args[0]) if err.args else code)
                 self._refuse(taken.call_id[rows], np.full(rows.size, status_code(code), np.int8),
                              msg)
+
+    def _not_ready(self, tenant: str, error: Exception) -> Exception:
+        """What the daemon's servicer answers for ``tenant``, whose weights the forward did not
+        find (its snapshot entry was older than a delete or a failed load): NoWeights naming
+        its state while it is configured, else ``error``."""
+        try:
+            self.daemon.tenants.check_ready(tenant)
+        except ItifError as e:
+            return e
+        return error
 
     def _refuse(self, call_id: np.ndarray, status: np.ndarray, message: str | None = None
                 ) -> None:
@@ -293,13 +315,16 @@ class ColumnDoor:
 
 
 def _rows(res: Results, rows: np.ndarray) -> Results:
-    """The results of ``rows`` (ascending) of ``res``."""
+    """The results of ``rows`` (ascending) of ``res``, with its weights table."""
     values, offsets = _gather(res.values, res.offsets, rows)
     if not res.err_row.size:
-        return Results.ok(res.call_id[rows], offsets, values)
-    errs = res.errors()  # failures only: a message each
-    keep = {j: errs[r] for j, r in enumerate(rows.tolist()) if r in errs}
-    return Results.build(res.call_id[rows], res.status[rows], offsets, values, keep)
+        part = Results.ok(res.call_id[rows], offsets, values)
+    else:
+        errs = res.errors()  # failures only: a message each
+        keep = {j: errs[r] for j, r in enumerate(rows.tolist()) if r in errs}
+        part = Results.build(res.call_id[rows], res.status[rows], offsets, values, keep)
+    part.w_tenant, part.w_tag = res.w_tenant, res.w_tag
+    return part
 
 
 def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray

@@ -82,7 +82,9 @@ class Prepared:
 class _Call:
     future: asyncio.Future
     rows: int
+    tenant: int  # its tenant's table index
     got: list[np.ndarray] = field(default_factory=list)
+    sha: str | None = None  # the weights its rows were computed with (the results say)
 
 
 class ColumnClient:
@@ -204,18 +206,18 @@ class ColumnClient:
         self._next += 1
         cid = (self.index << FRONTEND_SHIFT) | self._next
         fut = self._loop.create_future()
-        self._calls[cid] = _Call(fut, len(p.ids))
+        self._calls[cid] = _Call(fut, len(p.ids), p.index)
         if not self._pending:  # the calls of the next FLUSH_S go in one batch of arrivals
             self._loop.call_later(FLUSH_S, self._flush)
         deadline = math.inf if remaining is None else time.monotonic() + remaining
         self._pending.append((cid, p, deadline))
         try:
-            rows = await fut
+            rows, sha = await fut
         finally:
             self._calls.pop(cid, None)
             self._inflight[p.tenant] -= 1
             self._total -= 1
-        return self._reply(p, rows)
+        return self._reply(p, rows, sha or p.sha)
 
     def _admit(self, p: Prepared) -> None:
         snap = self.snapshot
@@ -233,12 +235,13 @@ class ColumnClient:
         self._inflight[p.tenant] = mine + 1
         self._total += 1
 
-    def _reply(self, p: Prepared, rows: list[np.ndarray]) -> bytes:
+    def _reply(self, p: Prepared, rows: list[np.ndarray], sha: str) -> bytes:
+        """``sha``: the weights the rows were computed with (the snapshot's may be older)."""
         def one(v: np.ndarray) -> itif_pb2.InferResponse:
             return itif_pb2.InferResponse(
-                outputs=[itif_pb2.Tensor(name=p.output, shape=[p.width],
+                outputs=[itif_pb2.Tensor(name=p.output, shape=[v.size],
                                          data=v.astype("<f4", copy=False).tobytes())],
-                weights_sha256=p.sha)
+                weights_sha256=sha)
 
         msg = (one(rows[0]) if p.method == INFER
                else itif_pb2.InferBatchResponse(results=[one(v) for v in rows]))
@@ -309,6 +312,7 @@ class ColumnClient:
     def _deliver(self, batches: list[Results]) -> None:
         for res in batches:
             errors = res.errors() if res.err_row.size else {}
+            weights = res.weights() if res.w_tenant.size else {}
             status = res.status.tolist()
             for i, cid in enumerate(res.call_id.tolist()):
                 call = self._calls.get(cid)
@@ -324,5 +328,6 @@ class ColumnClient:
                                                       trailers))
                     continue
                 call.got.append(res.row(i).copy())
+                call.sha = weights.get(call.tenant, call.sha)
                 if len(call.got) == call.rows:
-                    call.future.set_result(call.got)
+                    call.future.set_result((call.got, call.sha))
