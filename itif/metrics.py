@@ -333,6 +333,17 @@ class Metrics:
         self.column_rows.inc(rows)
         self.column_forward_cpu.inc(forward_cpu_s)
 
+    def observe_column_rows(self, names: Sequence[str], tenant: Any, queued_s: Any,
+                            compute_s: float) -> None:
+        """The answered rows of a column batch (``itif.server.column_door``), counted as
+        :meth:`watch` counts a ticket's: ``tenant`` a table index a row (``names``: the
+        table), ``queued_s`` each row's wait, ``compute_s`` the batch's time."""
+        for t, q in zip(tenant.tolist(), queued_s.tolist()):
+            name = names[t]
+            self._child(self.rows, name, "OK").inc()
+            self._child(self.queue_seconds, name).observe(q)
+            self._child(self.compute_seconds, name).observe(compute_s)
+
     def observe_http(self, tenant: str, api: str, method: str, status: int,
                      seconds: float) -> None:
         self.http_requests.labels(tenant, api, method, str(status)).inc()

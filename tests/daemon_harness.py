@@ -341,3 +341,27 @@ def serving(root: Path, tokens: dict[str, str], files: dict[str, Path], *, ingre
             with d.client(tokens[tid]) as c:
                 c.upload(tid, files[tid])
         yield d
+
+
+#: The counters an ingress process reports in bulk (``itif.server.ingress_columns.REPORT_S``).
+_REPORTED = ("itif_requests_total", "itif_request_seconds")
+
+
+def settled_metrics(port: int, timeout: float = 10.0) -> dict[tuple[str, frozenset], float]:
+    """The daemon's /metrics once the calls already answered are all counted: behind ingress
+    processes a column call's count reaches the daemon up to ``REPORT_S`` after its answer, so
+    this scrapes until two scrapes ``3 x REPORT_S`` apart agree on every call count."""
+    from itif.bench.daemon_probe import scrape_metrics  # noqa: PLC0415
+    from itif.server.ingress_columns import REPORT_S  # noqa: PLC0415
+
+    def calls(s: dict) -> dict:
+        return {k: v for k, v in s.items() if k[0].startswith(_REPORTED)}
+
+    end = time.monotonic() + timeout
+    last = scrape_metrics(port)
+    while True:
+        time.sleep(3 * REPORT_S)
+        now = scrape_metrics(port)
+        if calls(now) == calls(last) or time.monotonic() > end:
+            return now
+        last = now

@@ -12,7 +12,7 @@ import torch
 from itif.bench.daemon_probe import scrape_metrics as scrape
 from itif.platform import nvml
 from itif.safetensors_io import save_safetensors
-from tests.daemon_harness import Daemon, free_port
+from tests.daemon_harness import Daemon, free_port, settled_metrics
 from tests.oracle import make_hf_model
 
 tg = pytest.importorskip("tritonclient.grpc")
@@ -90,7 +90,7 @@ def test_scrape_after_a_scripted_workload(daemon):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
     triton.close()
 
-    s = scrape(daemon.metrics_port)
+    s = settled_metrics(daemon.metrics_port)
     req = "itif_requests_total"
     for tid in TOKENS:
         assert value(s, req, tenant=tid, method="Infer", code="OK") == N_ITIF

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from itif.server._proto.itif.v1 import itif_pb2
+from tests.daemon_harness import settled_metrics
 from tests.reliability_util import (
     ADMIN,
     OK,
@@ -123,12 +124,12 @@ def test_bounded_queue_answers_resource_exhausted_quickly(qd, rel):
     for room fails every round."""
     rounds, refusals = [], []
     for _ in range(ROUNDS_1):
-        before = scrape(qd.metrics_port)
+        before = settled_metrics(qd.metrics_port)
         with qd.client(Q_TOKENS["a"]) as c:
             c.health_status()  # channel connected before the clock starts
             with Blocker(qd):
                 res = _concurrently([lambda: c.infer("a", IDS, timeout=60)] * 19)
-        after = scrape(qd.metrics_port)
+        after = settled_metrics(qd.metrics_port)
         codes = Counter(code.name for code, _ in res)
         rejected = [s * 1e3 for code, s in res if code == C.RESOURCE_EXHAUSTED]
         refusals += rejected

@@ -164,6 +164,10 @@ class ColumnDoor:
         for i, name in enumerate(q.names):
             if q.live[i] and name not in ids:
                 q.remove_tenant(name)
+        quota = {t.id: t.max_queue for t in cfg.tenants}
+        # each queue index's max_queue (a removed tenant's: never over), one past for strays
+        self._max_queue = np.array([quota.get(n, 1 << 62) for n in q.names] + [1 << 62],
+                                   np.int64)
         self._config = cfg
 
     # ---- the scheduler's source (``itif.scheduler.sources.ColumnSource``) --------------------
@@ -208,7 +212,31 @@ class ColumnDoor:
         self.rows_in += call_id.size
         bad = status != _OK
         if bad.any():
+            if a is not None:
+                self._over_max_queue(a, status)
+                bad = status != _OK
             self._refuse(call_id[bad], status[bad])
+
+    def _over_max_queue(self, a: Arrivals, status: np.ndarray) -> None:
+        """Refuse, as the servicer does (INVALID_ARGUMENT, never "retry"), the calls with more
+        rows than their tenant may ever queue (a snapshot older than a reload of max_queue let
+        them through); their rows' status is set to OK here, done with. Vectorised: under a
+        flood most refusals are plain RESOURCE_EXHAUSTED and cost no loop."""
+        full = status == status_code("RESOURCE_EXHAUSTED")
+        if not full.any():
+            return
+        _, inverse, counts = np.unique(a.call_id, return_inverse=True, return_counts=True)
+        limit = self._max_queue[np.minimum(a.tenant, self._max_queue.size - 1)]
+        over = full & (counts[inverse] > limit)
+        for cid in np.unique(a.call_id[over]).tolist():  # only calls that can never fit
+            mine = np.flatnonzero(a.call_id == cid)
+            name = self.queue.names[int(a.tenant[mine[0]])]
+            try:
+                TenantQuota(max_queue=int(limit[mine[0]])).refuse_call(name, int(mine.size))
+            except ItifError as e:
+                self._refuse(a.call_id[mine], np.full(mine.size, status_code(e.code), np.int8),
+                             str(e))
+                status[mine] = _OK
 
     @staticmethod
     def _unreadable(views) -> tuple[np.ndarray, np.ndarray]:
@@ -229,19 +257,23 @@ class ColumnDoor:
         n = len(taken)
         if not n:
             return None
-        cpu = time.thread_time()
+        cpu, start = time.thread_time(), time.monotonic()
+        metrics = self.daemon.metrics
         try:
             out = self.daemon.engine.infer_columns(taken.tenant, taken.ids, taken.offsets,
                                                    table=self.queue.names)
             cpu = time.thread_time() - cpu
             self._send(Results.ok(taken.call_id, out.offsets, out.values)
                        .with_weights(self._index(), out.weights))
+            if metrics is not None:
+                metrics.observe_column_rows(self.queue.names, taken.tenant,
+                                            start - taken.enqueued, time.monotonic() - start)
         except Exception as e:  # noqa: BLE001 - each tenant's rows alone: its error is its own
             cpu = time.thread_time() - cpu
             self._per_tenant(taken, e)
         self.batches += 1
-        if self.daemon.metrics is not None:
-            self.daemon.metrics.observe_column_batch(n, int(taken.offsets[-1]), cpu)
+        if metrics is not None:
+            metrics.observe_column_batch(n, int(taken.offsets[-1]), cpu)
         return n, int(taken.offsets[-1])
 
     def _per_tenant(self, taken, first: Exception) -> None:
