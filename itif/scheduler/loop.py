@@ -458,7 +458,14 @@ class Scheduler:
                 for t in shut:
                     self._complete(t, None, clone(err))
                 if batch:
-                    self._execute(batch)
+                    cols = self._columns  # it takes arrivals in meanwhile (refusals at once)
+                    if cols is not None:
+                        cols.forwarding(True)
+                    try:
+                        self._execute(batch)
+                    finally:
+                        if cols is not None:
+                            cols.forwarding(False)
                 if self._column_due:
                     self._column_due = False
                     self._run_columns()

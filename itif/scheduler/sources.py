@@ -25,3 +25,7 @@ class ColumnSource(Protocol):
     def wake_fds(self) -> tuple[int, ...]:
         """Pipes whose bytes say arrivals came in: the loop sleeps on them (``poll``) and
         reads them empty when it wakes."""
+
+    def forwarding(self, on: bool) -> None:
+        """This loop starts (``on``) or ends a forward of its own batches: the source may take
+        its arrivals in meanwhile (from another thread)."""

@@ -65,13 +65,13 @@ class Wakeup:
         try:
             for fd, _ in poller.poll(None if timeout is None
                                      else math.ceil(max(0.0, timeout) * 1000.0)):
-                _drain(fd)
+                drain(fd)
         finally:
             self._lock.acquire()
             self._sleeping = False
 
 
-def _drain(fd: int) -> None:
+def drain(fd: int) -> None:
     """Read every pending wake-up byte of a non-blocking pipe."""
     try:
         while len(os.read(fd, 4096)) == 4096:

@@ -25,6 +25,8 @@ publishes the tenant table to the ingress processes (:meth:`ColumnDoor.snapshot`
 from __future__ import annotations
 
 import logging
+import select
+import threading
 import time
 
 import numpy as np
@@ -36,6 +38,7 @@ from itif.hostpath.columns import STATUS, Arrivals, Results, status_code
 from itif.hostpath.ring import Ring
 from itif.scheduler.outcomes import wrap
 from itif.scheduler.tickets import TenantQuota
+from itif.scheduler.wakeup import drain as _drain
 from itif.server.ingress_columns import FRONTEND_SHIFT
 
 log = logging.getLogger("itif.server.columns")
@@ -76,6 +79,13 @@ class ColumnDoor:
         #: rows taken in / answered / refused, batches run (tests and the serve bench read them)
         self.rows_in = self.rows_answered = self.rows_refused = self.batches = 0
         self.decisions = 0  # times the scheduler asked whether a batch is due
+        #: The queue and the rings' read side are the scheduler thread's, and, while it runs a
+        #: forward, the reader thread's (:meth:`forwarding`); results are written by both.
+        self._mutex = threading.Lock()
+        self._out_lock = threading.RLock()
+        self._forwarding = threading.Event()
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
 
     # ---- the ingress processes' side -------------------------------------------------------
     def spec(self, index: int) -> dict:
@@ -131,6 +141,9 @@ class ColumnDoor:
         self.daemon = daemon
         self._sync(daemon.config)
         daemon.scheduler.attach_columns(self)
+        self._reader = threading.Thread(target=self._read_while_forwarding,
+                                        name="itif-columns", daemon=True)
+        self._reader.start()
         return True
 
     def close(self) -> None:
@@ -138,14 +151,50 @@ class ColumnDoor:
             log.info("column path: %d rows in, %d answered, %d refused, %d batches, %d decisions",
                      self.rows_in, self.rows_answered, self.rows_refused, self.batches,
                      self.decisions)
+        self._stop.set()
+        self._forwarding.set()  # the reader sees the stop
         if self.daemon is not None and self.daemon.scheduler is not None:
             self.daemon.scheduler.attach_columns(None)
+        if self._reader is not None:
+            self._reader.join(2.0)
         for ring in (*self.arrivals, *self.results):  # its ends too (they share its mapping)
             ring.close()
 
     def wake_fds(self) -> tuple[int, ...]:
         """Every arrival ring's wake-up pipe: the scheduler's loop sleeps on them."""
         return tuple(r.handle("consumer")["fds"][0] for r in self.arrivals)
+
+    def forwarding(self, on: bool) -> None:
+        """The scheduler's thread starts (``on``) or ends a forward: meanwhile the reader
+        thread takes arrivals in, so a call the queue has no room for is refused at once, not
+        after the forward (reliability promise 10), while the scheduler's thread reads the
+        rings itself between forwards, with no thread in between."""
+        if on:
+            self._forwarding.set()
+        else:
+            with self._mutex:  # the reader is not inside a take-in from here on
+                self._forwarding.clear()
+
+    def _read_while_forwarding(self) -> None:
+        poller = select.poll()
+        fds = self.wake_fds()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            if not self._forwarding.wait(0.5):
+                continue
+            got = poller.poll(50)
+            if not got:
+                continue
+            with self._mutex:
+                if self._stop.is_set() or not self._forwarding.is_set():
+                    continue  # the scheduler's thread reads them now (its pipe bytes stay)
+                for fd, _ in got:
+                    _drain(fd)
+                try:
+                    self._take_in(time.monotonic(), False)
+                except Exception:  # noqa: BLE001 - the thread must live; the rows stay queued
+                    log.exception("arrivals could not be taken in during a forward")
 
     def _index(self) -> dict[str, int]:
         """Tenant name -> its index in the queue's table (which only grows)."""
@@ -177,9 +226,10 @@ class ColumnDoor:
         cfg = self.daemon.config
         if cfg is not self._config:
             self._sync(cfg)
-        self._take_in(now, stopping)
         sch = cfg.scheduler
-        return self.queue.due(now, max_tokens=sch.max_batch_tokens, max_rows=sch.max_batch_size,
+        with self._mutex:
+            self._take_in(now, stopping)
+            return self.queue.due(now, max_tokens=sch.max_batch_tokens, max_rows=sch.max_batch_size,
                               max_wait_ms=sch.max_wait_ms, last_end=last_end,
                               estimate_ms=estimate_ms, stopping=stopping)
 
@@ -250,7 +300,8 @@ class ColumnDoor:
 
     def run(self) -> tuple[int, int] | None:
         sch = self.daemon.config.scheduler
-        taken = self.queue.take(sch.max_batch_tokens, sch.max_batch_size)
+        with self._mutex:
+            taken = self.queue.take(sch.max_batch_tokens, sch.max_batch_size)
         if taken.expired_call_id.size:
             self._refuse(taken.expired_call_id, np.full(taken.expired_call_id.size,
                                                         status_code("DEADLINE_EXCEEDED"), np.int8))
@@ -260,8 +311,12 @@ class ColumnDoor:
         cpu, start = time.thread_time(), time.monotonic()
         metrics = self.daemon.metrics
         try:
-            out = self.daemon.engine.infer_columns(taken.tenant, taken.ids, taken.offsets,
-                                                   table=self.queue.names)
+            self.forwarding(True)
+            try:
+                out = self.daemon.engine.infer_columns(taken.tenant, taken.ids, taken.offsets,
+                                                       table=self.queue.names)
+            finally:
+                self.forwarding(False)
             cpu = time.thread_time() - cpu
             self._send(Results.ok(taken.call_id, out.offsets, out.values)
                        .with_weights(self._index(), out.weights))
@@ -333,6 +388,10 @@ class ColumnDoor:
             self.rows_answered += len(part)
 
     def _put(self, k: int, res: Results) -> None:
+        with self._out_lock:  # the scheduler's thread and the reader's both answer
+            self._put_locked(k, res)
+
+    def _put_locked(self, k: int, res: Results) -> None:
         out = self._out[k]
         if res.nbytes() > out.slot_bytes and len(res) > 1:
             half = len(res) // 2
