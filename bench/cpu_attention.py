@@ -20,7 +20,7 @@ from unittest import mock
 
 import torch
 
-from itif.calibration.batchmeasure import measure_ms
+from itif.calibration.batch_timing import measure_ms
 from itif.ops import reference
 from itif.ops.reference import AttnGroup
 
@@ -54,7 +54,7 @@ def forward(backbone: str, tenants: int, requests: int, lo: int, hi: int, seed: 
     import itif
     from itif.backbones.random import random_weights
     from itif.batching.layout import layout_packed
-    from itif.calibration.batchmeasure import measure_layout
+    from itif.calibration.batch_timing import measure_layout
 
     eng = itif.Engine(backbone)
     for i in range(tenants):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from itif.calibration.batchmeasure import measure_ms
+from itif.calibration.batch_timing import measure_ms
 from itif.ops import reference
 from itif.ops.reference import AttnGroup, cpu_attention_len
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from itif.batching import dp
-from itif.batching.costmodel import CostModel, LayerShape
+from itif.batching.layer_cost import CostModel, LayerShape
 
 SHAPE = LayerShape(hidden=64, intermediate=256, heads=4)
 

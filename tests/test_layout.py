@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import itif
 from itif.backbones.random import random_weights
-from itif.batching.costmodel import CostModel, LayerShape
+from itif.batching.layer_cost import CostModel, LayerShape
 from itif.batching.layout import BATCHED_GEMM, GROUPED_GEMM
 from itif.batching.strategies import STRATEGIES, plan
 from itif.runtime.batch import prepare

@@ -15,7 +15,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from itif.batching.costmodel import CostModel, LayerShape
+from itif.batching.layer_cost import CostModel, LayerShape
 from itif.batching.strategies import STRATEGIES, plan
 
 SIZES = (1_000, 10_000, 40_000)

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from itif.batching.costmodel import CostModel
+    from itif.batching.layer_cost import CostModel
 
 from itif.batching.layout import GemmOp  # noqa: E402 - the one enum of GEMM kinds
 

@@ -1,4 +1,4 @@
-"""Cost tables of the whole-batch cost model (``itif.calibration.batchcost``): interpolation over
+"""Cost tables of the whole-batch cost model (``itif.calibration.batch_cost``): interpolation over
 the calibration grids, the repair of measured tables, and the small non-negative least squares
 of its overhead fit."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from itif.batching.costmodel import interp_grid, place_on_grid
+from itif.batching.layer_cost import interp_grid, place_on_grid
 
 
 def lin1(grid: np.ndarray, table: np.ndarray, x: float) -> float:
@@ -40,7 +40,7 @@ def elementwise_min(a, b):
 def _suffix_min(table, axes=None) -> list:
     """Each point becomes the cheapest of itself and every larger point, along ``axes`` (all
     by default): stalls only add time, and along those axes a bigger shape never costs less
-    (``costmodel``'s repair)."""
+    (``layer_cost``'s repair)."""
     a = np.asarray(table, np.float64)
     for axis in range(a.ndim) if axes is None else axes:
         a = np.flip(np.minimum.accumulate(np.flip(a, axis), axis=axis), axis)
@@ -52,7 +52,7 @@ def repair(t: dict) -> dict:
     for name in ("mm", "bmm", "grouped", "loop", "kernel", "mem", "emb"):
         if name in t:
             out[name] = {k: _suffix_min(v) for k, v in t[name].items()}
-    if "attn" in t:  # over sequences only: see _ATT_LENS in batchcost (a longer L can be cheaper)
+    if "attn" in t:  # over sequences only: see _ATT_LENS in batch_cost (a longer L can be cheaper)
         out["attn"] = {k: _suffix_min(v, axes=(1,)) for k, v in t["attn"].items()}
     return out
 

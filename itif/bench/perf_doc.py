@@ -442,7 +442,7 @@ KINDS: dict[str, Kind] = {
     "cpu-plan": Kind(
         "Planner strategies on one batch (`itif plan`)",
         "One batch planned by every strategy and run through the engine. *predicted*: the "
-        "whole-batch cost model (`itif.calibration.batchcost`, calibrated on this machine, no "
+        "whole-batch cost model (`itif.calibration.batch_cost`, calibrated on this machine, no "
         "online correction); *measured*: best of 9 rounds in which the strategies take turns; "
         "*error*: predicted / measured - 1 (the bar: within 15 %, and the ranking the "
         "predictions imply matches the measured one up to ties within 5 %).",

@@ -5,13 +5,13 @@ Output: ``{"backbone", "device", "workload", "tenants", "requests", "strategies"
 "gemm_calls"}}, "prediction": {...}}``. Tenants get random weights (timing does not depend on
 values).
 
-``predicted_ms`` is the whole-batch cost model's prediction (``itif.calibration.batchcost``: the
+``predicted_ms`` is the whole-batch cost model's prediction (``itif.calibration.batch_cost``: the
 GEMM backend of every plan, attention per group, memory-bound ops, embeddings, heads and host
 overhead, calibrated offline on this device, no online correction) of one forward of the planned
 layout; ``measured_ms`` is the median wall time of that forward through ``Engine.infer`` with
 the plan fixed (prepare, forward, results; planning is ``plan_us_per_request``), best of
 ``repeats`` rounds in which the strategies take turns (the median is in ``prediction``), on
-``batchcost.clock``: the thread's CPU time at one torch thread (``--threads 1``), else wall
+``batch_cost.clock``: the thread's CPU time at one torch thread (``--threads 1``), else wall
 time (best wall time in ``prediction`` too). ``prediction``
 holds each strategy's relative error, the layer cost model's old estimate
 (``legacy_predicted_ms``, what the DP planners optimise), the strategy rankings both imply and
@@ -113,7 +113,7 @@ def plan_report(backbone: str, workload: str, n_tenants: int, n_requests: int,
     tenant_of = np.array([index[r.tenant] for r in reqs], np.int64)
     ids = np.concatenate([r.input_ids for r in reqs])
     engine.get_cost_model()
-    from itif.calibration.batchcost import BatchCostModel, clock, measure_layout, prepare_for  # noqa: PLC0415
+    from itif.calibration.batch_cost import BatchCostModel, clock, measure_layout, prepare_for  # noqa: PLC0415
 
     model = BatchCostModel.cached(engine)
     out, legacy, err, medians, layouts, predicted = {}, {}, {}, {}, {}, {}

@@ -110,7 +110,7 @@ class Engine(ColumnsMixin):
         self.tokenizer = _load_tokenizer(self.spec.source_dir)
         self._tables: OrderedDict[tuple, SlotTables] = OrderedDict()
         self._tables_lock = threading.Lock()
-        self.cost_model = None  # itif.batching.costmodel.CostModel, profiled on first DP plan
+        self.cost_model = None  # itif.batching.layer_cost.CostModel, profiled on first DP plan
         self._graphs = GraphCache(self.device) if self.device.type == "cuda" else None
         self._structures = StructureCache()
         self._signatures: dict[tuple[str, int], tuple] = {}  # (tenant, generation) -> slots
@@ -364,7 +364,7 @@ class Engine(ColumnsMixin):
         """The profiled per-layer cost model for this device, backbone and dtype (cached on
         disk; profiled on first use: quick by default, ``itif plan --full`` for the full grid)."""
         if self.cost_model is None:
-            from itif.batching.costmodel import CostModel, LayerShape  # noqa: PLC0415
+            from itif.batching.layer_cost import CostModel, LayerShape  # noqa: PLC0415
 
             shape = LayerShape(self.spec.hidden, self.spec.intermediate, self.spec.heads)
             self.cost_model = CostModel.cached(shape, device=self.device, dtype=self.dtype,

@@ -1,4 +1,6 @@
-"""The scheduler's run-time estimate of a batch, learned from the batches it ran.
+"""The scheduler's run-time estimate of a batch, learned online from the batches it ran (the
+offline models are ``batching.layer_cost``, per layer, and ``calibration.batch_cost``, per
+batch, with its timings in ``calibration.batch_timing``).
 
 A fused forward costs a fixed part (launches, planning, the Python around them: milliseconds on
 a CPU, whatever the batch holds), a part per request (heads, attention groups, results) and a

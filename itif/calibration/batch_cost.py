@@ -1,6 +1,8 @@
-"""Whole-batch cost model: predict one fused forward of a Layout, as the runtime will run it.
+"""Whole-batch cost model: predict one fused forward of a Layout, as the runtime will run it
+(``batching.layer_cost`` prices one layer for the planner, ``batch_timing`` holds this model's
+clock and timings, ``scheduler.estimate`` learns run times online).
 
-``itif.batching.costmodel`` prices one encoder layer of padded mini-batches; the forward runs
+``itif.batching.layer_cost`` prices one encoder layer of padded mini-batches; the forward runs
 something else (``itif.runtime.forward``): per distinct slot table a GEMM plan whose backend is
 ``mm`` / ``bmm`` / ``grouped_mm`` / ``loop`` (``itif.runtime.gemm``), memory-bound ops once over
 all T rows (their per-row parameters a broadcast view, a few segment slices or a gathered copy,
@@ -26,12 +28,12 @@ time kernel launches only.
   multiplies in, so a scheduler that reports its measured batch times pulls predictions toward
   them.
 
-The timings (:func:`clock`, :func:`measure_layout`, ...) live in ``itif.calibration.batchmeasure``
+The timings (:func:`clock`, :func:`measure_layout`, ...) live in ``itif.calibration.batch_timing``
 and are re-exported here.
 
 Tables are interpolated piecewise linearly in raw coordinates (costs are affine in rows and
 segments inside a cell) and extrapolated in proportion beyond the last grid point, as
-``costmodel`` does. Timings are medians, so one preempted sample on a shared CPU does not move
+``layer_cost`` does. Timings are medians, so one preempted sample on a shared CPU does not move
 a point.
 """
 
@@ -50,7 +52,7 @@ import torch
 
 from itif.batching.layout import Layout
 from itif.batching.tables import elementwise_min, lin1, lin2, nnls, repair, segs2
-from itif.calibration.batchmeasure import (  # clock, measure_forward: re-exported
+from itif.calibration.batch_timing import (  # clock, measure_forward: re-exported
     clock,
     measure_forward,
     measure_layout,
@@ -314,7 +316,7 @@ class BatchCostModel:
     @classmethod
     def cached(cls, engine, cache_dir=None, **kw) -> "BatchCostModel":
         """Load the calibration for ``engine``'s backbone shape and device, or profile it."""
-        from itif.batching.costmodel import timing_device_name  # noqa: PLC0415
+        from itif.batching.layer_cost import timing_device_name  # noqa: PLC0415
 
         spec = engine.spec
         dev = torch.device(engine.device)
@@ -322,7 +324,7 @@ class BatchCostModel:
                f"-a{spec.heads}-l{spec.layers}-v{spec.vocab_size}-{engine.dtype}"
                + ("-cpukernel" if cpu_gemm.applies(cpu_gemm.CHUNK, dev, engine.dtype) else "")
                + ("-hostmalloc" if dev.type == "cpu" and host_malloc() == "tuned" else ""))
-        if cache_dir is None:  # next to costmodel's profiles
+        if cache_dir is None:  # next to layer_cost's profiles
             root = os.environ.get("ITIF_CACHE_DIR") or Path.home() / ".cache" / "itif"
             cache_dir = Path(root) / "costmodel"
         path = Path(cache_dir) / (re.sub(r"[^A-Za-z0-9._-]+", "_", key) + ".json")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from itif.batching import costmodel
-from itif.batching.costmodel import CostModel, LayerShape
+from itif.batching import layer_cost
+from itif.batching.layer_cost import CostModel, LayerShape
 
 TINY = LayerShape(hidden=32, intermediate=64, heads=2)
 
@@ -173,7 +173,7 @@ def counted_measure(monkeypatch):
         calls.append(1)
         return 0.1 * len(calls)
 
-    monkeypatch.setattr(costmodel, "_measure_ms", fake)
+    monkeypatch.setattr(layer_cost, "_measure_ms", fake)
     return calls
 
 

@@ -1,4 +1,8 @@
-"""Profiled cost model of one encoder layer's compute-bound work, for the batching planner.
+"""Per-layer cost tables for the batching planner, profiled offline (the other cost models:
+``calibration.batch_cost`` prices a whole fused forward, ``calibration.batch_timing`` times it,
+``scheduler.estimate`` learns run times online).
+
+A profiled cost model of one encoder layer's compute-bound work.
 
 The planner (``itif.batching.dp``) needs two tables, as in the ITIF thesis §4.1:
 
@@ -541,7 +545,8 @@ class CostModel:
         """Load the profile for (device model, shape, dtype, quick) or measure and store it.
 
         The folder is ``cache_dir``, else ``$ITIF_CACHE_DIR/costmodel``, else
-        ``~/.cache/itif/costmodel`` (the environment is read on each call). An unreadable or
+        ``~/.cache/itif/costmodel`` (the environment is read on each call; the folder keeps the
+        module's old name, so profiles cached before the rename stay valid). An unreadable or
         mismatching file is re-profiled and overwritten.
         """
         dev = torch.device(device)

@@ -1,6 +1,6 @@
-"""Whole-batch cost model (itif.calibration.batchcost): predictions against measured forwards.
+"""Whole-batch cost model (itif.calibration.batch_cost): predictions against measured forwards.
 
-Everything runs at one torch thread, where ``batchcost.clock`` is the calling thread's CPU time:
+Everything runs at one torch thread, where ``batch_cost.clock`` is the calling thread's CPU time:
 on the shared 2-core CI machine wall times of the same forward moved by 2-10x from minute to
 minute (other jobs; a descheduled OpenMP thread stalls a parallel op for a whole time slice),
 while thread CPU time moved by about 10-20 %.
@@ -26,7 +26,7 @@ import torch
 import itif
 from itif.backbones.random import random_weights
 from itif.batching.layout import SINGLE_GEMM, build_layout, layout_packed, layout_pad_to_max
-from itif.calibration.batchcost import (
+from itif.calibration.batch_cost import (
     BatchCostModel,
     measure_layout,
     prepare_for,
@@ -239,7 +239,7 @@ def test_attention_beyond_the_grid_is_priced_superlinearly(setup):
     prediction comes from the calibration's 256 and 512 points, timed earlier: a CI run whose
     calibration read 256 -> 512 as 2.65x (3.43-3.46x here) predicted 2.49x against 3.42x
     measured, so a failed attempt re-calibrates, at most three times, as above."""
-    from itif.calibration.batchmeasure import measure_ms
+    from itif.calibration.batch_timing import measure_ms
     from itif.ops import dispatch as ops
     from itif.ops.reference import AttnGroup
     from itif.runtime.batch import AttnSpec
@@ -303,7 +303,7 @@ def test_the_cpu_kernel_is_priced_as_it_runs(setup):
 
 
 def test_the_overhead_fit_caps_what_it_charges_a_launch():
-    from itif.calibration.batchcost import _LAUNCH_CAP_MS, _overhead_coefficients
+    from itif.calibration.batch_cost import _LAUNCH_CAP_MS, _overhead_coefficients
 
     rng = np.random.default_rng(0)
     n = 30

@@ -1,6 +1,8 @@
-"""Timing for the whole-batch cost model (``itif.calibration.batchcost``): the clock it uses and
-best-of-n measurements of a callable, of a Layout run through an engine, and of one prepared
-forward. CPU timings: nothing here synchronises a device."""
+"""Timings for the whole-batch cost model ``calibration.batch_cost``, no model itself (the other
+two are ``batching.layer_cost``, per layer, and ``scheduler.estimate``, learned online).
+
+The clock the model uses and best-of-n measurements of a callable, of a Layout run through an
+engine, and of one prepared forward. CPU timings: nothing here synchronises a device."""
 
 from __future__ import annotations
 
