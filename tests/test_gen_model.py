@@ -15,7 +15,7 @@ import torch
 from itif.errors import InvalidWeights
 from itif.generation import model as gen_model
 from itif.generation.hf_import import to_canonical
-from itif.generation.running import Admission, RunningBatch
+from itif.generation.running import JoiningRequest, RunningBatch
 from itif.generation.spec import PRESETS, spec_from_hf_config
 from itif.weights.store import WeightStore
 from tests.decoder_oracle import hf_decoder
@@ -90,10 +90,10 @@ def test_mixed_tenants_prefill_decode_reorder_equal_hf(name, keep_sources, stale
     for k, (tenant, rows, n) in enumerate(plan):
         toks = rng.integers(3, spec.vocab_size - 1, n).tolist()
         if spec.encoder_decoder:
-            items.append(Admission(k, tenant, [start], rows, 8, source=toks))
+            items.append(JoiningRequest(k, tenant, [start], rows, 8, source=toks))
             hist += [[start] for _ in range(rows)]
         else:
-            items.append(Admission(k, tenant, toks, rows, 8))
+            items.append(JoiningRequest(k, tenant, toks, rows, 8))
             hist += [list(toks) for _ in range(rows)]
         src += [toks] * rows
     row_tenant = [t for t, r, _ in plan for _ in range(r)]
@@ -139,7 +139,7 @@ def test_cross_cache_one_copy_per_source(name):
     models = tenants_for(spec)
     batch = make_batch(spec, models)
     free0 = batch.pool.free_blocks
-    batch.admit([Admission("k", "a", [2], 4, 8, source=list(range(3, 23)))])
+    batch.admit([JoiningRequest("k", "a", [2], 4, 8, source=list(range(3, 23)))])
     assert batch.rows == 4
     assert batch.cross_positions("k") == 20  # once, not 4 x 20
     B = batch.pool.block
@@ -181,7 +181,7 @@ def test_a_tenant_whose_activations_overflow_never_reaches_another(name):
         hist = [start] if spec.encoder_decoder else list(toks)
         rows[key] = (tenant, toks, hist)
         src = toks if spec.encoder_decoder else None
-        return Admission(key, tenant, hist, 1, 6, source=src)
+        return JoiningRequest(key, tenant, hist, 1, 6, source=src)
 
     order = ["h", "a", "c"]
     logits = batch.admit([admission("h", "hot", 9), admission("a", "a", 3), admission("c", "c", 6)])

@@ -21,7 +21,7 @@ import torch
 
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import InvalidRequest, TenantNotFound, shown
-from itif.generation.running import Admission, RunningBatch
+from itif.generation.running import JoiningRequest, RunningBatch
 from itif.generation.spec import DecoderSpec
 from itif.weights import delta
 from itif.weights.delta import PROBE_LENGTHS, PROBE_SEED, DeltaReport, DeltaWeights
@@ -71,7 +71,7 @@ def probe_error(eng: "GenEngine", exact: CanonicalWeights, w_hat: CanonicalWeigh
     g = torch.Generator().manual_seed(PROBE_SEED)
     prompts = [torch.randint(0, spec.vocab_size, (max(1, min(n, spec.max_len - 1)),),
                              generator=g).tolist() for n in PROBE_LENGTHS]
-    items = [Admission((t, i), t, p, 1, 1)
+    items = [JoiningRequest((t, i), t, p, 1, 1)
              for t in ("exact", "delta") for i, p in enumerate(prompts)]
     elem = torch.empty((), dtype=eng.dtype).element_size()
     blocks = sum(-(-len(a.prompt) // 16) + 1 for a in items)  # prompt + one new position each

@@ -58,7 +58,7 @@ from itif.generation.api import GenerateRequest, Generation, GenerationDefaults,
 from itif.generation.gen_tickets import GenEvent, GenTicket
 from itif.generation.hf_import import load_decoder_weights
 from itif.generation.join_order import FairWaiting
-from itif.generation.running import Admission, RunningBatch
+from itif.generation.running import JoiningRequest, RunningBatch
 from itif.generation.scheduling import StepParts, error_for
 from itif.generation.spec import PRESET_DEFAULTS, DecoderSpec, defaults_from_dir, load_decoder_spec
 from itif.platform import tune_host_malloc
@@ -285,7 +285,8 @@ class GenEngine(StepParts):
                                  f"over the backbone's {spec.max_len}")
         params = _search().search_params(r, d, spec.encoder_decoder)
         t = GenTicket(next(self._ids), r, lambda ev: None, params)
-        t.admission = Admission(t.id, r.tenant, prompt, params.rows, r.max_new_tokens - 1, source)
+        t.admission = JoiningRequest(t.id, r.tenant, prompt, params.rows, r.max_new_tokens - 1,
+                                     source)
         t.history = prompt
         t.stream = params.mode != "beam"
         need = self._batch.blocks_full(t.admission)

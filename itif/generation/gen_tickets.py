@@ -10,7 +10,7 @@ from typing import Any
 
 from itif.errors import ItifError
 from itif.generation.api import GenerateRequest, Generation
-from itif.generation.running import Admission
+from itif.generation.running import JoiningRequest
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class GenTicket:
     request: GenerateRequest
     on_event: Callable[[GenEvent], None] = field(repr=False)
     params: Any = field(default=None, repr=False)
-    admission: Admission | None = field(default=None, repr=False)
+    admission: JoiningRequest | None = field(default=None, repr=False)
     history: list[int] = field(default_factory=list, repr=False)
     stream: bool = False
     sink: Any = field(default=None, repr=False)  # its streamed tokens' consumer (or on_event)

@@ -18,7 +18,7 @@ The cache is taken on demand (decoder-only): a request joins with its prompt's b
 ones found in or added to its tenant's prefix cache (``cache.prefix_digests``), and each row
 takes a block whenever it crosses into one (``grow``, before the decode that writes there, all
 rows at once); ``grow_need`` tells the engine how many the next decode takes, so it can preempt
-first. A resumed request (``Admission.histories``) recomputes its rows' histories at admission.
+first. A resumed request (``JoiningRequest.histories``) recomputes its rows' histories at admission.
 Encoder-decoder requests reserve everything at join, as before.
 """
 
@@ -54,9 +54,10 @@ RECOMPUTE_BYTES = 64 << 20
 
 
 @dataclass
-class Admission:
-    """One request joining: ``source`` (encoder-decoder: the encoder input, else None),
-    ``prompt`` (decoder-only: the prompt; encoder-decoder: ``[decoder_start_token_id]``),
+class JoiningRequest:
+    """One request joining the running batch (not the server's admission gate,
+    ``itif.server.admission.Admission``): ``source`` (encoder-decoder: the encoder input, else
+    None), ``prompt`` (decoder-only: the prompt; encoder-decoder: ``[decoder_start_token_id]``),
     ``rows`` (beams or samples) and ``max_new_tokens``: the most generated tokens each row
     feeds back, so the cache positions it needs (the request's ``max_new_tokens`` - 1: the
     last token is never fed, as in ``generate()``)."""
@@ -113,13 +114,13 @@ class RunningBatch:
     def requests(self) -> int:
         return int(self.rid.size)
 
-    def blocks_full(self, a: Admission) -> int:
+    def blocks_full(self, a: JoiningRequest) -> int:
         """Every block ``a`` may ever hold: what it needs to finish alone in the pool."""
         p = self.pool
         src = p.blocks_for(len(a.source)) if a.source is not None else 0
         return p.blocks_for(len(a.prompt)) + a.rows * p.blocks_for(a.max_new_tokens) + src
 
-    def blocks_needed(self, a: Admission) -> int:
+    def blocks_needed(self, a: JoiningRequest) -> int:
         """Free blocks ``a`` needs to join: encoder-decoder, all it may ever hold; decoder-only,
         its prompt's and, per row, those of its next position (a resumed request: and of the
         tokens it had generated)."""
@@ -130,7 +131,7 @@ class RunningBatch:
         return p.blocks_for(len(a.prompt)) + a.rows * min(p.blocks_for(gen + 1),
                                                           p.blocks_for(a.max_new_tokens))
 
-    def fits(self, a: Admission) -> bool:
+    def fits(self, a: JoiningRequest) -> bool:
         return self.blocks_needed(a) <= self.pool.free_blocks
 
     def _deficit(self) -> np.ndarray:
@@ -186,7 +187,7 @@ class RunningBatch:
         return self._sm
 
     # ---- membership ------------------------------------------------------------------------
-    def admit(self, items: Sequence[Admission]) -> torch.Tensor:
+    def admit(self, items: Sequence[JoiningRequest]) -> torch.Tensor:
         """Take the cache of ``items`` (all must fit: ``blocks_needed``), run their encoder /
         prompt, append their rows. Returns the logits of the new rows [sum rows, V] (each
         request's first-step logits, repeated over its rows; a resumed request's, each row's
@@ -522,7 +523,7 @@ class RunningBatch:
         self.last = tokens.to(torch.int64)
 
 
-__all__ = ["Admission", "RunningBatch"]
+__all__ = ["JoiningRequest", "RunningBatch"]
 
 
 def _packed(seqs, lens: np.ndarray, dev) -> tuple[torch.Tensor, torch.Tensor]:

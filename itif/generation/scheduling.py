@@ -25,7 +25,7 @@ class StepParts:
         until the blocks the running rows take at the next decode are free: a victim's rows
         leave the search (their state kept: ``SearchBatch.preempt``) and the batch (its
         blocks freed), and it waits at the front of the queue to be resumed by recomputing
-        each row's history (``Admission.histories``). A request alone always fits (``_prepare``
+        each row's history (``JoiningRequest.histories``). A request alone always fits (``_prepare``
         refuses one whose full length exceeds the pool), so preemption ends."""
         while batch.grow_need() > batch.pool.free_blocks and batch.requests > 1:
             key = batch.newest()
