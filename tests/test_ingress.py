@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import itif
-from itif.config import ServerConfig, hash_token
+from itif.config import ServerConfig, hash_token, parse_config
+from itif.errors import InvalidConfig
 from itif.safetensors_io import save_safetensors
 from itif.server.ingress import HOT, method_kinds, pack
 from tests.daemon_harness import Daemon, free_port
@@ -277,27 +278,34 @@ def test_an_answer_too_large_for_a_frame_goes_back_as_a_status(monkeypatch):
 
 
 def test_ingress_count_follows_the_cores():
-    """Unset, ``server.ingress_processes`` is one process a four cores, 1 to 8; set, it is what
-    it says; unset with an ephemeral port (each process would get its own), none."""
+    """``server.ingress_processes: auto`` is one process a four cores, 1 to 8, or none with an
+    ephemeral port (each process would get its own); a number is what it says; the default is
+    0 (the daemon serves its port); anything else is refused naming the key."""
     base = ServerConfig("127.0.0.1:50051", Path("/tmp"), hash_token("a"))
-    assert base.ingress_processes is None
-    assert [base.ingress_count(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 8]
-    assert base.ingress_count() >= 1  # this machine's cores
-    assert replace(base, ingress_processes=0).ingress_count(16) == 0
+    assert base.ingress_processes == 0 and base.ingress_count(16) == 0
+    auto = replace(base, ingress_processes="auto")
+    assert [auto.ingress_count(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 8]
+    assert auto.ingress_count() >= 1  # this machine's cores
     assert replace(base, ingress_processes=3).ingress_count(2) == 3
-    assert replace(base, listen="127.0.0.1:0").ingress_count(16) == 0
+    assert replace(auto, listen="127.0.0.1:0").ingress_count(16) == 0
+    for bad in ("many", -1, 65, 2.5):
+        with pytest.raises(InvalidConfig, match="server.ingress_processes"):
+            parse_config(f"server:\n  listen: 127.0.0.1:1\n  data_dir: ./d\n"
+                         f"  admin_token_sha256: {hash_token('a')}\n"
+                         f"  ingress_processes: {bad}\nbackbone:\n  config: bert-tiny\n",
+                         Path("/tmp"))
 
 
-def test_ingress_is_on_by_default(tmp_path, monkeypatch, model_file):
-    """A daemon whose config does not name ``ingress_processes`` serves its port from ingress
-    processes (as many as the cores give), says so in its log, and answers as HF does."""
-    monkeypatch.delenv("ITIF_TEST_INGRESS", raising=False)  # the harness would set the key
+def test_ingress_auto_serves_from_processes_as_many_as_the_cores_give(tmp_path, model_file):
+    """``ingress_processes: auto``: the port is served from ingress processes (the column
+    path), as many as the cores give, the log says so, and the answers equal HF's."""
     m, f = model_file
-    d = Daemon(tmp_path, dict(TOKENS), server_extra={}).start()
+    d = Daemon(tmp_path, dict(TOKENS), server_extra={"ingress_processes": "auto"}).start()
     try:
-        assert "(server.ingress_processes: unset, from the cores)" in d.logs(), d.logs()[-2000:]
+        assert "(server.ingress_processes: auto, from the cores)" in d.logs(), d.logs()[-2000:]
         pids = _pids(d)
-        assert len(pids) == ServerConfig("127.0.0.1:1", tmp_path, "").ingress_count()
+        auto = ServerConfig("127.0.0.1:1", tmp_path, "", ingress_processes="auto")
+        assert len(pids) == auto.ingress_count()
         assert all(_alive(p) for p in pids)
         ids = list(range(3, 20))
         with d.client(TOKENS["acme"]) as c:

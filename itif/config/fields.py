@@ -245,6 +245,16 @@ def integer(value: Any, path: str, *, lo: int, hi: int) -> int:
     return value
 
 
+def count_or_auto(value: Any, path: str, *, lo: int, hi: int) -> int | str:
+    """An integer within the limits, or ``"auto"`` (the owner derives it, e.g. from the
+    cores)."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str):
+        fail(path, f"must be an integer or 'auto', got {describe(value)}")
+    return integer(value, path, lo=lo, hi=hi)
+
+
 def number(value: Any, path: str, *, lo: float, hi: float, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         fail(path, f"must be a number, got {describe(value)}")

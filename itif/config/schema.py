@@ -121,18 +121,19 @@ class ServerConfig:
     #: (``itif.server.ingress``): each serves ``listen`` (the port shared, SO_REUSEPORT), hands
     #: Infer and InferBatch calls of token ids to the engine as columns through shared memory
     #: and every other call as raw bytes over a local socket, so no per-call work holds the GIL
-    #: the forward needs. Unset: derived from the cores (:meth:`ingress_count`); 0: the daemon
-    #: serves the port itself.
-    ingress_processes: int | None = setting(F.integer, None, lo=0, hi=64)
+    #: the forward needs. 0 (the default): the daemon serves the port itself; ``auto``: derived
+    #: from the cores (:meth:`ingress_count`). Not yet the default: behind ingress processes a
+    #: few reliability promises still differ from the daemon's own answers (docs/reliability.md).
+    ingress_processes: int | str = setting(F.count_or_auto, 0, lo=0, hi=64)
     #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
     tls: TLSConfig | None = None
 
     def ingress_count(self, cores: int | None = None) -> int:
-        """The ingress processes to start: ``ingress_processes`` when set, else one per four
-        of the cores this process may run on (at least 1, at most 8; ``cores`` overrides the
-        count), like vLLM's API servers beside its engine core. 0 when unset and ``listen``
-        asks for an ephemeral port (``:0``): the processes share one fixed port."""
-        if self.ingress_processes is not None:
+        """The ingress processes to start: ``ingress_processes`` when a number; for ``auto``,
+        one per four of the cores this process may run on (at least 1, at most 8; ``cores``
+        overrides the count), like vLLM's API servers beside its engine core, or 0 when
+        ``listen`` asks for an ephemeral port (``:0``): the processes share one fixed port."""
+        if self.ingress_processes != "auto":
             return self.ingress_processes
         if self.listen.rpartition(":")[2] == "0":
             return 0

@@ -231,7 +231,7 @@ async def _start_ingress(cfg: Config, n: int, server, reg: Recorder, interceptor
                     client_ca=str(tls.client_ca) if tls.client_ca else None))
     door = ColumnDoor(n)
     log.info("ingress processes for %s: %d (server.ingress_processes%s)", cfg.server.listen, n,
-             "" if cfg.server.ingress_processes is not None else ": unset, from the cores")
+             ": auto, from the cores" if cfg.server.ingress_processes == "auto" else "")
     return _Ingress(frames, IngressPool(n, spec, door), sockets, door)
 
 
