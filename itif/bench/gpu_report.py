@@ -23,21 +23,11 @@ import os
 import sys
 from pathlib import Path
 
+from itif.bench.cells import fmt_ms, md_table
+
 BEGIN = "<!-- gpu-results:begin -->"
 END = "<!-- gpu-results:end -->"
 SYSTEMS = ("seq", "multi_stream", "mps", "hf", "hf_compiled", "itif", "itif_nographs")
-
-
-def _ms(v) -> str:
-    if v is None:
-        return "–"
-    return f"{v:.3g}" if v < 10 else f"{v:.1f}"
-
-
-def _table(header: list[str], body: list[list]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
-    return "\n".join(out)
 
 
 def _strategy(rows) -> str | None:
@@ -59,7 +49,7 @@ def _pick(rows, model, tenants, system, strat, suites=("table", "scale")):
     return None
 
 
-def _cell(r, key="latency_ms", fmt=_ms):
+def _cell(r, key="latency_ms", fmt=fmt_ms):
     if r is None:
         return "–"
     if r.get("status") != "ok":
@@ -87,7 +77,7 @@ def latency_table(rows) -> str:
         ok = it is not None and it.get("status") == "ok"
         body.append([m, t] + cells + [f"{it[k]:.2f}×" if ok and k in it else "–"
                                       for k, _ in ratios])
-    return _table(["model", "tenants"] + [s if s != "itif" else f"itif ({strat})"
+    return md_table(["model", "tenants"] + [s if s != "itif" else f"itif ({strat})"
                                           for s in present] + [h for _, h in ratios], body)
 
 
@@ -105,7 +95,7 @@ def diagnostics(rows, meta) -> list[str]:
         body = [[m, t] + [_cell(_pick(ok, m, t, s, strat), first, str) + " / " +
                           _cell(_pick(ok, m, t, s, strat), second, str)
                           for s in present] for m, t in keys]
-        return _table(["model", "tenants"] + present, body) + "\n"
+        return md_table(["model", "tenants"] + present, body) + "\n"
 
     if any("kernels_per_run" in r for r in ok):
         out.append("### What one run launches\n")
@@ -132,9 +122,9 @@ def diagnostics(rows, meta) -> list[str]:
                    f"({bw.get('source', 'measured')}); fraction = bound / measured latency "
                    "(1.0: as fast as reading the weights once).\n")
         body = [[r["model"], r["tenants"], r["system"], f"{r['weight_bytes'] / 2**20:.1f}",
-                 _ms(r["weight_bound_ms"]), _ms(r["latency_ms"]),
+                 fmt_ms(r["weight_bound_ms"]), fmt_ms(r["latency_ms"]),
                  f"{100 * r['weight_bound_fraction']:.1f}%"] for r in wb]
-        out.append(_table(["model", "tenants", "system", "weights MiB", "bound ms",
+        out.append(md_table(["model", "tenants", "system", "weights MiB", "bound ms",
                            "measured ms", "of bound"], body) + "\n")
     g = [(m, t) for m, t in keys if _pick(ok, m, t, "itif_nographs", strat)
          and _pick(ok, m, t, "itif", strat)]
@@ -143,10 +133,10 @@ def diagnostics(rows, meta) -> list[str]:
         body = []
         for m, t in g:
             on, off = _pick(ok, m, t, "itif", strat), _pick(ok, m, t, "itif_nographs", strat)
-            body.append([m, t, _ms(on["latency_ms"]), _ms(off["latency_ms"]),
+            body.append([m, t, fmt_ms(on["latency_ms"]), fmt_ms(off["latency_ms"]),
                          f"{off['latency_ms'] / on['latency_ms']:.2f}×",
                          on.get("launch_calls_per_run", "–"), off.get("launch_calls_per_run", "–")])
-        out.append(_table(["model", "tenants", "graphs on ms", "graphs off ms", "off / on",
+        out.append(md_table(["model", "tenants", "graphs on ms", "graphs off ms", "off / on",
                            "launch calls on", "launch calls off"], body) + "\n")
     comp = [r for r in ok if r.get("system") == "hf_compiled"]
     if comp:
@@ -167,7 +157,7 @@ def diagnostics(rows, meta) -> list[str]:
         out.append(f"Largest |Δ logits| of each system ({dtype}) against a Hugging Face model of "
                    "the same tenant in float32 on the same device, same requests, over every "
                    "offline row.\n")
-        out.append(_table(["system", "max |Δ logits| vs HF float32"],
+        out.append(md_table(["system", "max |Δ logits| vs HF float32"],
                           [[s, f"{v:.2e}"] for s, v in diffs.items()]) + "\n")
     return out
 
@@ -182,7 +172,7 @@ def ops_section(ops: dict) -> list[str]:
                + (" (**reduced CPU pass**)" if ops.get("reduced_cpu_pass") else "") + ".\n")
     t53 = ops.get("table_5_3", [])
     if t53:
-        out.append(_table(["op", "SEQ (per-tenant launches) µs", "SEQ torch µs", "fused µs",
+        out.append(md_table(["op", "SEQ (per-tenant launches) µs", "SEQ torch µs", "fused µs",
                            "fused variant", "SEQ / fused"],
                           [[r["op"], f"{r['seq_kernel_us']:.1f}",
                             "–" if r.get("seq_torch_us") is None else f"{r['seq_torch_us']:.1f}",
@@ -192,7 +182,7 @@ def ops_section(ops: dict) -> list[str]:
     if gemm:
         out.append("GEMM backends (`itif.runtime.gemm`) per plan; *skipped*: the backend cannot "
                    "run that plan.\n")
-        out.append(_table(["plan", "backend", "µs", "max |err| vs loop", "planner's choice"],
+        out.append(md_table(["plan", "backend", "µs", "max |err| vs loop", "planner's choice"],
                           [[r["op"].removeprefix("gemm_qkv_"), r["variant"],
                             f"{r['median_us']:.1f}" if "median_us" in r else "skipped",
                             f"{r['max_abs_err_vs_loop']:.1e}" if "max_abs_err_vs_loop" in r
@@ -203,7 +193,7 @@ def ops_section(ops: dict) -> list[str]:
         out.append("itif's Triton GEMM (`ITIF_TRITON_GEMM=1`) against cuBLAS as the forward "
                    "plans each product, its `bias_act` pass included where the layer has one; "
                    "GB/s: the distinct weight bytes over the time.\n")
-        out.append(_table(["product", "variant", "µs", "weight GB/s", "max |err| vs cuBLAS"],
+        out.append(md_table(["product", "variant", "µs", "weight GB/s", "max |err| vs cuBLAS"],
                           [[r["op"].removeprefix("triton_gemm_"), r["variant"],
                             f"{r['median_us']:.1f}",
                             f"{r['weight_bytes'] / r['median_us'] / 1e3:.0f}",
@@ -229,11 +219,11 @@ def serve_section(doc: dict) -> list[str]:
            "tenants in one fused batch, **per_tenant** batches each tenant alone "
            "(`scheduler.isolate_tenants`). Saturation = the best answered rate of the sweep; "
            "then one more run at a fraction of each mode's own saturation.\n"]
-    out.append(_table(["mix", "system", "saturation req/s", "p99 at saturation ms",
+    out.append(md_table(["mix", "system", "saturation req/s", "p99 at saturation ms",
                        "fraction", "rate req/s", "p50 ms there", "p99 ms there"],
-                      [[r["mix"], r["system"], f"{r['throughput_rps']:.1f}", _ms(r["p99_ms"]),
+                      [[r["mix"], r["system"], f"{r['throughput_rps']:.1f}", fmt_ms(r["p99_ms"]),
                         r.get("at_fraction", "–"), r.get("at_fraction_rate_rps", "–"),
-                        _ms(r.get("p50_at_fraction_ms")), _ms(r.get("p99_at_fraction_ms"))]
+                        fmt_ms(r.get("p50_at_fraction_ms")), fmt_ms(r.get("p99_at_fraction_ms"))]
                        for r in sat]) + "\n")
     return out
 
@@ -275,14 +265,14 @@ def profile_section(docs: list[tuple[str, list]], doc_dir: Path) -> list[str]:
                 continue
             top = next((h for h in r.get("host_functions", [])
                         if "method 'cpu'" not in h["function"]), None)
-            body.append([run, r["model"], r["tenants"], _ms(r["infer_graphs_ms"]),
-                         _ms(r["graph_replay_gpu_ms"]), _ms(r["infer_host_only_ms"]),
+            body.append([run, r["model"], r["tenants"], fmt_ms(r["infer_graphs_ms"]),
+                         fmt_ms(r["graph_replay_gpu_ms"]), fmt_ms(r["infer_host_only_ms"]),
                          _kind_us(r, "gemm"), _kind_us(r, "itif_rawkernel"),
                          _kind_us(r, "attention"), _kind_us(r, "other"),
                          f"{100 * r['weight_bound_fraction_gpu']:.0f}%",
                          "–" if top is None else
                          f"`{top['function']}` {top['own_ms_per_run']:.2f} ms"])
-    out.append(_table(["run", "model", "tenants", "infer ms", "replay GPU ms", "host only ms",
+    out.append(md_table(["run", "model", "tenants", "infer ms", "replay GPU ms", "host only ms",
                        "GEMM µs", "itif kernels µs", "attention µs", "other µs",
                        "weight bound / replay", "top host function"], body) + "\n")
     return out
@@ -296,7 +286,7 @@ def generate_section(doc: dict, path: str, doc_dir: Path) -> list[str]:
            f"{st.get('requests_per_tenant')} requests, beam {st.get('beams')}, "
            f"{st.get('src_len')} source tokens, {st.get('new_tokens')} new; best of "
            f"{st.get('repeats')}; result {_link(path, doc_dir)}.\n"]
-    out.append(_table(["system", "tokens/s", "vs HF generate", "sequences equal to HF"],
+    out.append(md_table(["system", "tokens/s", "vs HF generate", "sequences equal to HF"],
                       [[r["system"], f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_hf']:.2f}×",
                         f"{r['sequences_equal_hf']}/{r['sequences']}"]
                        for r in doc.get("rows", [])]) + "\n")
@@ -318,12 +308,12 @@ def triton_section(doc: dict, path: str, doc_dir: Path) -> list[str]:
             continue
         seq = lat.get((model, T, "seq", gemm), {})
         diff = next((v for k, v in r.items() if k.startswith("max_abs_logit_diff_vs_")), None)
-        body.append([model, T, gemm, f"{_ms(seq.get('latency_ms'))} "
-                     f"({_ms(seq.get('latency_ms_alone'))})",
-                     f"{_ms(r['latency_ms'])} ({_ms(r.get('latency_ms_alone'))})",
+        body.append([model, T, gemm, f"{fmt_ms(seq.get('latency_ms'))} "
+                     f"({fmt_ms(seq.get('latency_ms_alone'))})",
+                     f"{fmt_ms(r['latency_ms'])} ({fmt_ms(r.get('latency_ms_alone'))})",
                      f"{r['speedup_vs_seq']:.2f}×", f"{r['speedup_vs_best_seq']:.2f}×",
                      "–" if diff is None else f"{diff:.1e}"])
-    out.append(_table(["model", "tenants", "GEMM", "seq", "itif", "itif vs seq",
+    out.append(md_table(["model", "tenants", "GEMM", "seq", "itif", "itif vs seq",
                        "itif vs faster seq", "max |logits - cuBLAS's|"], body) + "\n")
     out += [f"- error: {e['model']} T = {e['tenants']}: {e['error']}"
             for e in doc.get("errors", [])]
@@ -358,7 +348,7 @@ def render(table_doc: dict | None, table_path: str | None, ops: dict | None = No
                     (r["system"], r["status"], r["reason"]), 0) + 1
         if why:
             out.append("### Not run\n")
-            out.append(_table(["system", "status", "rows", "reason"],
+            out.append(md_table(["system", "status", "rows", "reason"],
                               [[s, st, n, re_] for (s, st, re_), n in why.items()]) + "\n")
     for path, doc in extra_tables:
         out += extra_table_section(doc, path, doc_dir)

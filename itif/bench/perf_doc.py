@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from itif.bench.report import fmt_ms, fmt_x, md_table
+from itif.bench.cells import fmt_ms, fmt_x, md_table
 from itif.bench.thesis import THESIS_DEVICE, THESIS_MODELS, THESIS_TABLE_5_2
 
 ROOT = Path(__file__).resolve().parents[2]

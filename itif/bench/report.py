@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from itif.batching.strategies import DEFAULT_STRATEGY
+from itif.bench.cells import fmt_ms, fmt_x, md_table
 from itif.bench.thesis import THESIS_DEVICE, THESIS_MODELS, THESIS_TABLE_5_2, thesis_family
 
 SYSTEMS = ("seq", "multi_stream", "mps", "hf")
@@ -29,19 +30,6 @@ def _systems_of(rows) -> tuple[str, ...]:
     """The baseline columns: SYSTEMS, plus hf_compiled when the result has it."""
     extra = ("hf_compiled",) if any(r.get("system") == "hf_compiled" for r in rows) else ()
     return SYSTEMS + extra
-
-
-def fmt_ms(v) -> str:
-    """Milliseconds as a table cell: 3 significant digits under 10, one decimal above; "–" for
-    None. Public: ``itif.bench.perf_doc`` writes its tables with the same cells."""
-    if v is None:
-        return "–"
-    return f"{v:.3g}" if v < 10 else f"{v:.1f}"
-
-
-def fmt_x(v) -> str:
-    """A ratio as a table cell ("1.23×"); "–" for None."""
-    return "–" if v is None else f"{v:.2f}×"
 
 
 def _ok(rows, **m):
@@ -59,13 +47,6 @@ def _status(rows, **m):
         if all(r.get(k) == v for k, v in m.items()) and r.get("status") != "ok":
             return r.get("status", "–")
     return "–"
-
-
-def md_table(header: list[str], body: list[list[str]]) -> str:
-    """A markdown table of ``header`` and ``body`` (each cell through ``str``)."""
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
-    return "\n".join(out)
 
 
 def _strategy(rows) -> str:
