@@ -45,6 +45,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from itif import platform
 from itif.daemon import Daemon, State
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -242,8 +243,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._children: dict[tuple, Any] = {}  # (metric id, labels) -> its child (_child)
         self._stats: dict[str, TenantCallStats] = {}
-        self._nvml = _load_nvml() if nvml == "auto" else nvml
-        self._gpus = _gpu_handles(self._nvml)
+        self._nvml = platform.nvml() if nvml == "auto" else nvml
+        self._gpus = platform.gpu_handles(self._nvml)
         self._server = None
         r.register(_StateCollector(self))
         # the process (CPU seconds, resident bytes) and Python's garbage collector
@@ -327,22 +328,19 @@ class Metrics:
             for s in seconds:
                 self._child(self.request_seconds, method).observe(s)
 
-    def observe_column_batch(self, rows: int, tokens: int, forward_cpu_s: float) -> None:
-        self.batch_size.observe(rows)
+    def observe_column_batch(self, names: Sequence[str], tenant: Any, queued_s: Any,
+                             compute_s: float, tokens: int, forward_cpu_s: float) -> None:
+        """A column batch (``itif.server.column_door``), counted as a ticket batch and its
+        rows are: ``tenant`` a table index a row (``names``: the table), ``queued_s`` each
+        row's wait, ``compute_s`` the batch's time."""
+        self.batch_size.observe(tenant.size)
         self.batch_tokens.observe(tokens)
-        self.column_rows.inc(rows)
+        self.column_rows.inc(tenant.size)
         self.column_forward_cpu.inc(forward_cpu_s)
-
-    def observe_column_rows(self, names: Sequence[str], tenant: Any, queued_s: Any,
-                            compute_s: float) -> None:
-        """The answered rows of a column batch (``itif.server.column_door``), counted as
-        :meth:`watch` counts a ticket's: ``tenant`` a table index a row (``names``: the
-        table), ``queued_s`` each row's wait, ``compute_s`` the batch's time."""
         for t, q in zip(tenant.tolist(), queued_s.tolist()):
-            name = names[t]
-            self._child(self.rows, name, "OK").inc()
-            self._child(self.queue_seconds, name).observe(q)
-            self._child(self.compute_seconds, name).observe(compute_s)
+            self._child(self.rows, names[t], "OK").inc()
+            self._child(self.queue_seconds, names[t]).observe(q)
+            self._child(self.compute_seconds, names[t]).observe(compute_s)
 
     def observe_http(self, tenant: str, api: str, method: str, status: int,
                      seconds: float) -> None:
@@ -594,18 +592,3 @@ class _StateCollector:
             total.add_metric([str(i)], mem.total)
         yield from (util, used, total)
 
-
-def _load_nvml():
-    from itif.platform import nvml  # noqa: PLC0415
-
-    return nvml()
-
-
-def _gpu_handles(nv) -> list[tuple[int, Any]]:
-    if nv is None:
-        return []
-    try:
-        return [(i, nv.nvmlDeviceGetHandleByIndex(i)) for i in range(nv.nvmlDeviceGetCount())]
-    except Exception as e:
-        log.info("NVML lists no GPUs (%s): GPU metrics are not exported", e)
-        return []

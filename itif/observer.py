@@ -30,9 +30,11 @@ class DaemonObserver(Protocol):
         """A Generate call of ``tenant`` sent ``count`` tokens, ``seconds`` after its submit
         (``first``) or after its previous tokens."""
 
-    def observe_column_batch(self, rows: int, tokens: int, forward_cpu_s: float) -> None:
-        """The column path ran ``rows`` rows of ``tokens`` tokens in a forward of
-        ``forward_cpu_s`` CPU seconds."""
+    def observe_column_batch(self, names, tenant, queued_s, compute_s: float, tokens: int,
+                             forward_cpu_s: float) -> None:
+        """The column path answered a batch: a row's tenant as an index into ``names``, each
+        row's wait ``queued_s``, the batch's time ``compute_s`` and ``tokens``, and its
+        forward's ``forward_cpu_s`` CPU seconds."""
 
     def forget_tenant(self, tenant: str) -> None:
         """``tenant`` left the configuration and its calls have finished: drop what is kept

@@ -50,6 +50,17 @@ def nvml():
         return None
 
 
+def gpu_handles(nv) -> list[tuple[int, object]]:
+    """(index, NVML handle) of every GPU the initialised module ``nv`` lists; none without."""
+    if nv is None:
+        return []
+    try:
+        return [(i, nv.nvmlDeviceGetHandleByIndex(i)) for i in range(nv.nvmlDeviceGetCount())]
+    except Exception as e:
+        log.info("NVML lists no GPUs (%s): GPU metrics are not exported", e)
+        return []
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """'auto' picks CUDA when present. Asking for CUDA without one is a clear error."""
     if str(device) == "auto":

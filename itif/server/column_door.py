@@ -308,7 +308,7 @@ class ColumnDoor:
         n = len(taken)
         if not n:
             return None
-        cpu, start = time.thread_time(), time.monotonic()
+        cpu, start, compute_s = time.thread_time(), time.monotonic(), None
         metrics = self.daemon.metrics
         try:
             self.forwarding(True)
@@ -320,15 +320,14 @@ class ColumnDoor:
             cpu = time.thread_time() - cpu
             self._send(Results.ok(taken.call_id, out.offsets, out.values)
                        .with_weights(self._index(), out.weights))
-            if metrics is not None:
-                metrics.observe_column_rows(self.queue.names, taken.tenant,
-                                            start - taken.enqueued, time.monotonic() - start)
+            compute_s = time.monotonic() - start
         except Exception as e:  # noqa: BLE001 - each tenant's rows alone: its error is its own
             cpu = time.thread_time() - cpu
             self._per_tenant(taken, e)
         self.batches += 1
-        if metrics is not None:
-            metrics.observe_column_batch(n, int(taken.offsets[-1]), cpu)
+        if metrics is not None and compute_s is not None:  # answered: as a ticket batch's
+            metrics.observe_column_batch(self.queue.names, taken.tenant, start - taken.enqueued,
+                                         compute_s, int(taken.offsets[-1]), cpu)
         return n, int(taken.offsets[-1])
 
     def _per_tenant(self, taken, first: Exception) -> None:
