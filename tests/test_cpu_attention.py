@@ -81,6 +81,7 @@ def test_the_forward_runs_it_once_a_layer_and_answers_as_the_groups(built, monke
                          outputs=("logits", "last_hidden_state")) for i, n in enumerate(lens)]
     with cpu_attention.suspended():
         want = eng.infer(reqs, strategy=strategy)
+    monkeypatch.setattr(cpu_attention, "MIN_ROWS", 0)  # 348 rows: a serving-size batch
     calls = []
     real = cpu_attention.attention
     monkeypatch.setattr(cpu_attention, "attention",
@@ -94,3 +95,15 @@ def test_the_forward_runs_it_once_a_layer_and_answers_as_the_groups(built, monke
         np.testing.assert_allclose(g.logits, w.logits, atol=tol, rtol=tol)
         np.testing.assert_allclose(g.last_hidden_state, w.last_hidden_state, atol=tol * 10,
                                    rtol=tol * 10)
+
+
+def test_a_serving_size_batch_keeps_the_length_groups(built, monkeypatch):
+    """Under :data:`cpu_attention.MIN_ROWS` rows the kernel is dearer than the length groups'
+    attention (its docstring has the figures): such a batch never calls it."""
+    eng = itif.Engine("bert-tiny", device="cpu")
+    eng.add_tenant("t", random_weights(eng.spec, num_labels=2, seed=0))
+    calls = []
+    monkeypatch.setattr(cpu_attention, "attention", lambda *a, **k: calls.append(1))
+    rng = np.random.default_rng(1)
+    eng.infer([itif.Request("t", input_ids=rng.integers(0, 100, n)) for n in (5, 40, 90)])
+    assert calls == []
