@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
-import time
 
 import torch
 
@@ -55,31 +53,10 @@ suspended = _switch.suspended
 
 def ensure() -> bool:
     """Build (or load) the kernel now if this process may use it; True when it is usable."""
-    if state["module"] is not None:
-        return True
-    if state["why_not"] is not None:
-        return False
-    with _lock:
-        if state["module"] is not None or state["why_not"] is not None:
-            return state["module"] is not None
-        if os.environ.get("ITIF_CPU_ATTENTION", "1") == "0":
-            state["why_not"] = "disabled by ITIF_CPU_ATTENTION=0"
-        elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-            state["why_not"] = ("this CPU has no AVX2/FMA "
-                                f"({torch.backends.cpu.get_cpu_capability()})")
-        else:
-            t0 = time.perf_counter()
-            try:
-                state["module"] = cpu_gemm.load_kernel(
-                    "itif_varlen_attn_cpu", "varlen_attn_cpu.cpp",
-                    "the CPU variable-length attention kernel")
-                state["build_s"] = round(time.perf_counter() - t0, 2)
-            except Exception as e:  # no compiler, no ninja, a build error: the groups run
-                state["why_not"] = f"build failed: {type(e).__name__}: {str(e)[:300]}"
-        if state["why_not"] is not None:
-            log.warning("CPU variable-length attention kernel not used (%s); attention runs "
-                        "by length groups", state["why_not"])
-        return state["module"] is not None
+    return cpu_gemm.ensure_kernel(state, _lock, "ITIF_CPU_ATTENTION", "itif_varlen_attn_cpu",
+                                  "varlen_attn_cpu.cpp",
+                                  "the CPU variable-length attention kernel",
+                                  "attention runs by length groups")
 
 
 def ensure_for(device: torch.device, dtype: torch.dtype) -> bool:

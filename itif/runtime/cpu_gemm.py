@@ -110,32 +110,41 @@ def load_kernel(name: str, filename: str, what: str):
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def ensure() -> bool:
-    """Build (or load) the kernel now if this process may use it; True when it is usable."""
+def ensure_kernel(state: dict, lock: threading.Lock, env: str, name: str, filename: str,
+                  what: str, instead: str) -> bool:
+    """Build (or load) the C++ extension ``name`` from ``kernels/<filename>`` into ``state``
+    (``module``, ``why_not``, ``build_s``) once a process; True when it is usable. ``env=0``
+    turns it off; a CPU without AVX2/FMA or a failed build leaves it off, and the log says
+    why and what runs ``instead``. Shared by this module and ``itif.runtime.cpu_attention``."""
     if state["module"] is not None:
         return True
     if state["why_not"] is not None:
         return False
-    with _lock:
+    with lock:
         if state["module"] is not None or state["why_not"] is not None:
             return state["module"] is not None
-        if os.environ.get("ITIF_CPU_GEMM", "1") == "0":
-            state["why_not"] = "disabled by ITIF_CPU_GEMM=0"
+        if os.environ.get(env, "1") == "0":
+            state["why_not"] = f"disabled by {env}=0"
         elif not _cpu_has_avx2_fma():
             cap = torch.backends.cpu.get_cpu_capability()
             state["why_not"] = f"this CPU has no AVX2/FMA ({cap})"
         else:
             t0 = time.perf_counter()
             try:
-                state["module"] = load_kernel("itif_seg_gemm_cpu", "seg_gemm_cpu.cpp",
-                                              "the CPU few-rows GEMM kernel")
+                state["module"] = load_kernel(name, filename, what)
                 state["build_s"] = round(time.perf_counter() - t0, 2)
-            except Exception as e:  # no compiler, no ninja, a build error: MKL it is
+            except Exception as e:  # no compiler, no ninja, a build error: ``instead`` runs
                 state["why_not"] = f"build failed: {type(e).__name__}: {str(e)[:300]}"
         if state["why_not"] is not None:
-            log.warning("CPU few-rows GEMM kernel not used (%s); MKL runs every GEMM",
-                        state["why_not"])
+            log.warning("%s not used (%s); %s", what[0].upper() + what[1:], state["why_not"],
+                        instead)
         return state["module"] is not None
+
+
+def ensure() -> bool:
+    """Build (or load) the kernel now if this process may use it; True when it is usable."""
+    return ensure_kernel(state, _lock, "ITIF_CPU_GEMM", "itif_seg_gemm_cpu", "seg_gemm_cpu.cpp",
+                         "the CPU few-rows GEMM kernel", "MKL runs every GEMM")
 
 
 #: ``with suspended():`` every product of this thread stays on MKL (the cost model

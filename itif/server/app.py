@@ -296,7 +296,8 @@ async def _start_http(daemon: Daemon, cfg: Config, health: HealthService,
 
 
 def main(config_path: str | Path) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(serve(config_path))
 
 

@@ -20,8 +20,9 @@ connections over them):
 
 What differs from a daemon serving its port itself: a framed call cancelled
 by its client is cancelled in the daemon too; an answered one holds its reply bytes and its
-slot in admission until the ingress process says (a DONE frame) that its caller's call ended. A daemon that loses an ingress process starts
-another (the port stays served by the others); an ingress process that loses the daemon exits.
+slot in admission until the ingress process says (a DONE frame) that its caller's call ended.
+A daemon that loses an ingress process starts another (the port stays served by the others); an
+ingress process that loses the daemon exits.
 
 Run by the daemon (``itif.server.ingress_host.IngressPool``), never by hand:
 ``python -m itif.server.ingress --spec JSON``.
