@@ -28,11 +28,11 @@ The policy is the scheduler's (``itif.scheduler``, ``fairqueue.py``), restated f
 - *Parked* tenants (weights loading) keep their rows out of batches.
 - *Triggers* (``due``): full, hungry, lazy timeout, the starvation guard, as
   ``itif.scheduler.triggers`` decides them. One difference: a row's arrival time is when the
-  engine's loop read it from its ring, which it does only between batches, so rows that came
-  while a batch ran look as if they came after it, and "hungry" (a row waited while the engine
-  was busy) would never hold; they waited out ``max_wait_ms`` after every batch instead (2 of
-  every 11 ms of a flood, bench/hostile_load.py --parts fair). So the first look after a batch
-  ended counts every row it finds as hungry.
+  engine read it from its ring, between batches or, during one, at most every few ms
+  (``itif.server.column_door``), so rows that came late in a batch look as if they came after
+  it, and "hungry" (a row waited while the engine was busy) would not hold for them; they
+  waited out ``max_wait_ms`` after a batch (2 of every 11 ms of a flood). So the first look
+  after a batch counts every row it finds as hungry.
 
 Cost: ``push`` and ``take`` make a fixed number of numpy calls over the queued rows, plus one
 Python iteration for each tenant that a row did not fit the budget for in that batch (at most

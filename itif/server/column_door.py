@@ -232,14 +232,14 @@ class ColumnDoor:
                ) -> tuple[bool, float | None]:
         self.decisions += 1
         cfg = self.daemon.config
-        if cfg is not self._config:
-            self._sync(cfg)
         sch = cfg.scheduler
-        with self._mutex:
+        with self._mutex:  # the reader thread pushes into the same queue during forwards
+            if cfg is not self._config:
+                self._sync(cfg)
             self._take_in(now, stopping)
-            return self.queue.due(now, max_tokens=sch.max_batch_tokens, max_rows=sch.max_batch_size,
-                              max_wait_ms=sch.max_wait_ms, last_end=last_end,
-                              estimate_ms=estimate_ms, stopping=stopping)
+            return self.queue.due(now, max_tokens=sch.max_batch_tokens,
+                                  max_rows=sch.max_batch_size, max_wait_ms=sch.max_wait_ms,
+                                  last_end=last_end, estimate_ms=estimate_ms, stopping=stopping)
 
     def _take_in(self, now: float, stopping: bool) -> None:
         """Every published arrival batch of every ring into the queue, as one batch (one
