@@ -329,12 +329,16 @@ class Metrics:
                 self._child(self.request_seconds, method).observe(s)
 
     def observe_column_batch(self, names: Sequence[str], tenant: Any, queued_s: Any,
-                             compute_s: float, tokens: int, forward_cpu_s: float) -> None:
+                             compute_s: float, tokens: int, forward_cpu_s: float,
+                             computed_rows: int = 0) -> None:
         """A column batch (``itif.server.column_door``), counted as a ticket batch and its
         rows are: ``tenant`` a table index a row (``names``: the table), ``queued_s`` each
-        row's wait, ``compute_s`` the batch's time."""
+        row's wait, ``compute_s`` the batch's time, ``computed_rows`` the token rows its
+        forward computed (``tokens`` and padding)."""
         self.batch_size.observe(tenant.size)
         self.batch_tokens.observe(tokens)
+        if computed_rows:
+            self.batch_padding.observe((computed_rows - tokens) / computed_rows)
         self.column_rows.inc(tenant.size)
         self.column_forward_cpu.inc(forward_cpu_s)
         for t, q in zip(tenant.tolist(), queued_s.tolist()):

@@ -290,6 +290,35 @@ def test_deadlines_expire_at_push_and_at_batch_formation():
     assert (cq.submitted[0], cq.expired[0], cq.taken[0], cq.queued) == (3, 2, 1, 0)
 
 
+def test_withdrawn_calls_leave_the_queue_and_free_their_room():
+    """A cancelled call's rows leave (every row of it, none of another call's), its tenant's
+    room is free again at once, and a batch never holds them; withdraw() drops everything."""
+    cq = ColumnQueue()
+    cq.add_tenant("a", TenantQuota(max_queue=4))
+    cq.add_tenant("b")
+    st = cq.push(arrivals([0, 0, 0, 1, 0], [2, 3, 2, 4, 1], call_id=[7, 7, 8, 9, 10]), now=0.0)
+    assert st.tolist() == [OK] * 5
+    assert cq.push(arrivals([0], [2], call_id=[11]), now=0.0).tolist() == [EXHAUSTED]
+    assert sorted(cq.withdraw(np.array([7, 42])).tolist()) == [7, 7]
+    assert (cq.queued, cq.depth.tolist()) == (3, [2, 1])
+    assert cq.push(arrivals([0, 0], [2, 2], call_id=[12, 12]), now=0.0).tolist() == [OK, OK]
+    b = cq.take(100, 10, now=0.0)
+    assert sorted(b.call_id.tolist()) == [8, 9, 10, 12, 12]
+    cq.push(arrivals([0, 1], [2, 2], call_id=[13, 14]), now=0.0)
+    assert sorted(cq.withdraw().tolist()) == [13, 14] and cq.queued == 0
+    assert cq.take(100, 10, now=0.0).call_id.size == 0
+
+
+def test_next_deadline_bounds_the_rows_that_expire():
+    cq = ColumnQueue()
+    cq.add_tenant("a")
+    assert cq.next_deadline == np.inf
+    cq.push(arrivals([0, 0], [2, 2], call_id=[1, 2], deadline=[5.0, 9.0]), now=0.0)
+    assert cq.next_deadline == 5.0
+    assert cq.expire(4.0)[0].size == 0
+    assert cq.expire(6.0)[0].tolist() == [1] and cq.next_deadline == 9.0
+
+
 def test_limits_refuse_rows_with_their_status():
     cq = ColumnQueue(max_len=16, vocab=100)
     cq.add_tenant("a", TenantQuota(max_queue=3, max_seq_len=8))

@@ -66,6 +66,7 @@ import numpy as np
 
 from itif.hostpath.columns import STATUS, Arrivals
 from itif.scheduler.tickets import TenantQuota
+from itif.scheduler.triggers import fire
 
 __all__ = ["ColumnQueue", "Taken"]
 
@@ -227,6 +228,22 @@ class ColumnQueue:
     @property
     def queued(self) -> int:
         return self._live_rows
+
+    @property
+    def next_deadline(self) -> float:
+        """No queued row's deadline is earlier (a bound; ``inf``: none): before it,
+        :meth:`expire` has nothing to drop."""
+        return self._next_deadline
+
+    def withdraw(self, call_ids: np.ndarray | None = None) -> np.ndarray:
+        """Drop the queued rows of calls ``call_ids`` (their callers cancelled; None: every
+        row, the engine stops); the dropped rows' call ids. Rows already taken run."""
+        live = self._live()
+        gone = live if call_ids is None else live[np.isin(self._call_id[live], call_ids)]
+        call = self._call_id[gone]
+        if gone.size:
+            self._drop(gone, self._tenant[gone])
+        return call
 
     # ---- in --------------------------------------------------------------------------------
     def push(self, a: Arrivals, now: float | None = None) -> np.ndarray:
@@ -548,9 +565,10 @@ class ColumnQueue:
             return self._due_scan(now, max_tokens, max_rows, max_wait_ms, last_end,
                                   estimate_ms, stopping)
         next_deadline = self._next_deadline if self._next_deadline < math.inf else None
-        return self._triggers(now, self._live_rows, self._live_tokens, self._oldest,
-                              self._oldest + half, next_deadline, max_tokens, max_rows,
-                              max_wait_ms, last_end, estimate_ms, stopping)
+        return fire(now, queued=self._live_rows, tokens=self._live_tokens, oldest=self._oldest,
+                    guard=self._oldest + half, next_deadline=next_deadline, stopping=stopping,
+                    max_batch_tokens=max_tokens, max_batch_size=max_rows,
+                    max_wait_ms=max_wait_ms, last_end=last_end, estimate=estimate_ms)
 
     def _due_scan(self, now, max_tokens, max_rows, max_wait_ms, last_end, estimate_ms,
                   stopping) -> tuple[bool, float | None]:
@@ -572,29 +590,7 @@ class ColumnQueue:
             self._oldest = oldest
         # the tenants' guards at their oldest rows: the earliest is the rows' earliest
         guard = float(_MIN(enq + self._half_target[self._tenant[live]]))
-        return self._triggers(now, live.size, int(self._length[live].sum()), oldest, guard,
-                              next_deadline, max_tokens, max_rows, max_wait_ms, last_end,
-                              estimate_ms, stopping)
-
-    @staticmethod
-    def _triggers(now, queued, tokens, oldest, guard, next_deadline, max_tokens, max_rows,
-                  max_wait_ms, last_end, estimate_ms, stopping) -> tuple[bool, float | None]:
-        """The decision from the queue's totals: ``oldest`` arrival, the earliest tenant's
-        ``guard`` (its oldest arrival plus half its latency target)."""
-        if stopping:
-            return True, None
-        if tokens >= max_tokens or queued >= max_rows:
-            return True, None  # full
-        est_s = estimate_ms(min(queued, max_rows), min(tokens, max_tokens)) / 1000.0
-        guard_at = guard - est_s
-        if now >= guard_at:
-            return True, None  # starvation guard
-        if oldest <= last_end:
-            return True, None  # hungry
-        lazy_at = oldest + max_wait_ms / 1000.0
-        if now >= lazy_at:
-            return True, None  # lazy timeout
-        wake = min(guard_at, lazy_at)
-        if next_deadline is not None:
-            wake = min(wake, next_deadline)
-        return False, wake
+        return fire(now, queued=live.size, tokens=int(self._length[live].sum()), oldest=oldest,
+                    guard=guard, next_deadline=next_deadline, stopping=stopping,
+                    max_batch_tokens=max_tokens, max_batch_size=max_rows,
+                    max_wait_ms=max_wait_ms, last_end=last_end, estimate=estimate_ms)

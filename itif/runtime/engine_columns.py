@@ -40,6 +40,7 @@ class ColumnOutputs:
     offsets: np.ndarray  # int64 [n+1]
     logits: np.ndarray  # bool [n]: the row's output is logits (else pooled / hidden states)
     weights: dict[str, str] = field(default_factory=dict)  # tenant -> its weights' tag
+    computed_rows: int = 0  # token rows the forward computed, padding included
 
 
 @dataclass
@@ -147,7 +148,7 @@ class ColumnsMixin:
                                       every=True)
         else:
             values, out_offs = _slice(self.spec.hidden, batch, flat, layout, logits, output)
-        return ColumnOutputs(values, out_offs, logits, tags)
+        return ColumnOutputs(values, out_offs, logits, tags, int(layout.total_rows))
 
     def _check_outputs(self, output: str | None, tenants: tuple[str, ...],
                        tenant_idx: np.ndarray, heads: list[bool]) -> np.ndarray | bool:

@@ -183,7 +183,9 @@ class Scheduler:
         """Requests of the tenant waiting (not running); 0 for a tenant the scheduler lacks."""
         with self._lock:
             tq = self._q.tenants.get(tenant)
-            return tq.depth if tq is not None else 0
+            depth = tq.depth if tq is not None else 0
+            cols = self._columns
+        return depth + (cols.queue_depth(tenant) if cols is not None else 0)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -413,12 +415,13 @@ class Scheduler:
             while True:
                 now = self._clock()
                 dropped = self._q.expire_due(now, self._deadline_error)
-                if self._stopping and (self._q.queued == 0 or now >= self._grace_end):
+                cols = self._columns
+                if self._stopping and ((self._q.queued == 0 and not (cols and cols.pending()))
+                                       or now >= self._grace_end):
                     return [], dropped, True, self._q.take_all()
                 if dropped:
                     return [], dropped, False, []
                 run, wake = self._decide_locked(now)
-                cols = self._columns
                 if cols is not None and (not run or self._column_turn):
                     crun, cwake = cols.decide(now, last_end=self._last_end,
                                               estimate_ms=self._estimate_locked,
@@ -470,6 +473,8 @@ class Scheduler:
                     self._column_due = False
                     self._run_columns()
                 if exit_:
+                    if self._columns is not None:
+                        self._columns.stopped()
                     return
             except BaseException as e:  # the loop must never die
                 log.exception("scheduler loop error; continuing")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 __all__ = ["ColumnSource"]
+
+
 class ColumnSource(Protocol):
     """A source of batches that are not tickets (``itif.server.column_door``): it keeps its
     own queue and runs its own batches, on the scheduler's thread."""
@@ -29,3 +31,12 @@ class ColumnSource(Protocol):
     def forwarding(self, on: bool) -> None:
         """This loop starts (``on``) or ends a forward of its own batches: the source may take
         its arrivals in meanwhile (from another thread)."""
+
+    def queue_depth(self, tenant: str) -> int:
+        """The tenant's rows queued in the source (not running)."""
+
+    def pending(self) -> int:
+        """Rows queued in the source: a stopping loop runs them before it ends."""
+
+    def stopped(self) -> None:
+        """The loop has ended: the source refuses what is left, and what comes later."""

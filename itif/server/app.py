@@ -147,6 +147,8 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     # client that saw NOT_SERVING must not get a call in ahead of it.
     daemon.ready = False
     health.shutting_down = True
+    if ingress is not None:  # new calls by frame, where the servicer refuses them
+        ingress.columns_off()
     watcher.stop()
     t0 = time.monotonic()
     await asyncio.to_thread(daemon.stop, grace)  # refuse new work, finish queued and in-flight
@@ -194,10 +196,17 @@ class _Ingress:
                 log.exception("the column path's tenant snapshot failed")
             await asyncio.sleep(self.SNAPSHOT_S)
 
-    async def stop(self, grace_s: float) -> None:
+    def columns_off(self) -> None:
+        """Every new call by frame from here (shutdown): the daemon's servicer refuses it
+        UNAVAILABLE at once, where the snapshot's next publication would come up to
+        SNAPSHOT_S later. Calls already sent by columns are answered or refused by the door."""
         if self._publisher is not None:
             self._publisher.cancel()
-        self.frames.publish(None)  # every call by frame from here
+            self._publisher = None
+        self.frames.publish(None)
+
+    async def stop(self, grace_s: float) -> None:
+        self.columns_off()
         await self.pool.stop(grace_s)
         await self.frames.close()
         self.door.close()

@@ -25,6 +25,7 @@ publishes the tenant table to the ingress processes (:meth:`ColumnDoor.snapshot`
 from __future__ import annotations
 
 import logging
+import math
 import select
 import threading
 import time
@@ -54,6 +55,7 @@ _MESSAGES = {
     "INTERNAL": "the daemon could not queue the request; its log has the details",
 }
 _OK = 0
+_EXPIRED = status_code("DEADLINE_EXCEEDED")
 
 
 class ColumnDoor:
@@ -83,6 +85,7 @@ class ColumnDoor:
         self._names: dict[str, int] = {}  # tenant -> queue index (``_index``)
         #: rows taken in / answered / refused, batches run (tests and the serve bench read them)
         self.rows_in = self.rows_answered = self.rows_refused = self.batches = 0
+        self.rows_withdrawn = 0
         self.decisions = 0  # times the scheduler asked whether a batch is due
         #: The queue and the rings' read side are the scheduler thread's, and, while it runs a
         #: forward, the reader thread's (:meth:`forwarding`); results are written by both.
@@ -90,6 +93,7 @@ class ColumnDoor:
         self._out_lock = threading.RLock()
         self._forwarding = threading.Event()
         self._stop = threading.Event()
+        self._refusing = False  # the scheduler ended: arrivals are refused UNAVAILABLE
         self._reader: threading.Thread | None = None
 
     # ---- the ingress processes' side -------------------------------------------------------
@@ -188,16 +192,20 @@ class ColumnDoor:
         while not self._stop.is_set():
             if not self._forwarding.wait(0.5):
                 continue
-            got = poller.poll(50)
-            if not got:
-                continue
+            # wake for arrivals, or when a queued row's deadline passes (it leaves the queue
+            # then, as a ticket does, not at the next batch)
+            due_ms = min(50.0, (self.queue.next_deadline - time.monotonic()) * 1000.0)
+            got = poller.poll(max(0, math.ceil(due_ms)))
             with self._mutex:
                 if self._stop.is_set() or not self._forwarding.is_set():
                     continue  # the scheduler's thread reads them now (its pipe bytes stay)
                 for fd, _ in got:
                     _drain(fd)
                 try:
-                    self._take_in(time.monotonic(), False)
+                    now = time.monotonic()
+                    self._expire_due(now)
+                    if got:
+                        self._take_in(now, self._refusing)
                 except Exception:  # noqa: BLE001 - the thread must live; the rows stay queued
                     log.exception("arrivals could not be taken in during a forward")
             # at most one take-in a READ_GAP_S: each wakes a thread that takes the GIL from
@@ -236,10 +244,39 @@ class ColumnDoor:
         with self._mutex:  # the reader thread pushes into the same queue during forwards
             if cfg is not self._config:
                 self._sync(cfg)
+            self._expire_due(now)
             self._take_in(now, stopping)
             return self.queue.due(now, max_tokens=sch.max_batch_tokens,
                                   max_rows=sch.max_batch_size, max_wait_ms=sch.max_wait_ms,
                                   last_end=last_end, estimate_ms=estimate_ms, stopping=stopping)
+
+    def queue_depth(self, tenant: str) -> int:
+        """The tenant's rows queued here (the admin API adds them to its queue depth)."""
+        with self._mutex:
+            i = self._index().get(tenant) if self.queue is not None else None
+            return 0 if i is None else int(self.queue.depth[i])
+
+    def pending(self) -> int:
+        """Rows queued here: a stopping scheduler runs them before it ends."""
+        return 0 if self.queue is None else self.queue.queued
+
+    def stopped(self) -> None:
+        """The scheduler's loop ended (shutdown): the rows still queued (its grace ran out),
+        and every arrival from here, are refused UNAVAILABLE by the reader thread."""
+        with self._mutex:
+            self._refusing = True
+            left = self.queue.withdraw()
+            if left.size:
+                self._refuse(left, np.full(left.size, status_code("UNAVAILABLE"), np.int8))
+            self._forwarding.set()
+
+    def _expire_due(self, now: float) -> None:
+        """Rows whose deadline passed leave the queue now, DEADLINE_EXCEEDED (they would
+        hold their tenant's room until the next batch)."""
+        if now >= self.queue.next_deadline:
+            call_id, _ = self.queue.expire(now)
+            if call_id.size:
+                self._refuse(call_id, np.full(call_id.size, _EXPIRED, np.int8))
 
     def _take_in(self, now: float, stopping: bool) -> None:
         """Every published arrival batch of every ring into the queue, as one batch (one
@@ -259,6 +296,8 @@ class ColumnDoor:
             for c, vs in taken:
                 c.release(len(vs))
             taken = None
+        if a is not None and a.tenant.size and int(a.tenant.min()) < 0:
+            a = self._withdraw(a)
         if a is not None:
             call_id = a.call_id
             try:
@@ -274,6 +313,16 @@ class ColumnDoor:
                 self._over_max_queue(a, status)
                 bad = status != _OK
             self._refuse(call_id[bad], status[bad])
+
+    def _withdraw(self, a: Arrivals) -> Arrivals:
+        """``a`` less its withdrawals (rows of tenant -1: the ingress process's callers that
+        cancelled), whose calls' queued rows leave the queue, unanswered."""
+        gone = a.tenant < 0
+        self.rows_withdrawn += self.queue.withdraw(a.call_id[gone]).size
+        keep = np.flatnonzero(~gone)
+        ids, offsets = _gather(a.ids, a.offsets, keep)
+        return Arrivals(a.call_id[keep], a.tenant[keep], offsets, ids, a.deadline[keep],
+                        a.priority[keep], a.table_version)
 
     def _over_max_queue(self, a: Arrivals, status: np.ndarray) -> None:
         """Refuse, as the servicer does (INVALID_ARGUMENT, never "retry"), the calls with more
@@ -316,7 +365,7 @@ class ColumnDoor:
         n = len(taken)
         if not n:
             return None
-        cpu, start, compute_s = time.thread_time(), time.monotonic(), None
+        cpu, start, compute_s, computed = time.thread_time(), time.monotonic(), None, 0
         metrics = self.daemon.metrics
         try:
             self.forwarding(True)
@@ -328,14 +377,14 @@ class ColumnDoor:
             cpu = time.thread_time() - cpu
             self._send(Results.ok(taken.call_id, out.offsets, out.values)
                        .with_weights(self._index(), out.weights))
-            compute_s = time.monotonic() - start
+            compute_s, computed = time.monotonic() - start, out.computed_rows
         except Exception as e:  # noqa: BLE001 - each tenant's rows alone: its error is its own
             cpu = time.thread_time() - cpu
             self._per_tenant(taken, e)
         self.batches += 1
         if metrics is not None and compute_s is not None:  # answered: as a ticket batch's
             metrics.observe_column_batch(self.queue.names, taken.tenant, start - taken.enqueued,
-                                         compute_s, int(taken.offsets[-1]), cpu)
+                                         compute_s, int(taken.offsets[-1]), cpu, computed)
         return n, int(taken.offsets[-1])
 
     def _per_tenant(self, taken, first: Exception) -> None:

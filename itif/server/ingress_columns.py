@@ -102,6 +102,7 @@ class ColumnClient:
         self._next = (os.getpid() & 0xFFFFFF) << 24
         self._calls: dict[int, _Call] = {}
         self._pending: list[tuple[int, Prepared, float]] = []
+        self._cancelled: list[int] = []  # calls cancelled since the last flush
         self._inflight: dict[str, int] = {}
         self._total = 0
         self._digests: dict[str, str] = {}  # token -> sha256 (the tokens seen; bounded)
@@ -207,12 +208,15 @@ class ColumnClient:
         cid = (self.index << FRONTEND_SHIFT) | self._next
         fut = self._loop.create_future()
         self._calls[cid] = _Call(fut, len(p.ids), p.index)
-        if not self._pending:  # the calls of the next FLUSH_S go in one batch of arrivals
-            self._loop.call_later(FLUSH_S, self._flush)
+        self._flush_soon()
         deadline = math.inf if remaining is None else time.monotonic() + remaining
         self._pending.append((cid, p, deadline))
         try:
             rows, sha = await fut
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed: its
+            self._flush_soon()  # rows leave the engine's queue (a withdrawal, next flush)
+            self._cancelled.append(cid)
+            raise
         finally:
             self._calls.pop(cid, None)
             self._inflight[p.tenant] -= 1
@@ -252,10 +256,26 @@ class ColumnClient:
                           f"({self.max_message_bytes})", (("grpc-retry-pushback-ms", "-1"),))
         return raw
 
+    def _flush_soon(self) -> None:
+        if not self._pending and not self._cancelled:  # the calls (and withdrawals) of the
+            self._loop.call_later(FLUSH_S, self._flush)  # next FLUSH_S go in one batch
+
     def _flush(self) -> None:
         """The calls gathered since the first of them, as arrivals, in as few ring slots as
-        they fit."""
-        pending, self._pending = self._pending, []
+        they fit (less those cancelled meanwhile), and the withdrawals of calls cancelled
+        after they were sent: rows of tenant -1 (``ColumnDoor``)."""
+        if self._cancelled:
+            gone = np.array(self._cancelled, np.int64)
+            self._cancelled = []
+            n = gone.size
+            try:
+                self.arrivals.try_put(Arrivals.build(gone, np.full(n, -1, np.int32),
+                                                     np.zeros(n + 1, np.int64),
+                                                     np.zeros(0, np.int32)))
+            except ValueError:  # more than a slot holds: those rows run, their results
+                pass  # are not read
+        pending = [item for item in self._pending if item[0] in self._calls]
+        self._pending = []
         chunk: list[tuple[int, Prepared, float]] = []
         size = 0
         for item in pending:
