@@ -121,10 +121,9 @@ class ServerConfig:
     #: (``itif.server.ingress``): each serves ``listen`` (the port shared, SO_REUSEPORT), hands
     #: Infer and InferBatch calls of token ids to the engine as columns through shared memory
     #: and every other call as raw bytes over a local socket, so no per-call work holds the GIL
-    #: the forward needs. 0 (the default): the daemon serves the port itself; ``auto``: derived
-    #: from the cores (:meth:`ingress_count`). Not yet the default: behind ingress processes a
-    #: few reliability promises still differ from the daemon's own answers (docs/reliability.md).
-    ingress_processes: int | str = setting(F.count_or_auto, 0, lo=0, hi=64)
+    #: the forward needs. ``auto`` (the default): derived from the cores (:meth:`ingress_count`;
+    #: none with an ephemeral port); 0: the daemon serves the port itself.
+    ingress_processes: int | str = setting(F.count_or_auto, "auto", lo=0, hi=64)
     #: A nested section (``itif.config.parse`` reads it with the fields of :class:`TLSConfig`).
     tls: TLSConfig | None = None
 
