@@ -46,7 +46,7 @@ from itif.errors import (
 )
 from itif.generation.api import GenerateRequest, check_request
 from itif.observer import DaemonObserver
-from itif.requests import utf8_text
+from itif.requests import check_tenant_lengths, utf8_text
 from itif.runtime.engine import Engine, Request, Result
 from itif.scheduler import Scheduler, SchedulerTicket
 from itif.weights import delta
@@ -425,12 +425,7 @@ class Daemon:
         else:  # a tenant not resident is checked without its weights
             daemon_tiers.check(self, tenant, requests)
         tokens = [self.engine.request_tokens(r) for r in requests]
-        if conf.max_seq_len is not None:
-            for i, n in enumerate(tokens):
-                if n > conf.max_seq_len:
-                    raise InvalidRequest(
-                        f"request {i}: length {n} exceeds tenant {tenant!r}'s max_seq_len "
-                        f"{conf.max_seq_len}")
+        check_tenant_lengths(tokens, tenant, conf.max_seq_len)
         if reserve is not None:
             reserve(requests)
 

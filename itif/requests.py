@@ -14,7 +14,8 @@ import numpy as np
 
 from itif.errors import InvalidRequest
 
-__all__ = ["OUTPUTS", "Request", "Result", "numel", "utf8_bytes", "utf8_text"]
+__all__ = ["OUTPUTS", "Request", "Result", "check_tenant_lengths", "check_token_rows", "numel",
+           "utf8_bytes", "utf8_text"]
 
 _MAX_INDEX = int(np.iinfo(np.intp).max)
 
@@ -29,6 +30,34 @@ def numel(name: str, shape: Sequence[int]) -> int:
     if math.prod(max(int(d), 1) for d in shape) > _MAX_INDEX:
         raise InvalidRequest(f"input {name!r}: shape {[int(d) for d in shape][:8]} is too large")
     return math.prod(shape)
+
+
+def check_token_rows(lengths: np.ndarray, ids: np.ndarray, max_len: int, vocab: int) -> None:
+    """InvalidRequest naming the first bad request of rows of token ids (``lengths`` a row,
+    ``ids`` flat, int64): a length outside 1..``max_len`` (the backbone's positions) first,
+    then an id outside the vocabulary. The engine's check, written once: ``Engine.check``,
+    ``Engine.infer_columns`` and the ingress processes (``itif.server.ingress_columns``) answer
+    a call with the same message."""
+    if lengths.min() < 1 or lengths.max() > max_len:
+        i = int(np.flatnonzero((lengths < 1) | (lengths > max_len))[0])
+        raise InvalidRequest(
+            f"request {i}: input_ids length {int(lengths[i])} is outside 1..{max_len} (the "
+            "backbone's maximum sequence length)")
+    if ids.min() < 0 or ids.max() >= vocab:
+        pos = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
+        i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+        raise InvalidRequest(f"request {i}: input_ids holds token id {int(ids[pos])}, which is "
+                             f"outside the vocabulary [0, {vocab})")
+
+
+def check_tenant_lengths(lengths: Sequence[int], tenant: str, max_seq_len: int | None) -> None:
+    """InvalidRequest naming the first request longer than the tenant's ``max_seq_len``."""
+    if max_seq_len is None:
+        return
+    for i, n in enumerate(lengths):
+        if n > max_seq_len:
+            raise InvalidRequest(f"request {i}: length {n} exceeds tenant {tenant!r}'s "
+                                 f"max_seq_len {max_seq_len}")
 
 
 def utf8_bytes(text: str, what: str) -> bytes:

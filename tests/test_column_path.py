@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import types
 
 import grpc
 import numpy as np
@@ -185,6 +186,47 @@ def test_an_injected_out_of_memory_is_retryable_and_its_own(door):
     got = _collect(cons[0], 2)
     assert got[1][0][0] == "OK"
     assert got[2][0][0] == "RESOURCE_EXHAUSTED" and "memory" in got[2][0][2]
+
+
+def test_invalid_rows_are_answered_by_the_ingress_process_as_the_daemon_answers(door):
+    """A call whose rows break a limit (the backbone's positions, the vocabulary, the tenant's
+    max_seq_len) is refused in the ingress process, INVALID_ARGUMENT with the very message
+    ``Daemon.admit`` gives for it, so it never reaches the daemon; valid rows go by columns;
+    another tenant's or a bad token's call still goes by frame (the servicer answers)."""
+    from itif.daemon_state import Identity
+    from itif.errors import InvalidRequest
+    from itif.server._proto.itif.v1 import itif_pb2
+    from itif.server.ingress_columns import INFER_BATCH, ColumnClient
+
+    d, dr, _ = door
+    max_len = d.engine.max_seq_len
+
+    def body(rows):
+        return itif_pb2.InferBatchRequest(tenant="a", inputs=[
+            itif_pb2.InferInput(input_ids=itif_pb2.TokenIds(ids=r)) for r in rows]
+        ).SerializeToString()
+
+    def admitted(rows):
+        try:
+            d.admit(Identity("a"), "a", [itif.Request("a", r) for r in rows])
+        except InvalidRequest as e:
+            return str(e)
+        raise AssertionError(f"{rows} was admitted")
+
+    # prepare() reads the snapshot, the slot size and the token digests: no rings needed
+    client = ColumnClient.__new__(ColumnClient)
+    client.snapshot, client._digests = dr.snapshot(), {}
+    client.arrivals = types.SimpleNamespace(slot_bytes=1 << 20)
+    meta = (("authorization", "Bearer a"),)
+    for rows in ([[1, 2], [3, 10**6]], [[1] * 41], [[1, 2], list(range(max_len + 1))],
+                 [[1, 2], []], [[-5, 2]]):
+        p = client.prepare(INFER_BATCH, body(rows), meta)
+        assert p is not None and p.refused is not None, rows
+        assert p.refused.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert p.refused.details == admitted(rows), rows
+    ok = client.prepare(INFER_BATCH, body([[1, 2], [3] * 40]), meta)
+    assert ok is not None and ok.refused is None and len(ok.ids) == 2
+    assert client.prepare(INFER_BATCH, body([[1, 10**6]]), (("authorization", "Bearer b"),)) is None
 
 
 def test_the_snapshot_lists_ready_tenants_only(door):

@@ -31,7 +31,7 @@ from itif.batching.strategies import DEFAULT_STRATEGY, plan
 from itif.config.fields import decoder_refusal
 from itif.errors import InvalidConfig, InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
-from itif.requests import OUTPUTS, Request, Result  # noqa: F401 - re-exported here
+from itif.requests import OUTPUTS, Request, Result, check_token_rows  # noqa: F401 - re-exported
 from itif.runtime import cpu_attention, cpu_gemm, forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.engine_columns import ColumnsMixin
@@ -458,18 +458,8 @@ class Engine(ColumnsMixin):
                 )
             ids_list.append(a.astype(np.int64, copy=False))
         lengths = np.fromiter((a.size for a in ids_list), np.int32, count=len(ids_list))
-        if lengths.min() < 1 or lengths.max() > self.max_seq_len:
-            i = int(np.flatnonzero((lengths < 1) | (lengths > self.max_seq_len))[0])
-            raise InvalidRequest(
-                f"request {i}: input_ids length {int(lengths[i])} is outside "
-                f"1..{self.max_seq_len} (the backbone's maximum sequence length)")
         ids = ids_list[0] if len(ids_list) == 1 else np.concatenate(ids_list)
-        if ids.min() < 0 or ids.max() >= spec.vocab_size:
-            pos = int(np.flatnonzero((ids < 0) | (ids >= spec.vocab_size))[0])
-            i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
-            raise InvalidRequest(
-                f"request {i}: input_ids holds token id {int(ids[pos])}, which is outside the "
-                f"vocabulary [0, {spec.vocab_size})")
+        check_token_rows(lengths, ids, self.max_seq_len, spec.vocab_size)
         types = None
         if any(r.token_type_ids is not None for r in requests):
             tt = []

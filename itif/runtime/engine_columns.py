@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from itif.errors import InvalidRequest, TenantNotFound
-from itif.requests import OUTPUTS
+from itif.requests import OUTPUTS, check_token_rows
 
 __all__ = ["ColumnOutputs", "ColumnsMixin"]
 
@@ -182,22 +182,11 @@ class ColumnsMixin:
                                  f"{a.dtype}")
         offs = offs.astype(np.int64, copy=False)
         lengths = offs[1:] - offs[:-1]
-        low, high = int(lengths.min()), int(lengths.max())
-        if offs[0] != 0 or offs[-1] != a.size or low < 0:
+        if offs[0] != 0 or offs[-1] != a.size or (lengths.size and int(lengths.min()) < 0):
             raise InvalidRequest(f"offsets must start at 0, never decrease and end at the "
                                  f"{a.size} ids")
-        if low < 1 or high > self.max_seq_len:
-            i = int(np.flatnonzero((lengths < 1) | (lengths > self.max_seq_len))[0])
-            raise InvalidRequest(
-                f"request {i}: input_ids length {int(lengths[i])} is outside "
-                f"1..{self.max_seq_len} (the backbone's maximum sequence length)")
         ids64 = a.astype(np.int64)
-        if ids64.min() < 0 or ids64.max() >= spec.vocab_size:
-            pos = int(np.flatnonzero((ids64 < 0) | (ids64 >= spec.vocab_size))[0])
-            i = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
-            raise InvalidRequest(
-                f"request {i}: input_ids holds token id {int(ids64[pos])}, which is outside "
-                f"the vocabulary [0, {spec.vocab_size})")
+        check_token_rows(lengths, ids64, self.max_seq_len, spec.vocab_size)
         return ids64, lengths.astype(np.int32)
 
 

@@ -134,6 +134,7 @@ class ColumnDoor:
         self._labels = seen  # the tenants of this snapshot only: weights replaced drop out
         return {"admin": cfg.server.admin_token_sha256, "tenants": tenants,
                 "hidden": eng.spec.hidden, "vocab": eng.spec.vocab_size,
+                "max_len": eng.max_seq_len,
                 "retry_after_ms": cfg.server.retry_after_ms,
                 "max_inflight_calls": cfg.server.max_inflight_calls}
 

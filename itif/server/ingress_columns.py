@@ -8,9 +8,11 @@ process's event loop, and what comes back is one :class:`~itif.hostpath.Results`
 
 :meth:`ColumnClient.prepare` says whether a call can go this way: Infer and InferBatch of token
 ids only (no text, token types or explicit outputs), a tenant the last snapshot lists as ready,
-a token that may see it, every row within the tenant's limits. Any other call (and any call
-that would fail a check: the daemon's servicer gives the exact error) goes by frame, as before.
-A call over this process's share of its tenant's ``max_inflight`` (or of the server's
+a token that may see it. A call whose rows break the tenant's or the backbone's limits (a
+length, a token id) is refused here, INVALID_ARGUMENT with the daemon's own message
+(``itif.requests.check_token_rows``), so an invalid flood never reaches the daemon. Any other
+call (and any call that would fail another check: the daemon's servicer gives the exact error)
+goes by frame, as before. A call over this process's share of its tenant's ``max_inflight`` (or of the server's
 ``max_inflight_calls``) is refused here, RESOURCE_EXHAUSTED with the retry hint, before it
 costs the daemon anything.
 """
@@ -29,9 +31,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from itif.errors import Busy
+from itif.errors import Busy, InvalidRequest, clip
 from itif.hostpath.columns import STATUS, Arrivals, Results
 from itif.hostpath.ring import Consumer, Producer
+from itif.requests import check_tenant_lengths, check_token_rows
 from itif.server._proto.itif.v1 import itif_pb2
 from itif.server.errors import retry_hint
 
@@ -76,6 +79,7 @@ class Prepared:
     output: str  # "logits" or "pooled": the tenant's default
     width: int  # values a row
     priority: int
+    refused: Refused | None = None  # answered here, without the daemon (invalid rows)
 
 
 @dataclass
@@ -117,7 +121,8 @@ class ColumnClient:
 
     # ---- which calls go by columns -------------------------------------------------------
     def prepare(self, method: str, body: bytes, metadata) -> Prepared | None:
-        """The call as checked rows, or None: it goes by frame."""
+        """The call as checked rows (with ``refused`` set: answered here, invalid), or None:
+        it goes by frame."""
         snap = self.snapshot
         if snap is None or method not in (INFER, INFER_BATCH):
             return None
@@ -140,19 +145,34 @@ class ColumnClient:
         if not self._may_see(metadata, snap["admin"], token_sha):
             return None
         ids = []
-        tokens, vocab = 0, snap["vocab"]
+        tokens, vocab, bad = 0, snap["vocab"], False
         for inp in inputs:
             if inp.WhichOneof("input") != "input_ids" or inp.input_ids.token_type_ids:
                 return None
             a = np.asarray(inp.input_ids.ids, np.int64)
-            if not 1 <= a.size <= limit or a.min() < 0 or a.max() >= vocab:
-                return None
+            bad = bad or not 1 <= a.size <= limit or a.min() < 0 or a.max() >= vocab
             ids.append(a)
             tokens += a.size
+        output, width = ("logits", labels) if labels else ("pooled", snap["hidden"])
+        p = Prepared(method, req.tenant, index, ids, sha, output, width, req.priority)
+        if bad:  # the servicer's answer, from here: an invalid call costs the daemon nothing
+            p.refused = self._invalid(ids, req.tenant, limit, snap["max_len"], vocab)
+            return p if p.refused is not None else None
         if 40 * len(inputs) + 4 * tokens > self.arrivals.slot_bytes // 2:
             return None
-        output, width = ("logits", labels) if labels else ("pooled", snap["hidden"])
-        return Prepared(method, req.tenant, index, ids, sha, output, width, req.priority)
+        return p
+
+    @staticmethod
+    def _invalid(ids: list[np.ndarray], tenant: str, limit: int, max_len: int, vocab: int
+                 ) -> Refused | None:
+        """The daemon's INVALID_ARGUMENT for these rows (its checks, in its order)."""
+        lengths = np.fromiter((a.size for a in ids), np.int64, count=len(ids))
+        try:
+            check_token_rows(lengths, np.concatenate(ids), max_len, vocab)
+            check_tenant_lengths(lengths.tolist(), tenant, limit if limit < max_len else None)
+        except InvalidRequest as e:
+            return Refused(grpc.StatusCode.INVALID_ARGUMENT, clip(str(e)))
+        return None
 
     def _may_see(self, metadata, admin_sha: str, token_sha: str) -> bool:
         auth = ""
@@ -179,6 +199,8 @@ class ColumnClient:
         start = time.perf_counter()
         code, reply, refused = "OK", None, None
         try:
+            if p.refused is not None:
+                raise p.refused
             reply = await self.call(p, context.time_remaining())
         except Refused as r:
             refused, code = r, r.code.name
