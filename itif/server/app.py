@@ -9,6 +9,7 @@ UNAVAILABLE, queued and in-flight calls finish within ``server.grace_s``, and th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import signal
@@ -132,8 +133,14 @@ async def serve(config_path: str | Path, *, ready: asyncio.Event | None = None) 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tune_gc()  # startup is done: what it made is frozen out of the collector's walks
-    watcher = ConfigWatcher(config_path, on_change=daemon.apply_config,
-                            on_error=daemon.config_failed, initial=cfg)
+    def apply(new: Config):
+        diff = daemon.apply_config(new)
+        if ingress is not None:  # the ingress processes check calls against the new limits
+            loop.call_soon_threadsafe(ingress.publish_now)
+        return diff
+
+    watcher = ConfigWatcher(config_path, on_change=apply, on_error=daemon.config_failed,
+                            initial=cfg)
     watcher.start()
     if ready is not None:
         ready.set()
@@ -173,6 +180,7 @@ class _Ingress:
                  door: ColumnDoor) -> None:
         self.frames, self.pool, self.sockets, self.door = frames, pool, sockets, door
         self._publisher: asyncio.Task | None = None
+        self._changed = asyncio.Event()
 
     async def start(self) -> None:
         await self.pool.start()
@@ -194,7 +202,13 @@ class _Ingress:
                     last = snap
             except Exception:  # noqa: BLE001 - a missed snapshot only sends calls by frame
                 log.exception("the column path's tenant snapshot failed")
-            await asyncio.sleep(self.SNAPSHOT_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.SNAPSHOT_S)
+            self._changed.clear()
+
+    def publish_now(self) -> None:
+        """The configuration changed: the snapshot goes out now, not within SNAPSHOT_S."""
+        self._changed.set()
 
     def columns_off(self) -> None:
         """Every new call by frame from here (shutdown): the daemon's servicer refuses it
