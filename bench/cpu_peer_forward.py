@@ -7,7 +7,8 @@ The workload of ``itif bench --suites peer`` (``itif.bench.cpu_peer``: 256 reque
 tokens, the BERT of ``PEER_SPEC``), one tenant and 8 tenants, one engine each per dtype. Every
 repeat runs each (workload, dtype) twice in a row, once as is and once with the kernels named
 by ``--off`` suspended in this thread (``attention``: ``itif.runtime.cpu_attention``, the
-length groups run instead; ``linear``: ``itif.runtime.cpu_linear``), the order alternating, so
+length groups run instead; ``linear``: ``itif.runtime.cpu_linear``; ``seglinear``: its
+one-region kernel, a call per segment and a concatenation instead), the order alternating, so
 load on a shared machine hits both alike. Prints median and best ms a forward (``Engine.infer``)
 and req/s, and the load average before and after.
 """
@@ -34,7 +35,8 @@ from itif.bench.workloads import tenant_names  # noqa: E402
 from itif.runtime import cpu_attention, cpu_linear  # noqa: E402
 from itif.runtime.engine import Engine, Request  # noqa: E402
 
-SWITCHES = {"attention": cpu_attention.suspended, "linear": cpu_linear.suspended}
+SWITCHES = {"attention": cpu_attention.suspended, "linear": cpu_linear.suspended,
+            "seglinear": cpu_linear.seg_suspended}
 
 
 def main() -> None:

@@ -23,20 +23,38 @@ only where oneDNN has native kernels for it), PyTorch built with oneDNN, segment
 that one primitive call per segment beats MKL (:data:`MIN_ROWS` rows on average; shorter ones,
 decode steps, stay with ``run_gemm`` and the few-rows kernel of ``itif.runtime.cpu_gemm``) and
 at most :data:`MAX_SEGMENTS` of them. ``ITIF_CPU_ONEDNN=0`` turns it off.
+
+Every segment in one parallel region (``kernels/seg_linear_cpu.cpp``, built once like the other
+C++ kernels, ``ITIF_CPU_SEG_LINEAR=0`` turns it off): one oneDNN call per segment, then
+``torch.cat``, then (before LayerNorm) a ``layer_norm`` per segment and another ``cat`` made an
+8-tenant forward run 3-4 OpenMP regions a segment where one tenant ran one a product, and on
+this machine's 2 shared vCPUs each region's closing barrier waits for a thread the host has
+parked. The kernel cuts every segment in chunks of about :data:`CHUNK` rows that the threads
+take as they come (a thread the host holds up leaves its chunks to the other), runs the same
+oneDNN primitive on each chunk single-threaded, LayerNorm on it while it is in cache where one
+follows (the residual LayerNorms of a post-LN encoder), and writes it in place: no
+concatenation. The answers are the same to the bit (the same primitive on the same rows).
+Measured, 13,040 rows [256 -> 768] + residual + LayerNorm, float32, 2 threads, load 3 (another
+engineer's test suite on the same cores), median of 9 (``bench/cpu_peer_forward.py`` shows the
+whole forward): 8 segments 259 ms per segment + cat against 68 ms here; one segment 67
+against 68.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
 from itif.platform import ThreadSwitch
+from itif.runtime import cpu_gemm
 
 log = logging.getLogger("itif.runtime")
 
-__all__ = ["ACTS", "MAX_SEGMENTS", "MIN_ROWS", "enabled", "linear", "usable"]
+__all__ = ["ACTS", "CHUNK", "MAX_SEGMENTS", "MIN_ROWS", "enabled", "ensure", "ensure_for",
+           "linear", "norm_args", "seg_state", "seg_suspended", "usable"]
 
 #: Average rows a segment needs before a product goes to oneDNN (below this a call's fixed
 #: cost shows and decode-sized products have their own kernel, ``cpu_gemm``). 64 made the
@@ -47,6 +65,17 @@ __all__ = ["ACTS", "MAX_SEGMENTS", "MIN_ROWS", "enabled", "linear", "usable"]
 MIN_ROWS = 512
 #: At most this many segments (one primitive call each; more go to ``run_gemm``'s backends).
 MAX_SEGMENTS = 64
+#: Rows a chunk of the one-region kernel takes at most (segments are cut in equal pieces of at
+#: most this many). Same benchmark as the module docstring's, 8 segments: 128 rows 72 ms, 256
+#: 68, 512 73 (fewer chunks balance the two threads worse; more pay oneDNN's call more often).
+CHUNK = 256
+#: One segment of this many rows (up to :data:`MIN_ROWS`) also goes to the one-region kernel:
+#: up to :data:`CHUNK` rows it is one chunk, run on the calling thread alone. A 1-tenant
+#: classifier's last layer (its [CLS] rows only, 256 in the peer workload) otherwise ran MKL's
+#: product and four passes of under 1 ms of work each, every one waking the second OpenMP
+#: thread: under load (another engineer's suite on the 2 vCPUs) 8-16 ms each, 150 of 890 ms of
+#: the forward (torch.profiler).
+ONE_CHUNK_MIN_ROWS = 128
 
 #: itif's activation names -> oneDNN's post-op (attr, algorithm) as ``_linear_pointwise`` takes
 #: them; an activation not listed runs after the product (``ops.bias_act``).
@@ -65,6 +94,50 @@ _switch = ThreadSwitch()
 #: ``with suspended():`` this thread's products stay off oneDNN (as ``cpu_gemm.suspended``: the
 #: cost model's calibration and its tests price MKL's backends, which it knows).
 suspended = _switch.suspended
+
+_seg_lock = threading.Lock()
+_seg_switch = ThreadSwitch()
+seg_state: dict = {"module": None, "why_not": None, "build_s": None}
+#: ``with seg_suspended():`` this thread's products go per segment and are concatenated, as
+#: before the one-region kernel (``bench/cpu_peer_forward.py --off seglinear`` compares them).
+seg_suspended = _seg_switch.suspended
+
+
+def ensure() -> bool:
+    """Build (or load) the one-region kernel now if this process may use it; True if usable."""
+    return cpu_gemm.ensure_kernel(seg_state, _seg_lock, "ITIF_CPU_SEG_LINEAR",
+                                  "itif_seg_linear_cpu", "seg_linear_cpu.cpp",
+                                  "the CPU one-region segment linear",
+                                  "a oneDNN call per segment, then a concatenation")
+
+
+def ensure_for(device: torch.device, dtype: torch.dtype) -> bool:
+    """:func:`ensure` for an engine on ``device`` in ``dtype``, built when the engine starts (not
+    mid-run) where its products can come here; False (nothing built) otherwise."""
+    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and enabled(dtype) and ensure())
+
+
+def _one_region() -> bool:
+    return seg_state["module"] is not None and not _seg_switch.off
+
+
+def norm_args(plan, gamma, beta, dtype: torch.dtype):
+    """LayerNorm's parameters as :func:`linear` takes them, ``(gamma buffer, its slot per
+    segment, beta buffer, its slots)``, when the one-region kernel can apply it after the
+    product of ``plan`` (gamma and beta ``RotParam`` s whose segments are the product's, 2-D
+    buffers in ``dtype``); None otherwise (the caller runs LayerNorm after the product)."""
+    if not _one_region():
+        return None
+    pg, pb = gamma.plan, beta.plan
+    if (pg is None or pb is None or gamma.buf.dim() != 2 or beta.buf.dim() != 2
+            or gamma.buf.dtype != dtype or beta.buf.dtype != dtype):
+        return None
+    segs = plan.segs
+    for p, buf in ((pg, gamma.buf), (pb, beta.buf)):
+        if (p.segs.start, p.segs.end) != (segs.start, segs.end) or max(p.segs.slot) >= len(buf):
+            return None
+    return gamma.buf, pg.segs.slot, beta.buf, pb.segs.slot
 
 
 def enabled(dtype: torch.dtype) -> bool:
@@ -88,27 +161,37 @@ def usable(x: torch.Tensor, w: torch.Tensor, plan) -> bool:
     """Whether the product of ``x`` [rows, K] with the weight buffer ``w`` [capacity, N, K]
     over ``plan``'s segments goes to oneDNN (see the module docstring)."""
     n = len(plan.segs)
+    least = ONE_CHUNK_MIN_ROWS if n == 1 and _one_region() else MIN_ROWS * n
     return (x.device.type == "cpu" and x.dtype == w.dtype and enabled(x.dtype)
             and not _switch.off
-            and 0 < n <= MAX_SEGMENTS and plan.rows >= MIN_ROWS * n
+            and 0 < n <= MAX_SEGMENTS and plan.rows >= least
             and x.is_contiguous() and w.is_contiguous())
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, plan, bias: torch.Tensor | None = None,
-           bias_slots=None, act: str = "none", residual: torch.Tensor | None = None
-           ) -> torch.Tensor:
+           bias_slots=None, act: str = "none", residual: torch.Tensor | None = None,
+           norm=None, eps: float = 1e-12) -> torch.Tensor:
     """``act(x[s:e] @ w[slot].T + bias[bias_slot]) (+ residual[s:e])`` for every segment
-    ``(s, e, slot)`` of ``plan``, a new [rows, N] tensor.
+    ``(s, e, slot)`` of ``plan``, a new [rows, N] tensor; with ``norm`` (:func:`norm_args`: only
+    where the one-region kernel runs) then LayerNorm with those parameters and ``eps``.
 
     ``bias_slots``: the bias slot of each segment (None: the weight's slots). ``residual`` only
     with ``act`` "none" (the residual add is oneDNN's binary post-op). ``act`` must be in
-    :data:`ACTS`. One primitive call per segment; several segments' outputs are concatenated.
+    :data:`ACTS`. Every segment in one parallel region where the kernel is built (see the module
+    docstring); else one primitive call per segment, several segments' outputs concatenated.
     """
     attr, algo = ACTS[act]
     if residual is not None and attr != "none":
         raise ValueError(f"a residual add cannot follow the activation {act!r} in one call")
     segs = plan.segs
     bslots = segs.slot if bias_slots is None else bias_slots
+    if _one_region():
+        g, gs, b_, bs = norm if norm is not None else (None, (), None, ())
+        return seg_state["module"].seg_linear(
+            x, w, list(segs.start), list(segs.end), list(segs.slot), bias, list(bslots), attr,
+            algo, residual, g, b_, list(gs), list(bs), float(eps), CHUNK)
+    if norm is not None:
+        raise ValueError("LayerNorm inside the product needs the one-region kernel (norm_args)")
     outs = []
     for s, e, k, bk in zip(segs.start, segs.end, segs.slot, bslots):
         xi = x if len(segs) == 1 else x[s:e]

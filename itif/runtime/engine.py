@@ -32,7 +32,7 @@ from itif.config.fields import decoder_refusal
 from itif.errors import InvalidConfig, InvalidRequest, InvalidWeights, TenantNotFound, shown
 from itif.platform import resolve_device, resolve_dtype, tune_host_malloc
 from itif.requests import OUTPUTS, Request, Result, check_token_rows  # noqa: F401 - re-exported
-from itif.runtime import cpu_attention, cpu_gemm, forward
+from itif.runtime import cpu_attention, cpu_gemm, cpu_linear, forward
 from itif.runtime.batch import PreparedBatch, SlotTables, StructureCache, prepare, slot_tables
 from itif.runtime.engine_columns import ColumnsMixin
 from itif.runtime.graphs import GraphCache
@@ -104,6 +104,7 @@ class Engine(ColumnsMixin):
         self.dtype = resolve_dtype(dtype, self.device)
         cpu_gemm.ensure_for(self.device, self.dtype)  # small batches' few-rows GEMMs, built now
         cpu_attention.ensure_for(self.device, self.dtype)  # ragged batches' attention, ditto
+        cpu_linear.ensure_for(self.device, self.dtype)  # long products, one region each: ditto
         tune_host_malloc(self.device)  # large batches' activations: no page faults per forward
         self.store = WeightStore(self.device, self.dtype, max_bytes=max_weight_bytes)
         self.strategy = strategy

@@ -98,12 +98,15 @@ class _Bound:
         return y
 
     def fused(self, x: torch.Tensor, name: str, bias: str | None, act: str = "none",
-              residual: torch.Tensor | None = None) -> torch.Tensor | None:
+              residual: torch.Tensor | None = None, norm: tuple | None = None
+              ) -> torch.Tensor | None:
         """``act(x @ W[slot].T + bias[slot]) (+ residual)`` in one oneDNN call per segment on
         the CPU (``itif.runtime.cpu_linear``: float32 / bfloat16, long segments), rounded once;
         None where that does not apply (LoRA or Triton tiles on the product, the bias's slots
         not following the weight's segments, short segments): the caller runs the plain
-        product and the memory-bound ops, whose rounding this then matches."""
+        product and the memory-bound ops, whose rounding this then matches. ``norm``: (gamma,
+        beta, eps), LayerNorm of that result, inside the same parallel region where
+        ``cpu_linear`` can (each chunk still in cache), else after it."""
         k = self.params.index(name)
         plan, w = self.plan_of(k), self.params.buffer(name)
         if (self.batch.lora.get(name) or self.batch.tile_rows.get(k) or act not in cpu_linear.ACTS
@@ -116,7 +119,13 @@ class _Bound:
             if (bsegs.start, bsegs.end) != (plan.segs.start, plan.segs.end):
                 return None
             b, bslots = self.params.buffer(bias), bsegs.slot
-        return cpu_linear.linear(x, w, plan, b, bslots, act, residual)
+        if norm is None:
+            return cpu_linear.linear(x, w, plan, b, bslots, act, residual)
+        gamma, beta, eps = norm
+        inside = cpu_linear.norm_args(plan, gamma, beta, x.dtype)
+        y = cpu_linear.linear(x, w, plan, b, bslots, act, residual, inside, eps)
+        return y if inside is not None else ops.bias_residual_layernorm(y, None, None, gamma,
+                                                                         beta, eps)
 
     def varlen(self) -> tuple[torch.Tensor, int] | None:
         """The batch's attention as sequence boundaries (int32 [S+1]) and the longest sequence,
@@ -320,9 +329,10 @@ def _out_norm(bound: _Bound, x: torch.Tensor, proj: str, residual: torch.Tensor,
     bias and residual inside the oneDNN call where it applies, else in the reference's one
     float32 pass before LayerNorm (float16, few rows: their rounding as before)."""
     gamma, beta = bound.rot(ln + ".weight"), bound.rot(ln + ".bias")
-    h = bound.fused(x, proj + ".weight", proj + ".bias", residual=residual)
-    if h is not None:
-        return ops.bias_residual_layernorm(h, None, None, gamma, beta, eps)
+    y = bound.fused(x, proj + ".weight", proj + ".bias", residual=residual,
+                    norm=(gamma, beta, eps))
+    if y is not None:
+        return y
     h = bound.linear(x, proj + ".weight")
     return ops.bias_residual_layernorm(h, bound.rot(proj + ".bias"), residual, gamma, beta, eps)
 
