@@ -39,6 +39,46 @@ struct Task {
   int64_t a, b, seg;
 };
 
+// Every segment in equal pieces of at most `chunk` rows (never a thin tail): the tasks.
+std::vector<Task> cut(const std::vector<int64_t>& start, const std::vector<int64_t>& end,
+                      int64_t R, int64_t chunk) {
+  TORCH_CHECK(chunk > 0, "seg_linear: chunk must be positive");
+  TORCH_CHECK(start.size() == end.size(), "seg_linear: segment lists differ");
+  std::vector<Task> tasks;
+  for (size_t i = 0; i < start.size(); ++i) {
+    const int64_t len = end[i] - start[i];
+    TORCH_CHECK(len >= 0 && start[i] >= 0 && end[i] <= R, "seg_linear: segment out of range");
+    if (len == 0) continue;
+    const int64_t pieces = (len + chunk - 1) / chunk;
+    for (int64_t p = 0; p < pieces; ++p)
+      tasks.push_back({start[i] + len * p / pieces, start[i] + len * (p + 1) / pieces,
+                       static_cast<int64_t>(i)});
+  }
+  return tasks;
+}
+
+// Runs body(task) for every task, the threads taking tasks as they come; the first exception
+// is rethrown on the calling thread once the region ends (the tasks after it are skipped).
+template <typename Body>
+void for_tasks(const std::vector<Task>& tasks, const Body& body) {
+  std::exception_ptr error = nullptr;
+  std::atomic<bool> failed{false};
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t t = 0; t < n_tasks; ++t) {
+    if (failed.load(std::memory_order_relaxed)) continue;
+    try {
+      c10::InferenceMode guard;  // the output may be an inference tensor (written in place)
+      body(tasks[t]);
+    } catch (...) {
+#pragma omp critical
+      if (!failed.exchange(true)) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 }  // namespace
 
 // x [R, K], w [C, N, K], float32 or bfloat16, contiguous, on the CPU. start/end/slot: the
@@ -64,60 +104,57 @@ torch::Tensor seg_linear(const torch::Tensor& x, const torch::Tensor& w,
   const bool ln = gamma.has_value() && beta.has_value();
   TORCH_CHECK(!ln || (gamma_slot.size() == n_seg && beta_slot.size() == n_seg),
               "seg_linear: LayerNorm slots");
-  TORCH_CHECK(chunk > 0, "seg_linear: chunk must be positive");
   const int64_t R = x.size(0), N = w.size(1);
   auto out = at::empty({R, N}, x.options());
-
-  std::vector<Task> tasks;
-  for (size_t i = 0; i < n_seg; ++i) {
-    const int64_t len = end[i] - start[i];
-    TORCH_CHECK(len >= 0 && start[i] >= 0 && end[i] <= R, "seg_linear: segment out of range");
-    if (len == 0) continue;
-    const int64_t pieces = (len + chunk - 1) / chunk;  // equal pieces, never a thin tail
-    for (int64_t p = 0; p < pieces; ++p)
-      tasks.push_back({start[i] + len * p / pieces, start[i] + len * (p + 1) / pieces,
-                       static_cast<int64_t>(i)});
-  }
-
+  const std::vector<Task> tasks = cut(start, end, R, chunk);
   static auto pointwise = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                               .typed<PointwiseFn>();
   static auto binary = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("mkldnn::_linear_pointwise", "binary")
                            .typed<BinaryFn>();
-  std::exception_ptr error = nullptr;
-  std::atomic<bool> failed{false};
-  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  const int threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t t = 0; t < n_tasks; ++t) {
-    if (failed.load(std::memory_order_relaxed)) continue;  // a task failed: the rest are skipped, the error rethrown below
-    try {
-      c10::InferenceMode guard;  // the output may be an inference tensor (written in place)
-      const Task& k = tasks[t];
-      const int64_t rows = k.b - k.a;
-      const auto xc = x.narrow(0, k.a, rows);
-      const auto wk = w.select(0, slot[k.seg]);
-      std::optional<at::Tensor> b;
-      if (bias.has_value()) b = bias->select(0, bias_slot[k.seg]);
-      at::Tensor y = residual.has_value()
-          ? binary.call(xc, residual->narrow(0, k.a, rows), wk, b, "add")
-          : pointwise.call(xc, wk, b, attr, c10::List<std::optional<at::Scalar>>(),
-                           algo.empty() ? std::optional<c10::string_view>()
-                                        : std::optional<c10::string_view>(algo));
-      if (ln)
-        y = at::layer_norm(y, {N}, gamma->select(0, gamma_slot[k.seg]),
-                           beta->select(0, beta_slot[k.seg]), eps);
-      out.narrow(0, k.a, rows).copy_(y);
-    } catch (...) {
-#pragma omp critical
-      if (!failed.exchange(true)) error = std::current_exception();
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  for_tasks(tasks, [&](const Task& k) {
+    const int64_t rows = k.b - k.a;
+    const auto xc = x.narrow(0, k.a, rows);
+    const auto wk = w.select(0, slot[k.seg]);
+    std::optional<at::Tensor> b;
+    if (bias.has_value()) b = bias->select(0, bias_slot[k.seg]);
+    at::Tensor y = residual.has_value()
+        ? binary.call(xc, residual->narrow(0, k.a, rows), wk, b, "add")
+        : pointwise.call(xc, wk, b, attr, c10::List<std::optional<at::Scalar>>(),
+                         algo.empty() ? std::optional<c10::string_view>()
+                                      : std::optional<c10::string_view>(algo));
+    if (ln)
+      y = at::layer_norm(y, {N}, gamma->select(0, gamma_slot[k.seg]),
+                         beta->select(0, beta_slot[k.seg]), eps);
+    out.narrow(0, k.a, rows).copy_(y);
+  });
+  return out;
+}
+
+// LayerNorm of each segment of x [R, H] with gamma[gslot] and beta[bslot] ([C, H] each), in
+// one parallel region, chunk by chunk, into a new [R, H] tensor (a text encoder's embedding
+// LayerNorm: a call per segment and a concatenation otherwise).
+torch::Tensor seg_layer_norm(const torch::Tensor& x, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& end, const torch::Tensor& gamma,
+                             const torch::Tensor& beta, const std::vector<int64_t>& gamma_slot,
+                             const std::vector<int64_t>& beta_slot, double eps, int64_t chunk) {
+  TORCH_CHECK(x.dim() == 2 && gamma.dim() == 2 && beta.dim() == 2,
+              "seg_layer_norm: x [R, H], gamma and beta [C, H]");
+  TORCH_CHECK(gamma_slot.size() == start.size() && beta_slot.size() == start.size(),
+              "seg_layer_norm: slots");
+  const int64_t R = x.size(0), H = x.size(1);
+  const std::vector<Task> tasks = cut(start, end, R, chunk);
+  auto out = at::empty({R, H}, x.options());
+  for_tasks(tasks, [&](const Task& k) {
+    out.narrow(0, k.a, k.b - k.a).copy_(at::layer_norm(
+        x.narrow(0, k.a, k.b - k.a), {H}, gamma.select(0, gamma_slot[k.seg]),
+        beta.select(0, beta_slot[k.seg]), eps));
+  });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("seg_linear", &seg_linear, "per-segment fused linear (+LayerNorm), one parallel region");
+  m.def("seg_layer_norm", &seg_layer_norm, "per-segment LayerNorm, one parallel region");
 }

@@ -80,6 +80,21 @@ def test_layernorm_inside_equals_after(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layernorm_alone_equals_a_call_per_segment(dtype):
+    if not cpu_linear.enabled(dtype):
+        pytest.skip("no native bfloat16 oneDNN here")
+    plan = _plan(LENGTHS, SLOTS, dtype)
+    x = torch.randn(plan.rows, 96).to(dtype)
+    g, be = (torch.randn(4, 96).to(dtype) for _ in range(2))
+    gs, bs = (1, 3, 0, 2), (0, 0, 3, 1)
+    got = cpu_linear.layer_norm(x, plan, (g, gs, be, bs), 1e-12)
+    segs = plan.segs
+    want = torch.cat([F.layer_norm(x[s:e], (96,), g[kg], be[kb], 1e-12)
+                      for s, e, kg, kb in zip(segs.start, segs.end, gs, bs)])
+    assert torch.equal(got, want)
+
+
 def test_eight_segments_never_concatenate(monkeypatch):
     """The point of the kernel: no ``torch.cat`` of the segments' outputs (a call per segment
     and a cat cost 4x on the 2 shared vCPUs, see cpu_linear's docstring)."""
@@ -118,8 +133,8 @@ def test_norm_args_only_where_layernorm_follows_the_segments():
 
 
 def test_engine_runs_layernorm_inside_and_equals_hf(monkeypatch):
-    """A 3-tenant post-LN forward: the residual products' LayerNorms run inside the kernel (no
-    separate LayerNorm op but the embeddings'), and the answers equal HF float32."""
+    """A 3-tenant post-LN forward: every LayerNorm runs in the kernel (the residual products'
+    inside them, the embeddings' alone), and the answers equal HF float32."""
     monkeypatch.setattr(cpu_linear, "MIN_ROWS", 64)  # this small batch's segments qualify
     models = {f"t{i}": make_hf_model("bert-tiny", 2, seed=500 + i) for i in range(3)}
     eng = itif.Engine("bert-tiny", device="cpu", dtype="float32")
@@ -138,4 +153,4 @@ def test_engine_runs_layernorm_inside_and_equals_hf(monkeypatch):
         np.testing.assert_allclose(res.logits, want["logits"], rtol=0, atol=1e-4)
         np.testing.assert_allclose(res.last_hidden_state, want["last_hidden_state"],
                                    rtol=0, atol=1e-4)
-    assert len(calls) <= 1  # the embeddings' LayerNorm only
+    assert calls == []

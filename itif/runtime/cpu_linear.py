@@ -54,7 +54,7 @@ from itif.runtime import cpu_gemm
 log = logging.getLogger("itif.runtime")
 
 __all__ = ["ACTS", "CHUNK", "MAX_SEGMENTS", "MIN_ROWS", "enabled", "ensure", "ensure_for",
-           "linear", "norm_args", "seg_state", "seg_suspended", "usable"]
+           "layer_norm", "linear", "norm_args", "seg_state", "seg_suspended", "usable"]
 
 #: Average rows a segment needs before a product goes to oneDNN (below this a call's fixed
 #: cost shows and decode-sized products have their own kernel, ``cpu_gemm``). 64 made the
@@ -202,3 +202,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, plan, bias: torch.Tensor | None = N
         else:
             outs.append(torch.ops.mkldnn._linear_pointwise(xi, w[k], b, attr, [], algo))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def layer_norm(x: torch.Tensor, plan, norm, eps: float) -> torch.Tensor:
+    """LayerNorm of each segment of ``plan`` over ``x`` [rows, H] with ``norm``'s parameters
+    (:func:`norm_args`, so only where the one-region kernel runs), in one parallel region, a
+    new tensor: a text encoder's embedding LayerNorm, otherwise a call per segment and a
+    concatenation (``reference._layernorm_segments``)."""
+    g, gs, b, bs = norm
+    segs = plan.segs
+    return seg_state["module"].seg_layer_norm(x, list(segs.start), list(segs.end), g, b,
+                                              list(gs), list(bs), float(eps), CHUNK)

@@ -226,8 +226,11 @@ def _embed(spec: BackboneSpec, bound: _Bound, dtype: torch.dtype) -> torch.Tenso
     if spec.is_text:
         x = ops.embed_text(bound.rot("emb.word"), bound.rot("emb.pos"), bound.rot("emb.type"),
                            bound.get("ids"), bound.get("positions"), bound.get("types"))
-        x = ops.bias_residual_layernorm(x, None, None, bound.rot("emb.ln.weight"),
-                                        bound.rot("emb.ln.bias"), spec.layer_norm_eps)
+        gamma, beta = bound.rot("emb.ln.weight"), bound.rot("emb.ln.bias")
+        inside = (cpu_linear.norm_args(gamma.plan, gamma, beta, x.dtype)
+                  if x.device.type == "cpu" and gamma.plan is not None else None)
+        x = (cpu_linear.layer_norm(x, gamma.plan, inside, spec.layer_norm_eps) if inside is not None
+             else ops.bias_residual_layernorm(x, None, None, gamma, beta, spec.layer_norm_eps))
         if spec.family == "albert":
             x = bound.linear(x, "emb.proj.weight", "emb.proj.bias")
         return x
