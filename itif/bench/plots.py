@@ -1,6 +1,7 @@
 """PNG plots of a result: Table 5.2 latencies, speedup vs tenants (ours beside the thesis'),
 throughput vs requests per tenant (Fig. 5.3/5.4's axes), serving latency vs load, add time and
-resident-memory ratio vs registered tenants (the tenants suite)."""
+resident-memory ratio vs registered tenants (the tenants suite), requests per second of the
+CPU peer suite's systems (issue 65)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def make_plots(rows: list[dict], meta: dict, stem: Path) -> list[Path]:
     out = []
     device = meta.get("device", "")
     strat = _itif_strategy(rows)
-    for fn in (_table, _speedup, _batch, _load, _tenants):
+    for fn in (_table, _speedup, _batch, _load, _tenants, _peer):
         path = fn(plt, rows, device, strat, stem)
         if path is not None:
             out.append(path)
@@ -244,3 +245,46 @@ def _cold_panel(ax, cold: list[dict]) -> None:
                   ["from disk", "from host", "resident"])
     ax.set_ylabel("submit to answer (ms)")
     ax.set_title("first response by the tier it came from", fontsize=9)
+
+
+PEER_COLORS = {"itif": "tab:green", "itif_bf16": "tab:olive", "vllm": "tab:blue",
+               "hf": "tab:orange"}
+
+
+def _peer(plt, rows, device, strat, stem):
+    """The peer suite (``itif.bench.cpu_peer``): median req/s of each system per workload, the
+    fastest and slowest round as a range, and 3x the vLLM bar where issue 65 sets it."""
+    pts = [r for r in rows if r.get("suite") == "peer" and r.get("status") == "ok"]
+    if not pts:
+        return None
+    workloads = list(dict.fromkeys(r["workload"] for r in pts))
+    systems = list(dict.fromkeys(r["system"] for r in pts))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(systems)
+    for j, s in enumerate(systems):
+        for i, w in enumerate(workloads):
+            r = next((x for x in pts if x["system"] == s and x["workload"] == w), None)
+            if r is None:
+                continue
+            n = r["throughput_rps"] * r["latency_ms"] / 1e3  # requests in the call
+            lo, hi = n / r["latency_ms_max"] * 1e3, n / r["latency_ms_min"] * 1e3
+            x = i + (j - (len(systems) - 1) / 2) * width
+            ax.bar(x, r["throughput_rps"], width, color=PEER_COLORS.get(s, f"C{j}"),
+                   yerr=[[r["throughput_rps"] - lo], [hi - r["throughput_rps"]]], capsize=3,
+                   label=f"{s} ({r.get('dtype')})" if i == 0 else None)
+            ax.annotate(f"{r['throughput_rps']:.0f}", (x, r["throughput_rps"]), ha="center",
+                        va="bottom", fontsize=6, xytext=(0, 2), textcoords="offset points")
+    for i, w in enumerate(workloads):
+        vllm = next((x for x in pts if x["system"] == "vllm" and x["workload"] == w), None)
+        if vllm is not None and vllm["tenants"] > 1:
+            ax.hlines(3 * vllm["throughput_rps"], i - 0.4, i + 0.4, colors="k", ls=":",
+                      label="3x the vLLM engines (issue 65)")
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylabel("requests / s (median; bars: slowest to fastest round)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{pts[0]['model']}, {pts[0]['requests']} requests, {device}", fontsize=9)
+    fig.tight_layout()
+    path = Path(f"{stem}-peer.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
