@@ -130,6 +130,11 @@ def test_norm_args_only_where_layernorm_follows_the_segments():
     assert cpu_linear.norm_args(plan, same, same, torch.bfloat16) is None
     with cpu_linear.seg_suspended():
         assert cpu_linear.norm_args(plan, same, same, torch.float32) is None
+    # one segment: in the kernel only as one chunk (a longer one is one multi-threaded call)
+    for rows, inside in ((cpu_linear.CHUNK, True), (cpu_linear.CHUNK + 1, False)):
+        one = _plan([rows], [0])
+        p = RotParam(g, torch.zeros(rows, dtype=torch.long), one)
+        assert (cpu_linear.norm_args(one, p, p, torch.float32) is not None) == inside
 
 
 def test_engine_runs_layernorm_inside_and_equals_hf(monkeypatch):

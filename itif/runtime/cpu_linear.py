@@ -37,7 +37,8 @@ concatenation. The answers are the same to the bit (the same primitive on the sa
 Measured, 13,040 rows [256 -> 768] + residual + LayerNorm, float32, 2 threads, load 3 (another
 engineer's test suite on the same cores), median of 9 (``bench/cpu_peer_forward.py`` shows the
 whole forward): 8 segments 259 ms per segment + cat against 68 ms here; one segment 67
-against 68.
+against 68. One segment longer than :data:`CHUNK` stays one multi-threaded oneDNN call (it is one
+region already, and measured up to 15% faster than its chunks in bfloat16 on a quiet machine).
 """
 
 from __future__ import annotations
@@ -118,8 +119,14 @@ def ensure_for(device: torch.device, dtype: torch.dtype) -> bool:
             and enabled(dtype) and ensure())
 
 
-def _one_region() -> bool:
-    return seg_state["module"] is not None and not _seg_switch.off
+def _one_region(plan=None) -> bool:
+    """The kernel is built and not suspended (and, given a plan, runs it: several segments, or
+    one of at most :data:`CHUNK` rows. One longer segment stays one multi-threaded oneDNN
+    call: on a quiet machine that measured 5-15% faster than its chunks, 13,040 rows [256 ->
+    768], float32 and bfloat16, and it is already one region)."""
+    if seg_state["module"] is None or _seg_switch.off:
+        return False
+    return plan is None or len(plan.segs) > 1 or plan.rows <= CHUNK
 
 
 def norm_args(plan, gamma, beta, dtype: torch.dtype):
@@ -127,7 +134,7 @@ def norm_args(plan, gamma, beta, dtype: torch.dtype):
     segment, beta buffer, its slots)``, when the one-region kernel can apply it after the
     product of ``plan`` (gamma and beta ``RotParam`` s whose segments are the product's, 2-D
     buffers in ``dtype``); None otherwise (the caller runs LayerNorm after the product)."""
-    if not _one_region():
+    if not _one_region(plan):
         return None
     pg, pb = gamma.plan, beta.plan
     if (pg is None or pb is None or gamma.buf.dim() != 2 or beta.buf.dim() != 2
@@ -185,7 +192,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, plan, bias: torch.Tensor | None = N
         raise ValueError(f"a residual add cannot follow the activation {act!r} in one call")
     segs = plan.segs
     bslots = segs.slot if bias_slots is None else bias_slots
-    if _one_region():
+    if _one_region(plan):
         g, gs, b_, bs = norm if norm is not None else (None, (), None, ())
         return seg_state["module"].seg_linear(
             x, w, list(segs.start), list(segs.end), list(segs.slot), bias, list(bslots), attr,
