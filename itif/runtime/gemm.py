@@ -28,6 +28,15 @@ On the CPU in float32, a product whose longest segment has ``cpu_gemm.MIN_ROWS``
 ``cpu_gemm.MAX_ROWS`` rows goes to itif's own kernel instead (``itif.runtime.cpu_gemm``: every
 segment in one call, the weights read in place), whatever the plan's backend.
 
+Why ``grouped_mm`` before ``loop`` on the CPU too (issue 65, measured on the 2-core AMD EPYC
+at a quiet moment, load 0.8, float32, 2 threads, median of 7-25; ms for grouped_mm / loop):
+8 segments x 1,700 rows [256 -> 768] 30.8 / 30.9, [256 -> 512] 20.8 / 20.9, [512 -> 256] 20.4 /
+20.7; x 256 rows 5.3 / 5.3, 3.7 / 4.1, 3.3 / 3.5; x 96 rows 2.4 / 2.4, 1.6 / 1.7, 1.4 / 1.5;
+x 16 rows 0.69 / 0.75, 0.45 / 0.49, 0.49 / 0.54 (the few-rows kernel: 0.48, 0.33, 0.35). Equal
+or better everywhere, so the order stays. The long products of a CPU encoder do not come here
+at all: ``itif.runtime.cpu_linear`` runs them (bias, activation, residual and LayerNorm fused,
+every segment in one parallel region), which is what closed the 8-tenant gap of issue 65.
+
 The same plan drives the per-row parameters of the memory-bound ops on the CPU reference
 (``broadcast_rows``, which lives in ``itif.ops.rows`` below the ops that use it and is
 re-exported here): ``mm`` and ``bmm`` plans broadcast a parameter over its rows as a view, so a
