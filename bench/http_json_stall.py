@@ -176,7 +176,9 @@ def run(processes: list[int], seconds: float, senders: int) -> dict:
             d = ServeDaemon(tmp / f"d{n}", grpc_port, str(tmp / "vit"), "cpu", "float32", tokens,
                             "packed", False, 2.0,
                             server_extra=(("http_listen", f"127.0.0.1:{http_port}"),
-                                          ("http_json_processes", n)))
+                                          ("http_json_processes", n),
+                                          # the daemon's child processes: its JSON workers only
+                                          ("ingress_processes", 0)))
             d.start()
             try:
                 d.wait_ready()

@@ -286,7 +286,7 @@ def test_ingress_count_follows_the_cores():
     assert replace(auto, ingress_processes=0).ingress_count(16) == 0
     assert [auto.ingress_count(c) for c in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 8]
     assert auto.ingress_count() >= 1  # this machine's cores
-    assert replace(base, ingress_processes=3).ingress_count(2) == 3
+    assert replace(auto, ingress_processes=3).ingress_count(2) == 3
     assert replace(auto, listen="127.0.0.1:0").ingress_count(16) == 0
     for bad in ("many", -1, 65, 2.5):
         with pytest.raises(InvalidConfig, match="server.ingress_processes"):

@@ -176,8 +176,10 @@ class Scheduler:
         ``stats`` copies every tenant's counters."""
         with self._lock:
             st = self._q.stats.get(tenant)
-            return 0 if st is None else (st.submitted - st.completed - st.failed - st.expired
-                                         - st.cancelled)
+            n = 0 if st is None else (st.submitted - st.completed - st.failed - st.expired
+                                      - st.cancelled)
+            cols = self._columns
+        return n + (cols.outstanding(tenant) if cols is not None else 0)
 
     def queue_depth(self, tenant: str) -> int:
         """Requests of the tenant waiting (not running); 0 for a tenant the scheduler lacks."""

@@ -35,6 +35,9 @@ class ColumnSource(Protocol):
     def queue_depth(self, tenant: str) -> int:
         """The tenant's rows queued in the source (not running)."""
 
+    def outstanding(self, tenant: str) -> int:
+        """The tenant's rows queued in the source or running."""
+
     def pending(self) -> int:
         """Rows queued in the source: a stopping loop runs them before it ends."""
 

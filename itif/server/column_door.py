@@ -56,6 +56,8 @@ _MESSAGES = {
 }
 _OK = 0
 _EXPIRED = status_code("DEADLINE_EXCEEDED")
+_NO_ROWS = np.zeros(0, np.int32)
+_COUNT = np.count_nonzero
 
 
 class ColumnDoor:
@@ -94,6 +96,7 @@ class ColumnDoor:
         self._forwarding = threading.Event()
         self._stop = threading.Event()
         self._refusing = False  # the scheduler ended: arrivals are refused UNAVAILABLE
+        self._running = _NO_ROWS  # the tenant index of each row of the batch in the forward
         self._reader: threading.Thread | None = None
 
     # ---- the ingress processes' side -------------------------------------------------------
@@ -204,6 +207,9 @@ class ColumnDoor:
                     _drain(fd)
                 try:
                     now = time.monotonic()
+                    cfg = self.daemon.config  # a reload applies to arrivals read here too
+                    if cfg is not self._config:
+                        self._sync(cfg)
                     self._expire_due(now)
                     if got:
                         self._take_in(now, self._refusing)
@@ -256,6 +262,15 @@ class ColumnDoor:
         with self._mutex:
             i = self._index().get(tenant) if self.queue is not None else None
             return 0 if i is None else int(self.queue.depth[i])
+
+    def outstanding(self, tenant: str) -> int:
+        """The tenant's rows queued or in the running batch: a removed tenant's weights stay
+        until they are answered (``itif.daemon_config``), as its tickets' do."""
+        with self._mutex:
+            i = self._index().get(tenant) if self.queue is not None else None
+            if i is None:
+                return 0
+            return int(self.queue.depth[i]) + int(_COUNT(self._running == i))
 
     def pending(self) -> int:
         """Rows queued here: a stopping scheduler runs them before it ends."""
@@ -368,6 +383,7 @@ class ColumnDoor:
             return None
         cpu, start, compute_s, computed = time.thread_time(), time.monotonic(), None, 0
         metrics = self.daemon.metrics
+        self._running = taken.tenant
         try:
             self.forwarding(True)
             try:
@@ -382,6 +398,8 @@ class ColumnDoor:
         except Exception as e:  # noqa: BLE001 - each tenant's rows alone: its error is its own
             cpu = time.thread_time() - cpu
             self._per_tenant(taken, e)
+        finally:
+            self._running = _NO_ROWS
         self.batches += 1
         if metrics is not None and compute_s is not None:  # answered: as a ticket batch's
             metrics.observe_column_batch(self.queue.names, taken.tenant, start - taken.enqueued,

@@ -12,9 +12,9 @@ a token that may see it. A call whose rows break the tenant's or the backbone's 
 length, a token id) is refused here, INVALID_ARGUMENT with the daemon's own message
 (``itif.requests.check_token_rows``), so an invalid flood never reaches the daemon. Any other
 call (and any call that would fail another check: the daemon's servicer gives the exact error)
-goes by frame, as before. A call over this process's share of its tenant's ``max_inflight`` (or of the server's
-``max_inflight_calls``) is refused here, RESOURCE_EXHAUSTED with the retry hint, before it
-costs the daemon anything.
+goes by frame, as before. A call over this process's share of its tenant's ``max_inflight``
+(or of the server's ``max_inflight_calls``) is refused here, RESOURCE_EXHAUSTED with the retry
+hint, before it costs the daemon anything.
 """
 
 from __future__ import annotations
