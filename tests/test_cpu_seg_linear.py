@@ -137,6 +137,20 @@ def test_norm_args_only_where_layernorm_follows_the_segments():
         assert (cpu_linear.norm_args(one, p, p, torch.float32) is not None) == inside
 
 
+def test_one_segment_goes_to_onednn_as_one_chunk_or_long():
+    """A 1-tenant [CLS]-rows layer (128-256 rows) runs as one chunk on the calling thread; one
+    segment between a chunk and MIN_ROWS stays with run_gemm, as before the kernel."""
+    w = torch.zeros(1, 8, 8)
+    for rows, want in ((cpu_linear.ONE_CHUNK_MIN_ROWS - 1, False),
+                       (cpu_linear.ONE_CHUNK_MIN_ROWS, True), (cpu_linear.CHUNK, True),
+                       (cpu_linear.CHUNK + 1, False), (cpu_linear.MIN_ROWS, True)):
+        plan = _plan([rows], [0])
+        assert cpu_linear.usable(torch.zeros(rows, 8), w, plan) == want, rows
+        with cpu_linear.seg_suspended():
+            assert cpu_linear.usable(torch.zeros(rows, 8), w, plan) == (
+                rows >= cpu_linear.MIN_ROWS)
+
+
 def test_engine_runs_layernorm_inside_and_equals_hf(monkeypatch):
     """A 3-tenant post-LN forward: every LayerNorm runs in the kernel (the residual products'
     inside them, the embeddings' alone), and the answers equal HF float32."""

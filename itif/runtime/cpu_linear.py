@@ -70,12 +70,12 @@ MAX_SEGMENTS = 64
 #: most this many). Same benchmark as the module docstring's, 8 segments: 128 rows 72 ms, 256
 #: 68, 512 73 (fewer chunks balance the two threads worse; more pay oneDNN's call more often).
 CHUNK = 256
-#: One segment of this many rows (up to :data:`MIN_ROWS`) also goes to the one-region kernel:
-#: up to :data:`CHUNK` rows it is one chunk, run on the calling thread alone. A 1-tenant
-#: classifier's last layer (its [CLS] rows only, 256 in the peer workload) otherwise ran MKL's
-#: product and four passes of under 1 ms of work each, every one waking the second OpenMP
-#: thread: under load (another engineer's suite on the 2 vCPUs) 8-16 ms each, 150 of 890 ms of
-#: the forward (torch.profiler).
+#: One segment of this many rows up to :data:`CHUNK` also goes to the one-region kernel: one
+#: chunk, run on the calling thread alone (from CHUNK + 1 to MIN_ROWS - 1 rows it stays off
+#: oneDNN). A 1-tenant classifier's last layer (its [CLS] rows only, 256 in the peer workload)
+#: otherwise ran MKL's product and four passes of under 1 ms of work each, every one waking the
+#: second OpenMP thread: under load (another engineer's suite on the 2 vCPUs) 8-16 ms each, 150
+#: of 890 ms of the forward (torch.profiler).
 ONE_CHUNK_MIN_ROWS = 128
 
 #: itif's activation names -> oneDNN's post-op (attr, algorithm) as ``_linear_pointwise`` takes
@@ -168,10 +168,10 @@ def usable(x: torch.Tensor, w: torch.Tensor, plan) -> bool:
     """Whether the product of ``x`` [rows, K] with the weight buffer ``w`` [capacity, N, K]
     over ``plan``'s segments goes to oneDNN (see the module docstring)."""
     n = len(plan.segs)
-    least = ONE_CHUNK_MIN_ROWS if n == 1 and _one_region() else MIN_ROWS * n
+    one_chunk = n == 1 and ONE_CHUNK_MIN_ROWS <= plan.rows <= CHUNK and _one_region(plan)
     return (x.device.type == "cpu" and x.dtype == w.dtype and enabled(x.dtype)
             and not _switch.off
-            and 0 < n <= MAX_SEGMENTS and plan.rows >= least
+            and 0 < n <= MAX_SEGMENTS and (plan.rows >= MIN_ROWS * n or one_chunk)
             and x.is_contiguous() and w.is_contiguous())
 
 
