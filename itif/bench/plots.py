@@ -16,6 +16,15 @@ COLORS = {"seq": "tab:gray", "multi_stream": "tab:blue", "mps": "tab:purple", "h
           "per_tenant": "tab:red"}
 
 
+
+def _save(plt, fig, stem: str, kind: str) -> Path:
+    """Lay ``fig`` out, write it to ``<stem>-<kind>.png`` and free it; the path."""
+    fig.tight_layout()
+    path = Path(f"{stem}-{kind}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def _ok(rows, **match):
     return [r for r in rows if r.get("status") == "ok"
             and all(r.get(k) == v for k, v in match.items())]
@@ -72,11 +81,7 @@ def _table(plt, rows, device, strat, stem):
         ax.set_title(model)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"Table 5.2 workloads on {device}")
-    fig.tight_layout()
-    path = Path(f"{stem}-table52.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, stem, "table52")
 
 
 def _speedup(plt, rows, device, strat, stem):
@@ -113,11 +118,7 @@ def _speedup(plt, rows, device, strat, stem):
     ax.set_ylabel("speedup (baseline latency / itif latency)")
     ax.set_title(f"Speedup vs tenants, {device}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(f"{stem}-speedup.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, stem, "speedup")
 
 
 def _batch(plt, rows, device, strat, stem):
@@ -147,11 +148,7 @@ def _batch(plt, rows, device, strat, stem):
         ax.axis("off")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Throughput vs batch (Fig. 5.3/5.4 axes), {device}")
-    fig.tight_layout()
-    path = Path(f"{stem}-batch.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, stem, "batch")
 
 
 def _load(plt, rows, device, strat, stem):
@@ -181,11 +178,7 @@ def _load(plt, rows, device, strat, stem):
     model = serve[0]["model"]
     fig.suptitle(f"Latency vs load through the daemon\n{model}, {serve[0]['tenants']} tenants, "
                  f"{device}", fontsize=10)
-    fig.tight_layout()
-    path = Path(f"{stem}-load.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, stem, "load")
 
 
 def _tenants(plt, rows, device, strat, stem):
@@ -222,11 +215,7 @@ def _tenants(plt, rows, device, strat, stem):
     for ax in axes[2:]:
         ax.legend(fontsize=6)
     fig.suptitle(f"{pts[0]['model']} tenants, {device}", fontsize=10)
-    fig.tight_layout()
-    path = Path(f"{stem}-tenants.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, stem, "tenants")
 
 
 def _cold_panel(ax, cold: list[dict]) -> None:
@@ -283,8 +272,4 @@ def _peer(plt, rows, device, strat, stem):
     ax.set_ylabel("requests / s (median; bars: slowest to fastest round)")
     ax.legend(fontsize=7)
     ax.set_title(f"{pts[0]['model']}, {pts[0]['requests']} requests, {device}", fontsize=9)
-    fig.tight_layout()
-    path = Path(f"{stem}-peer.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, stem, "peer")
