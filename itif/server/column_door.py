@@ -55,7 +55,7 @@ _MESSAGES = {
     "INTERNAL": "the daemon could not queue the request; its log has the details",
 }
 _OK = 0
-_EXPIRED = status_code("DEADLINE_EXCEEDED")
+_EXPIRED, _UNAVAILABLE = status_code("DEADLINE_EXCEEDED"), status_code("UNAVAILABLE")
 _NO_ROWS = np.zeros(0, np.int32)
 _COUNT = np.count_nonzero
 
@@ -207,10 +207,7 @@ class ColumnDoor:
                     _drain(fd)
                 try:
                     now = time.monotonic()
-                    cfg = self.daemon.config  # a reload applies to arrivals read here too
-                    if cfg is not self._config:
-                        self._sync(cfg)
-                    self._expire_due(now)
+                    self._refresh(now)
                     if got:
                         self._take_in(now, self._refusing)
                 except Exception:  # noqa: BLE001 - the thread must live; the rows stay queued
@@ -246,12 +243,9 @@ class ColumnDoor:
     def decide(self, now: float, *, last_end: float, estimate_ms, stopping: bool
                ) -> tuple[bool, float | None]:
         self.decisions += 1
-        cfg = self.daemon.config
-        sch = cfg.scheduler
+        sch = self.daemon.config.scheduler
         with self._mutex:  # the reader thread pushes into the same queue during forwards
-            if cfg is not self._config:
-                self._sync(cfg)
-            self._expire_due(now)
+            self._refresh(now)
             self._take_in(now, stopping)
             return self.queue.due(now, max_tokens=sch.max_batch_tokens,
                                   max_rows=sch.max_batch_size, max_wait_ms=sch.max_wait_ms,
@@ -259,18 +253,20 @@ class ColumnDoor:
 
     def queue_depth(self, tenant: str) -> int:
         """The tenant's rows queued here (the admin API adds them to its queue depth)."""
-        with self._mutex:
-            i = self._index().get(tenant) if self.queue is not None else None
-            return 0 if i is None else int(self.queue.depth[i])
+        return self._rows_of(tenant)[0]
 
     def outstanding(self, tenant: str) -> int:
         """The tenant's rows queued or in the running batch: a removed tenant's weights stay
         until they are answered (``itif.daemon_config``), as its tickets' do."""
+        return sum(self._rows_of(tenant))
+
+    def _rows_of(self, tenant: str) -> tuple[int, int]:
+        """(rows queued, rows in the running batch) of ``tenant``."""
         with self._mutex:
             i = self._index().get(tenant) if self.queue is not None else None
             if i is None:
-                return 0
-            return int(self.queue.depth[i]) + int(_COUNT(self._running == i))
+                return 0, 0
+            return int(self.queue.depth[i]), int(_COUNT(self._running == i))
 
     def pending(self) -> int:
         """Rows queued here: a stopping scheduler runs them before it ends."""
@@ -283,12 +279,16 @@ class ColumnDoor:
             self._refusing = True
             left = self.queue.withdraw()
             if left.size:
-                self._refuse(left, np.full(left.size, status_code("UNAVAILABLE"), np.int8))
+                self._refuse(left, np.full(left.size, _UNAVAILABLE, np.int8))
             self._forwarding.set()
 
-    def _expire_due(self, now: float) -> None:
-        """Rows whose deadline passed leave the queue now, DEADLINE_EXCEEDED (they would
-        hold their tenant's room until the next batch)."""
+    def _refresh(self, now: float) -> None:
+        """Before arrivals are taken in (by either thread, under the mutex): a reload of
+        tenants.yaml applied to the queue, and rows whose deadline passed out of it,
+        DEADLINE_EXCEEDED (they would hold their tenant's room until the next batch)."""
+        cfg = self.daemon.config
+        if cfg is not self._config:
+            self._sync(cfg)
         if now >= self.queue.next_deadline:
             call_id, _ = self.queue.expire(now)
             if call_id.size:
@@ -317,7 +317,7 @@ class ColumnDoor:
         if a is not None:
             call_id = a.call_id
             try:
-                status = (np.full(len(a), status_code("UNAVAILABLE"), np.int8) if stopping
+                status = (np.full(len(a), _UNAVAILABLE, np.int8) if stopping
                           else self.queue.push(a, now))
             except Exception:  # the calls fail, the loop goes on
                 log.exception("arrivals could not be queued; their calls fail INTERNAL")
