@@ -56,7 +56,9 @@ def measure(args) -> dict:
         tmp = Path(tmp)
         files = write_checkpoints(spec, names, tmp)
         grpc_port, metrics_port = free_ports(2)
-        extra = (("ingress_processes", args.ingress),) if args.ingress else ()
+        # always said: the daemon's default is ``auto`` (one ingress process on a small
+        # machine), so --ingress 0 must ask for the in-process path in so many words
+        extra = (("ingress_processes", args.ingress),)
         threads = str(args.torch_threads)
         daemon = ServeDaemon(tmp / "daemon", grpc_port, "bert-tiny", "cpu", "float32", tokens,
                              "packed", False, 5.0, metrics_port=metrics_port, server_extra=extra,
