@@ -47,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from itif import platform
 from itif.daemon import Daemon, State
+from itif.tenant_series import SeriesCollector, TenantCounter, TenantHistogram
 
 if TYPE_CHECKING:  # pragma: no cover
     from itif.requests import Request, Result
@@ -199,15 +200,15 @@ class Metrics:
         self.column_forward_cpu = Counter(
             "itif_column_forward_cpu_seconds", "CPU of the column path's forwards (its thread's; "
             "the daemon's CPU beyond it is its per-call overhead)", registry=r)
-        self.rows = Counter(
+        self.rows = TenantCounter(
             "itif_inference_rows", "Inference rows (one input of a call) that left the queue, by "
-            "tenant and outcome", ("tenant", "code"), registry=r)
-        self.queue_seconds = Histogram(
-            "itif_queue_seconds", "Time a row waited in its tenant's queue", ("tenant",),
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.compute_seconds = Histogram(
-            "itif_compute_seconds", "Time from a row's batch start to its result", ("tenant",),
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "tenant and outcome", "code", [c.name for c in grpc.StatusCode])
+        self.queue_seconds = TenantHistogram(
+            "itif_queue_seconds", "Time a row waited in its tenant's queue", _LATENCY_BUCKETS)
+        self.compute_seconds = TenantHistogram(
+            "itif_compute_seconds", "Time from a row's batch start to its result",
+            _LATENCY_BUCKETS)
+        r.register(SeriesCollector((self.rows, self.queue_seconds, self.compute_seconds)))
         self.batch_size = Histogram(
             "itif_batch_size", "Requests per fused batch", buckets=_SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram(
@@ -291,9 +292,8 @@ class Metrics:
 
     def _per_tenant(self) -> tuple:
         """The metrics labelled by tenant (first label)."""
-        return (self.requests, self.http_requests, self.rows, self.queue_seconds,
-                self.compute_seconds, self.first_token_seconds, self.inter_token_seconds,
-                self.generated_tokens)
+        return (self.requests, self.http_requests, self.first_token_seconds,
+                self.inter_token_seconds, self.generated_tokens)
 
     def forget_tenant(self, tenant: str) -> None:
         """Drop a removed tenant's series and call statistics (``itif.observer``), so a scrape
@@ -304,6 +304,8 @@ class Metrics:
                 self._children.pop(key, None)
         with self._lock:
             self._stats.pop(tenant, None)
+        for series in (self.rows, self.queue_seconds, self.compute_seconds):
+            series.remove(tenant)
         for m in self._per_tenant():
             remove = getattr(m, "remove_by_labels", None)  # prometheus-client >= 0.24
             if remove is not None:
@@ -341,10 +343,9 @@ class Metrics:
             self.batch_padding.observe((computed_rows - tokens) / computed_rows)
         self.column_rows.inc(tenant.size)
         self.column_forward_cpu.inc(forward_cpu_s)
-        for t, q in zip(tenant.tolist(), queued_s.tolist()):
-            self._child(self.rows, names[t], "OK").inc()
-            self._child(self.queue_seconds, names[t]).observe(q)
-            self._child(self.compute_seconds, names[t]).observe(compute_s)
+        self.rows.inc_rows(self.rows.rows_of(names)[tenant], "OK")  # each series its own rows
+        self.queue_seconds.observe_rows(self.queue_seconds.rows_of(names)[tenant], queued_s)
+        self.compute_seconds.observe_rows(self.compute_seconds.rows_of(names)[tenant], compute_s)
 
     def observe_http(self, tenant: str, api: str, method: str, status: int,
                      seconds: float) -> None:
@@ -377,11 +378,11 @@ class Metrics:
     def _row_done(self, call: _CallWatch, t: SchedulerTicket) -> None:
         err = t.exception(0)
         code = "OK" if err is None else getattr(err, "code", "INTERNAL")
-        self._child(self.rows, call.tenant, code).inc()
-        self._child(self.queue_seconds, call.tenant).observe(t.queued_ms / 1000.0)
+        self.rows.inc(call.tenant, code)
+        self.queue_seconds.observe(call.tenant, t.queued_ms / 1000.0)
         compute = t.compute_ms
         if compute is not None:
-            self._child(self.compute_seconds, call.tenant).observe(compute / 1000.0)
+            self.compute_seconds.observe(call.tenant, compute / 1000.0)
         with self._lock:
             call.left -= 1
             if call.left:

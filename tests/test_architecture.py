@@ -196,6 +196,7 @@ LAYERS: list[tuple[str, str]] = [
     ("daemon_tiers", "the daemon's weight tiers"),
     ("daemon_config", "the daemon's live settings"),
     ("daemon", "the daemon: queues, engines, tenants"),
+    ("tenant_series", "per-tenant Prometheus series counted in bulk (numpy)"),
     ("metrics", "Prometheus metrics over a daemon"),
     ("server", "gRPC, HTTP and KServe front ends over the daemon"),
     ("client", "the Python client (the server's protocol stubs)"),

@@ -87,3 +87,31 @@ def test_scheduler_runs_the_short_part_of_a_split_batch_first():
     assert seen == [[8, 9, 10, 11], [3000]], seen  # one batch formed, run in two parts
     assert max(t.finished_at for t in tickets[1:]) < tickets[0].finished_at
     assert s.stats.batches == 1 and s.stats.runs == 2
+
+
+def test_the_non_negative_solve_is_the_best_of_every_subset_of_parts():
+    """The one-solve fast path (unconstrained solution non-negative) and the subset search
+    agree with a brute force over the 7 subsets, on problems of both kinds."""
+    from itertools import combinations
+
+    from itif.scheduler.estimate import _nonneg_solve
+
+    rng = np.random.default_rng(3)
+    kinds = set()
+    for _ in range(300):
+        m = rng.normal(size=(5, 3))
+        a = m.T @ m + 1e-3 * np.eye(3)
+        b = rng.normal(size=3)
+        best, best_f = np.zeros(3), 0.0
+        for k in (1, 2, 3):
+            for idx in map(list, combinations(range(3), k)):
+                sub = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+                if (sub >= 0).all():
+                    theta = np.zeros(3)
+                    theta[idx] = sub
+                    f = theta @ a @ theta - 2 * b @ theta
+                    if f < best_f:
+                        best, best_f = theta, f
+        kinds.add(bool((np.linalg.solve(a, b) >= 0).all()))
+        np.testing.assert_allclose(_nonneg_solve(a, b), best, atol=1e-9)
+    assert kinds == {True, False}

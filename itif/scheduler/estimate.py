@@ -67,10 +67,14 @@ class BatchTimeEstimate:
 
 def _nonneg_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """argmin over theta >= 0 of theta' a theta - 2 b' theta (``a`` positive definite): the
-    unconstrained solution of the best subset of free parts, the others held at zero."""
+    unconstrained solution when it is non-negative (then it is the constrained one too: the
+    usual case, one solve a batch), else that of the best subset of free parts, the others
+    held at zero."""
+    full = np.linalg.solve(a, b)
+    if (full >= 0).all():
+        return full
     best, best_f = np.zeros(3), 0.0
-    for mask in range(1, 8):
-        idx = [i for i in range(3) if mask >> i & 1]
+    for idx in _SUBSETS:
         sub = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
         if (sub < 0).any():
             continue
@@ -80,6 +84,10 @@ def _nonneg_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         if f < best_f:
             best, best_f = theta, f
     return best
+
+
+#: The proper subsets of the three parts (the full set is tried first).
+_SUBSETS = [[i for i in range(3) if mask >> i & 1] for mask in range(1, 7)]
 
 
 def split_for_latency(tokens: list[int], estimate, max_loss: float = 0.05) -> int | None:
