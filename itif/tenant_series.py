@@ -3,7 +3,8 @@
 prometheus_client's labelled Histogram takes one observation a call, so a column batch of 20
 rows (``itif.server.column_door``) cost 60 calls through its child lookup, lock and bucket search
 on the engine's thread. The series here keep their counts in numpy arrays, a row a tenant (and a
-column a bucket or an outcome), and take a whole batch in a few numpy calls whatever its size:
+column a bucket or an outcome), and take a whole batch as one list append, folded into the arrays
+by one numpy pass at the next scrape (or every ``FOLD_EVERY`` batches), whatever its size:
 :meth:`TenantHistogram.observe_rows` and :meth:`TenantCounter.inc_rows`, with the row of each
 tenant from :meth:`TenantRows.rows_of` (cached for a table that only grows, as the column
 queue's). The ticket path's one observation at a time goes through the same arrays.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -31,11 +32,16 @@ class TenantRows:
     """Tenant name -> row of a numpy table; rows of removed tenants are not reused (a later
     tenant of the same name starts from zero, as a removed prometheus child does)."""
 
+    FOLD_EVERY = 256
+
     def __init__(self, width: int) -> None:
         self._rows: dict[str, int] = {}
         self._width = width
         self.data = np.zeros((8, width), np.float64)
         self._high = 0  # rows handed out
+        #: batches not yet folded into ``data``: a batch costs an append; a scrape (or every
+        #: FOLD_EVERY batches) folds them with one numpy pass
+        self._pending: list[tuple[np.ndarray, Any]] = []
         self._lock = threading.Lock()
         self._version = 0  # bumped by a removal: cached row maps go stale
         self._cache: tuple[int, int, int, np.ndarray] = (0, -1, -1, np.zeros(0, np.intp))
@@ -63,8 +69,23 @@ class TenantRows:
                 self._cache = (*key, np.array([self._row_locked(n) for n in names], np.intp))
             return self._cache[3]
 
+    def _defer(self, rows: np.ndarray, what: Any) -> None:
+        with self._lock:
+            self._pending.append((rows, what))
+            if len(self._pending) >= self.FOLD_EVERY:
+                self._fold_locked()
+
+    def _fold_locked(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._fold(pending)
+
+    def _fold(self, pending: list[tuple[np.ndarray, Any]]) -> None:
+        raise NotImplementedError
+
     def remove(self, tenant: str) -> None:
         with self._lock:
+            self._fold_locked()  # the batches before the removal counted the old tenant
             row = self._rows.pop(tenant, None)
             if row is not None:
                 self.data[row] = 0
@@ -73,6 +94,7 @@ class TenantRows:
     def items(self) -> list[tuple[str, np.ndarray]]:
         """(tenant, a copy of its row), for a scrape."""
         with self._lock:
+            self._fold_locked()
             return [(t, self.data[r].copy()) for t, r in self._rows.items()]
 
 
@@ -101,11 +123,14 @@ class TenantHistogram(TenantRows):
     def observe_rows(self, rows: np.ndarray, values: np.ndarray | float) -> None:
         """One observation a row of a batch: ``rows`` the tenant rows (:meth:`rows_of`),
         ``values`` one each or one for all."""
-        values = np.broadcast_to(np.asarray(values, np.float64), rows.shape)
-        buckets = np.searchsorted(self.bounds, values)
-        with self._lock:
-            np.add.at(self.data, (rows, buckets), 1)
-            np.add.at(self.data[:, -1], rows, values)
+        self._defer(rows, values)
+
+    def _fold(self, pending: list[tuple[np.ndarray, Any]]) -> None:
+        rows = np.concatenate([r for r, _ in pending])
+        values = np.concatenate([np.broadcast_to(np.asarray(v, np.float64), r.shape)
+                                 for r, v in pending])
+        np.add.at(self.data, (rows, np.searchsorted(self.bounds, values)), 1)
+        np.add.at(self.data[:, -1], rows, values)
 
     def family(self) -> HistogramMetricFamily:
         fam = HistogramMetricFamily(self.name, self.documentation, labels=("tenant",))
@@ -138,9 +163,12 @@ class TenantCounter(TenantRows):
 
     def inc_rows(self, rows: np.ndarray, value: str) -> None:
         """One each for ``rows`` (tenant rows, :meth:`rows_of`), at ``value``."""
-        col = self.column(value)
-        with self._lock:
-            np.add.at(self.data[:, col], rows, 1)
+        self._defer(rows, self.column(value))
+
+    def _fold(self, pending: list[tuple[np.ndarray, Any]]) -> None:
+        rows = np.concatenate([r for r, _ in pending])
+        cols = np.concatenate([np.full(r.size, c, np.intp) for r, c in pending])
+        np.add.at(self.data, (rows, cols), 1)
 
     def family(self) -> CounterMetricFamily:
         fam = CounterMetricFamily(self.name, self.documentation, labels=("tenant", self.label))

@@ -31,6 +31,7 @@ def _pair():
 
 def test_bulk_and_single_observations_export_as_prometheus_client_does():
     ref, mine, h, c, th, tc = _pair()
+    th.FOLD_EVERY = tc.FOLD_EVERY = 2  # folds between batches and at the scrape
     rng = np.random.default_rng(0)
     names = [f"t{i}" for i in range(20)]  # more than the first allocation of rows
     for _ in range(5):  # batches: a table index a row, one value a row

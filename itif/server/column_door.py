@@ -25,7 +25,6 @@ publishes the tenant table to the ingress processes (:meth:`ColumnDoor.snapshot`
 from __future__ import annotations
 
 import logging
-import math
 import select
 import threading
 import time
@@ -190,19 +189,22 @@ class ColumnDoor:
 
     def _read_while_forwarding(self) -> None:
         poller = select.poll()
-        fds = self.wake_fds()
-        for fd in fds:
+        for fd in self.wake_fds():
             poller.register(fd, select.POLLIN)
         while not self._stop.is_set():
             if not self._forwarding.wait(0.5):
                 continue
-            # wake for arrivals, or when a queued row's deadline passes (it leaves the queue
-            # then, as a ticket does, not at the next batch)
-            due_ms = min(50.0, (self.queue.next_deadline - time.monotonic()) * 1000.0)
-            got = poller.poll(max(0, math.ceil(due_ms)))
+            # the first look is READ_GAP_S into the forward, or when a queued row's deadline
+            # passes (it leaves the queue then, as a ticket does, not at the next batch); a
+            # forward shorter than that costs this thread one wake-up and no take-in (a look
+            # a flush of each ingress process cost ~50 us a request: each takes the GIL from
+            # the forward). Then a look a READ_GAP_S for as long as the forward lasts.
+            due = self.queue.next_deadline - time.monotonic()
+            self._stop.wait(max(0.0, min(self.READ_GAP_S, due)))
             with self._mutex:
                 if self._stop.is_set() or not self._forwarding.is_set():
                     continue  # the scheduler's thread reads them now (its pipe bytes stay)
+                got = poller.poll(0)
                 for fd, _ in got:
                     _drain(fd)
                 try:
@@ -212,9 +214,6 @@ class ColumnDoor:
                         self._take_in(now, self._refusing)
                 except Exception:  # noqa: BLE001 - the thread must live; the rows stay queued
                     log.exception("arrivals could not be taken in during a forward")
-            # at most one take-in a READ_GAP_S: each wakes a thread that takes the GIL from
-            # the forward (one a 1 ms flush of each ingress process cost ~50 us a request)
-            self._stop.wait(self.READ_GAP_S)
 
     def _index(self) -> dict[str, int]:
         """Tenant name -> its index in the queue's table (which only grows)."""
