@@ -25,6 +25,7 @@ publishes the tenant table to the ingress processes (:meth:`ColumnDoor.snapshot`
 from __future__ import annotations
 
 import logging
+import math
 import select
 import threading
 import time
@@ -63,7 +64,7 @@ class ColumnDoor:
     """The rings of ``frontends`` ingress processes, the column queue, and the batches it runs.
 
     ``READ_GAP_S``: during a forward, arrivals are taken in (and refused when there is no room)
-    at most this often.
+    this often; ``IDLE_S`` after the last forward, the reader thread sleeps until the next.
 
     ``arrival_slot_bytes``: the largest batch of arrivals an ingress process writes at once (a
     larger call goes by frame); ``result_slot_bytes``: the largest batch of results (split into
@@ -71,6 +72,7 @@ class ColumnDoor:
     """
 
     READ_GAP_S = 0.005
+    IDLE_S = 0.5
 
     def __init__(self, frontends: int, *, slots: int = 16, arrival_slot_bytes: int = 1 << 20,
                  result_slot_bytes: int = 4 << 20) -> None:
@@ -93,6 +95,7 @@ class ColumnDoor:
         self._mutex = threading.Lock()
         self._out_lock = threading.RLock()
         self._forwarding = threading.Event()
+        self._last_forward = -math.inf  # when the last forward ended (the reader's pace)
         self._stop = threading.Event()
         self._refusing = False  # the scheduler ended: arrivals are refused UNAVAILABLE
         self._running = _NO_ROWS  # the tenant index of each row of the batch in the forward
@@ -186,21 +189,25 @@ class ColumnDoor:
         else:
             with self._mutex:  # the reader is not inside a take-in from here on
                 self._forwarding.clear()
+            self._last_forward = time.monotonic()
 
     def _read_while_forwarding(self) -> None:
         poller = select.poll()
         for fd in self.wake_fds():
             poller.register(fd, select.POLLIN)
         while not self._stop.is_set():
-            if not self._forwarding.wait(0.5):
+            # busy (a forward runs or ended within IDLE_S): a look every READ_GAP_S, or when a
+            # queued row's deadline passes (it leaves the queue then, as a ticket does, not at
+            # the next batch), at a forward's start or not; a wake-up a forward, as before,
+            # cost ~40 us of CPU each, and a look at each flush of each ingress process ~50 us
+            # a request (each takes the GIL from the forward). Idle: asleep until a forward.
+            if (not self._forwarding.is_set()
+                    and time.monotonic() - self._last_forward > self.IDLE_S):
+                self._forwarding.wait(self.IDLE_S)
                 continue
-            # the first look is READ_GAP_S into the forward, or when a queued row's deadline
-            # passes (it leaves the queue then, as a ticket does, not at the next batch); a
-            # forward shorter than that costs this thread one wake-up and no take-in (a look
-            # a flush of each ingress process cost ~50 us a request: each takes the GIL from
-            # the forward). Then a look a READ_GAP_S for as long as the forward lasts.
-            due = self.queue.next_deadline - time.monotonic()
-            self._stop.wait(max(0.0, min(self.READ_GAP_S, due)))
+            due = (self.queue.next_deadline - time.monotonic() if self._forwarding.is_set()
+                   else self.READ_GAP_S)  # between forwards the scheduler's thread expires
+            self._stop.wait(max(0.001, min(self.READ_GAP_S, due)))
             with self._mutex:
                 if self._stop.is_set() or not self._forwarding.is_set():
                     continue  # the scheduler's thread reads them now (its pipe bytes stay)
