@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from itif.backbones.spec import load_spec  # noqa: E402
-from itif.bench.daemon_probe import thread_cpu_seconds  # noqa: E402
+from itif.bench.daemon_probe import batch_figures, thread_cpu_seconds  # noqa: E402
 from itif.bench.serving import LoadGen, ServeDaemon, free_ports, write_checkpoints  # noqa: E402
 from itif.bench.workloads import parse_mix, poisson_arrivals  # noqa: E402
 
@@ -89,7 +89,9 @@ def measure(args) -> dict:
                     if fig0 and fig1:
                         rows_c = fig1["column_rows"] - fig0["column_rows"]
                         fwd = fig1["column_forward_cpu_s"] - fig0["column_forward_cpu_s"]
-                        col = dict(column_rows=int(rows_c),
+                        batches = batch_figures(fig0, fig1)  # per-batch costs: per-row / size
+                        col = dict(column_rows=int(rows_c), batches=batches.get("batches"),
+                                   mean_batch_size=batches.get("mean_batch_size"),
                                    forward_us_per_request=round(fwd / n * 1e6, 1),
                                    engine_extra_us_per_request=round(
                                        (main + other - fwd) / n * 1e6, 1))

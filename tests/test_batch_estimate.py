@@ -90,8 +90,9 @@ def test_scheduler_runs_the_short_part_of_a_split_batch_first():
 
 
 def test_the_non_negative_solve_is_the_best_of_every_subset_of_parts():
-    """The one-solve fast path (unconstrained solution non-negative) and the subset search
-    agree with a brute force over the 7 subsets, on problems of both kinds."""
+    """The one-solve fast path (the guessed free parts' solution meets the KKT conditions) and
+    the subset search agree with a brute force over the 7 subsets, on problems of both kinds
+    (the unconstrained solution non-negative or not) and for any guess."""
     from itertools import combinations
 
     from itif.scheduler.estimate import _nonneg_solve
@@ -114,4 +115,6 @@ def test_the_non_negative_solve_is_the_best_of_every_subset_of_parts():
                         best, best_f = theta, f
         kinds.add(bool((np.linalg.solve(a, b) >= 0).all()))
         np.testing.assert_allclose(_nonneg_solve(a, b), best, atol=1e-9)
+        for support in ((0,), (1, 2), (0, 2), (2,)):  # a guess of the free parts, right or not
+            np.testing.assert_allclose(_nonneg_solve(a, b, support), best, atol=1e-9)
     assert kinds == {True, False}

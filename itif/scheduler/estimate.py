@@ -20,7 +20,7 @@ holds its lock).
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 __all__ = ["BatchTimeEstimate"]
 
@@ -29,65 +29,109 @@ class BatchTimeEstimate:
     #: Prior before any batch ran: 1 ms fixed, 0.01 ms per token.
     PRIOR = (1.0, 0.0, 0.01)
     #: Feature scales: a request and a thousand tokens weigh about as much as the fixed part.
-    _SCALE = np.array((1.0, 1.0 / 16.0, 1.0 / 1000.0))
+    _SCALE = (1.0, 1.0 / 16.0, 1.0 / 1000.0)
 
     def __init__(self, forget: float = 0.98, prior_weight: float = 1e-3) -> None:
         if not 0.5 < forget <= 1.0:
             raise ValueError(f"forget must lie in (0.5, 1], got {forget}")
         self.forget = forget
-        self._ridge = prior_weight * np.eye(3)
-        self._prior = np.array(self.PRIOR) / self._SCALE  # in scaled features
-        self._a = np.zeros((3, 3))
-        self._b = np.zeros(3)
-        self._theta = self._prior.copy()
+        self._ridge = prior_weight
+        self._prior = [p / s for p, s in zip(self.PRIOR, self._SCALE)]  # in scaled features
+        # plain floats, not numpy: a 3x3 update and solve a batch is ~100 numpy calls' worth
+        # of overhead on the engine's thread, and a few microseconds as Python arithmetic
+        self._a = [[0.0] * 3 for _ in range(3)]
+        self._b = [0.0] * 3
+        self._theta = list(self._prior)
+        self._support = (0, 1, 2)  # the parts the last solution left free
         self.observed = 0
 
-    def _x(self, n: int, tokens: int) -> np.ndarray:
-        return np.array((1.0, float(n), float(tokens))) * self._SCALE
+    def _x(self, n: int, tokens: int) -> tuple[float, float, float]:
+        s = self._SCALE
+        return s[0], n * s[1], tokens * s[2]
 
     def __call__(self, n: int, tokens: int) -> float:
         """Predicted ms of a batch of ``n`` requests and ``tokens`` tokens."""
-        return max(0.0, float(self._x(n, tokens) @ self._theta))
+        x, t = self._x(n, tokens), self._theta
+        return max(0.0, x[0] * t[0] + x[1] * t[1] + x[2] * t[2])
 
     def observe(self, n: int, tokens: int, ms: float) -> None:
         """Fold in one measured batch."""
-        if n < 1 or tokens < 0 or not np.isfinite(ms) or ms < 0:
+        if n < 1 or tokens < 0 or not math.isfinite(ms) or ms < 0:
             return
-        x = self._x(n, tokens)
-        self._a = self.forget * self._a + np.outer(x, x)
-        self._b = self.forget * self._b + x * ms
-        self._theta = _nonneg_solve(self._a + self._ridge, self._b + self._ridge @ self._prior)
+        x, f, r = self._x(n, tokens), self.forget, self._ridge
+        for i in range(3):
+            row = self._a[i]
+            for j in range(3):
+                row[j] = f * row[j] + x[i] * x[j]
+            self._b[i] = f * self._b[i] + x[i] * ms
+        a = [[v + (r if i == j else 0.0) for j, v in enumerate(row)]
+             for i, row in enumerate(self._a)]
+        b = [v + r * p for v, p in zip(self._b, self._prior)]
+        self._theta = _nonneg_solve(a, b, self._support)
+        self._support = tuple(i for i in range(3) if self._theta[i] > 0) or (0, 1, 2)
         self.observed += 1
 
     @property
     def parts(self) -> dict[str, float]:
-        fixed, per_request, per_token = (float(v) for v in self._theta * self._SCALE)
+        fixed, per_request, per_token = (t * s for t, s in zip(self._theta, self._SCALE))
         return {"fixed_ms": fixed, "per_request_ms": per_request, "per_token_ms": per_token}
 
 
-def _nonneg_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin over theta >= 0 of theta' a theta - 2 b' theta (``a`` positive definite): the
-    unconstrained solution when it is non-negative (then it is the constrained one too: the
-    usual case, one solve a batch), else that of the best subset of free parts, the others
-    held at zero."""
-    full = np.linalg.solve(a, b)
-    if (full >= 0).all():
-        return full
-    best, best_f = np.zeros(3), 0.0
+def _nonneg_solve(a, b, support: tuple[int, ...] = (0, 1, 2)) -> list[float]:
+    """argmin over theta >= 0 of theta' a theta - 2 b' theta (``a`` 3x3 positive definite,
+    nested sequences or an array).
+
+    First the parts of ``support`` free, the others held at zero (the last batch's solution's
+    parts: it drifts slowly, so this is one solve a batch): that is the answer when it is
+    non-negative and the held parts' gradients are too (the problem is convex, so these KKT
+    conditions are enough). Else the best over every subset of free parts."""
+    a = [[float(v) for v in row] for row in a]
+    b = [float(v) for v in b]
+    theta = _on(support, _solve(a, b, support)) if support else [0.0, 0.0, 0.0]
+    if min(theta) >= 0 and all(
+            sum(a[i][j] * theta[j] for j in range(3)) - b[i] >= -1e-12 * (1.0 + abs(b[i]))
+            for i in range(3) if i not in support):
+        return theta
+    best, best_f = [0.0, 0.0, 0.0], 0.0
     for idx in _SUBSETS:
-        sub = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
-        if (sub < 0).any():
+        sub = _solve(a, b, idx)
+        if min(sub) < 0:
             continue
-        theta = np.zeros(3)
-        theta[idx] = sub
-        f = float(theta @ a @ theta - 2 * b @ theta)
+        theta = _on(idx, sub)
+        f = sum(theta[i] * a[i][j] * theta[j] for i in range(3) for j in range(3)) \
+            - 2 * sum(bi * ti for bi, ti in zip(b, theta))
         if f < best_f:
             best, best_f = theta, f
     return best
 
 
-#: The proper subsets of the three parts (the full set is tried first).
-_SUBSETS = [[i for i in range(3) if mask >> i & 1] for mask in range(1, 7)]
+def _on(idx: tuple[int, ...], values: list[float]) -> list[float]:
+    """The 3 parts with ``values`` at ``idx`` and zero elsewhere."""
+    theta = [0.0, 0.0, 0.0]
+    for i, v in zip(idx, values):
+        theta[i] = v
+    return theta
+
+
+def _solve(a: list[list[float]], b: list[float], idx: tuple[int, ...]) -> list[float]:
+    """The solution of ``a[idx, idx] x = b[idx]`` by Gaussian elimination with partial pivots."""
+    m = [[a[i][j] for j in idx] + [b[i]] for i in idx]
+    k = len(idx)
+    for c in range(k):
+        p = max(range(c, k), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, k):
+            q = m[r][c] / m[c][c]
+            for j in range(c, k + 1):
+                m[r][j] -= q * m[c][j]
+    x = [0.0] * k
+    for r in range(k - 1, -1, -1):
+        x[r] = (m[r][k] - sum(m[r][j] * x[j] for j in range(r + 1, k))) / m[r][r]
+    return x
+
+
+#: Every non-empty subset of the three parts.
+_SUBSETS = [tuple(i for i in range(3) if mask >> i & 1) for mask in range(1, 8)]
 
 
 def split_for_latency(tokens: list[int], estimate, max_loss: float = 0.05) -> int | None:
