@@ -47,7 +47,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from itif import platform
 from itif.daemon import Daemon, State
-from itif.tenant_series import SeriesCollector, TenantCounter, TenantHistogram
+from itif.tenant_series import (
+    BatchCounter,
+    BatchHistogram,
+    ColumnSeries,
+    TenantCounter,
+    TenantHistogram,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from itif.requests import Request, Result
@@ -195,27 +201,30 @@ class Metrics:
         self.http_seconds = Histogram(
             "itif_http_request_duration_seconds", "HTTP request duration in the server",
             ("api", "method"), buckets=_LATENCY_BUCKETS, registry=r)
-        self.column_rows = Counter("itif_column_rows", "Rows the column path ran (ingress "
-                                   "processes' Infer calls, itif.server.column_door)", registry=r)
-        self.column_forward_cpu = Counter(
-            "itif_column_forward_cpu_seconds", "CPU of the column path's forwards (its thread's; "
-            "the daemon's CPU beyond it is its per-call overhead)", registry=r)
-        self.rows = TenantCounter(
-            "itif_inference_rows", "Inference rows (one input of a call) that left the queue, by "
-            "tenant and outcome", "code", [c.name for c in grpc.StatusCode])
-        self.queue_seconds = TenantHistogram(
-            "itif_queue_seconds", "Time a row waited in its tenant's queue", _LATENCY_BUCKETS)
-        self.compute_seconds = TenantHistogram(
-            "itif_compute_seconds", "Time from a row's batch start to its result",
-            _LATENCY_BUCKETS)
-        r.register(SeriesCollector((self.rows, self.queue_seconds, self.compute_seconds)))
-        self.batch_size = Histogram(
-            "itif_batch_size", "Requests per fused batch", buckets=_SIZE_BUCKETS, registry=r)
-        self.batch_tokens = Histogram(
-            "itif_batch_tokens", "Real tokens per fused batch", buckets=_TOKEN_BUCKETS, registry=r)
-        self.batch_padding = Histogram(
-            "itif_batch_padding_ratio", "Padded rows / computed rows of a fused batch",
-            buckets=_RATIO_BUCKETS, registry=r)
+        # the series the column path feeds: a batch is one append, folded at the scrape
+        self.columns = ColumnSeries(
+            column_rows=BatchCounter("itif_column_rows", "Rows the column path ran (ingress "
+                                     "processes' Infer calls, itif.server.column_door)"),
+            column_forward_cpu=BatchCounter(
+                "itif_column_forward_cpu_seconds", "CPU of the column path's forwards (its "
+                "thread's; the daemon's CPU beyond it is its per-call overhead)"),
+            rows=TenantCounter(
+                "itif_inference_rows", "Inference rows (one input of a call) that left the "
+                "queue, by tenant and outcome", "code", [c.name for c in grpc.StatusCode]),
+            queue_seconds=TenantHistogram(
+                "itif_queue_seconds", "Time a row waited in its tenant's queue",
+                _LATENCY_BUCKETS),
+            compute_seconds=TenantHistogram(
+                "itif_compute_seconds", "Time from a row's batch start to its result",
+                _LATENCY_BUCKETS),
+            batch_size=BatchHistogram("itif_batch_size", "Requests per fused batch",
+                                      _SIZE_BUCKETS),
+            batch_tokens=BatchHistogram("itif_batch_tokens", "Real tokens per fused batch",
+                                        _TOKEN_BUCKETS),
+            batch_padding=BatchHistogram(
+                "itif_batch_padding_ratio", "Padded rows / computed rows of a fused batch",
+                _RATIO_BUCKETS))
+        r.register(self.columns)
         # Generate (a decoder daemon), fed by ``itif.server.generate``; tokens/s per tenant is
         # rate(itif_generated_tokens_total)
         self.first_token_seconds = Histogram(
@@ -304,8 +313,7 @@ class Metrics:
                 self._children.pop(key, None)
         with self._lock:
             self._stats.pop(tenant, None)
-        for series in (self.rows, self.queue_seconds, self.compute_seconds):
-            series.remove(tenant)
+        self.columns.remove_tenant(tenant)
         for m in self._per_tenant():
             remove = getattr(m, "remove_by_labels", None)  # prometheus-client >= 0.24
             if remove is not None:
@@ -337,15 +345,7 @@ class Metrics:
         rows are: ``tenant`` a table index a row (``names``: the table), ``queued_s`` each
         row's wait, ``compute_s`` the batch's time, ``computed_rows`` the token rows its
         forward computed (``tokens`` and padding)."""
-        self.batch_size.observe(tenant.size)
-        self.batch_tokens.observe(tokens)
-        if computed_rows:
-            self.batch_padding.observe((computed_rows - tokens) / computed_rows)
-        self.column_rows.inc(tenant.size)
-        self.column_forward_cpu.inc(forward_cpu_s)
-        self.rows.inc_rows(self.rows.rows_of(names)[tenant], "OK")  # each series its own rows
-        self.queue_seconds.observe_rows(self.queue_seconds.rows_of(names)[tenant], queued_s)
-        self.compute_seconds.observe_rows(self.compute_seconds.rows_of(names)[tenant], compute_s)
+        self.columns.log(names, tenant, queued_s, compute_s, tokens, forward_cpu_s, computed_rows)
 
     def observe_http(self, tenant: str, api: str, method: str, status: int,
                      seconds: float) -> None:
@@ -378,11 +378,11 @@ class Metrics:
     def _row_done(self, call: _CallWatch, t: SchedulerTicket) -> None:
         err = t.exception(0)
         code = "OK" if err is None else getattr(err, "code", "INTERNAL")
-        self.rows.inc(call.tenant, code)
-        self.queue_seconds.observe(call.tenant, t.queued_ms / 1000.0)
+        self.columns.rows.inc(call.tenant, code)
+        self.columns.queue_seconds.observe(call.tenant, t.queued_ms / 1000.0)
         compute = t.compute_ms
         if compute is not None:
-            self.compute_seconds.observe(call.tenant, compute / 1000.0)
+            self.columns.compute_seconds.observe(call.tenant, compute / 1000.0)
         with self._lock:
             call.left -= 1
             if call.left:
@@ -435,11 +435,11 @@ class Metrics:
         return run
 
     def observe_batch(self, requests: Sequence[Request], layout: Any) -> None:
-        self.batch_size.observe(len(requests))
+        self.columns.batch_size.observe(len(requests))
         if layout is not None:
             rows, useful = int(layout.total_rows), int(layout.useful_tokens)
-            self.batch_tokens.observe(useful)
-            self.batch_padding.observe((rows - useful) / rows if rows else 0.0)
+            self.columns.batch_tokens.observe(useful)
+            self.columns.batch_padding.observe((rows - useful) / rows if rows else 0.0)
         with self._lock:
             for tenant in {r.tenant for r in requests}:
                 s = self._stats.get(tenant, TenantCallStats())

@@ -1,5 +1,5 @@
-"""itif.tenant_series: per-tenant series counted in bulk export what prometheus_client's own
-Histogram and Counter export for the same observations."""
+"""itif.tenant_series: series counted in bulk (and the column path's logged batches) export
+what prometheus_client's own Histogram and Counter export for the same observations."""
 
 from __future__ import annotations
 
@@ -7,7 +7,13 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.exposition import generate_latest
 
-from itif.tenant_series import SeriesCollector, TenantCounter, TenantHistogram
+from itif.tenant_series import (
+    BatchCounter,
+    BatchHistogram,
+    ColumnSeries,
+    TenantCounter,
+    TenantHistogram,
+)
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 CODES = ("OK", "NOT_FOUND", "UNKNOWN")
@@ -25,13 +31,20 @@ def _pair():
     c = Counter("x_rows", "doc", ("tenant", "code"), registry=ref)
     th = TenantHistogram("x_seconds", "doc", BUCKETS)
     tc = TenantCounter("x_rows", "doc", "code", CODES)
-    mine.register(SeriesCollector((th, tc)))
+    mine.register(_Collector(th, tc))
     return ref, mine, h, c, th, tc
+
+
+class _Collector:
+    def __init__(self, *series):
+        self.series = series
+
+    def collect(self):
+        return [s.family() for s in self.series]
 
 
 def test_bulk_and_single_observations_export_as_prometheus_client_does():
     ref, mine, h, c, th, tc = _pair()
-    th.FOLD_EVERY = tc.FOLD_EVERY = 2  # folds between batches and at the scrape
     rng = np.random.default_rng(0)
     names = [f"t{i}" for i in range(20)]  # more than the first allocation of rows
     for _ in range(5):  # batches: a table index a row, one value a row
@@ -76,3 +89,56 @@ def test_an_outcome_outside_the_set_counts_as_the_catch_all():
     _, mine, _, _, _, tc = _pair()
     tc.inc("a", "NOT_A_CODE")
     assert 'x_rows_total{code="UNKNOWN",tenant="a"} 1.0' in _lines(mine)
+
+
+def test_logged_column_batches_export_as_prometheus_client_does_when_observed_one_by_one():
+    """ColumnSeries.log, folded every 3 batches and at the scrape, against the same
+    observations made row by row on prometheus_client's series (as the ticket path does)."""
+    disable_created_metrics()
+    ref, mine = CollectorRegistry(), CollectorRegistry()
+    h = {k: Histogram(f"c_{k}", "doc", ("tenant",), buckets=BUCKETS, registry=ref)
+         for k in ("queue", "compute")}
+    rows = Counter("c_rows", "doc", ("tenant", "code"), registry=ref)
+    size = Histogram("c_size", "doc", buckets=(1, 4, 16), registry=ref)
+    toks = Histogram("c_tokens", "doc", buckets=(16, 256), registry=ref)
+    pad = Histogram("c_pad", "doc", buckets=(0.0, 0.5, 1.0), registry=ref)
+    n_rows, cpu = Counter("c_col_rows", "doc", registry=ref), Counter("c_cpu", "doc", registry=ref)
+    cs = ColumnSeries(
+        rows=TenantCounter("c_rows", "doc", "code", CODES),
+        queue_seconds=TenantHistogram("c_queue", "doc", BUCKETS),
+        compute_seconds=TenantHistogram("c_compute", "doc", BUCKETS),
+        batch_size=BatchHistogram("c_size", "doc", (1, 4, 16)),
+        batch_tokens=BatchHistogram("c_tokens", "doc", (16, 256)),
+        batch_padding=BatchHistogram("c_pad", "doc", (0.0, 0.5, 1.0)),
+        column_rows=BatchCounter("c_col_rows", "doc"),
+        column_forward_cpu=BatchCounter("c_cpu", "doc"))
+    cs.FOLD_EVERY = 3
+    mine.register(cs)
+    rng = np.random.default_rng(1)
+    names = ["a", "b", "c"]
+    for k in range(8):
+        if k == 4:
+            names.append("d")  # the table grew: its row map is computed again
+        n = int(rng.integers(1, 20))
+        tenant = rng.integers(0, len(names), n)
+        queued = rng.exponential(0.02, n)
+        compute, tokens, computed = float(rng.exponential(0.01)), 30 * n, 40 * n * (k % 2)
+        cs.log(names, tenant, queued, compute, tokens, 0.125 * k, computed)  # exact sums
+        for t, q in zip(tenant.tolist(), queued.tolist()):
+            rows.labels(names[t], "OK").inc()
+            h["queue"].labels(names[t]).observe(q)
+            h["compute"].labels(names[t]).observe(compute)
+        size.observe(n)
+        toks.observe(tokens)
+        if computed:
+            pad.observe((computed - tokens) / computed)
+        n_rows.inc(n)
+        cpu.inc(0.125 * k)
+    cs.rows.inc("a", "NOT_FOUND")  # the ticket path's, one at a time, into the same series
+    rows.labels("a", "NOT_FOUND").inc()
+    cs.batch_size.observe(2)
+    size.observe(2)
+    got, want = _lines(mine), _lines(ref)
+    assert got == want
+    cs.remove_tenant("b")
+    assert not any('tenant="b"' in line for line in _lines(mine))
