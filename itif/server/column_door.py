@@ -71,7 +71,7 @@ class ColumnDoor:
     parts when larger).
     """
 
-    READ_GAP_S = 0.005
+    READ_GAP_S = 0.015
     IDLE_S = 0.5
 
     def __init__(self, frontends: int, *, slots: int = 16, arrival_slot_bytes: int = 1 << 20,
