@@ -179,6 +179,8 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
                     2.5, 5.0, 10.0, 30.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+#: itif_inference_rows' outcomes: the gRPC status codes, UNKNOWN last (any other counts as it)
+_CODES = [c.name for c in grpc.StatusCode if c.name != "UNKNOWN"] + ["UNKNOWN"]
 _RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -201,8 +203,7 @@ class Metrics:
         self.http_seconds = Histogram(
             "itif_http_request_duration_seconds", "HTTP request duration in the server",
             ("api", "method"), buckets=_LATENCY_BUCKETS, registry=r)
-        # the series the column path feeds: a batch is one append, folded at the scrape
-        self.columns = ColumnSeries(
+        self.columns = ColumnSeries(  # what a column batch feeds: one append, folded later
             column_rows=BatchCounter("itif_column_rows", "Rows the column path ran (ingress "
                                      "processes' Infer calls, itif.server.column_door)"),
             column_forward_cpu=BatchCounter(
@@ -210,7 +211,7 @@ class Metrics:
                 "thread's; the daemon's CPU beyond it is its per-call overhead)"),
             rows=TenantCounter(
                 "itif_inference_rows", "Inference rows (one input of a call) that left the "
-                "queue, by tenant and outcome", "code", [c.name for c in grpc.StatusCode]),
+                "queue, by tenant and outcome", "code", _CODES),
             queue_seconds=TenantHistogram(
                 "itif_queue_seconds", "Time a row waited in its tenant's queue",
                 _LATENCY_BUCKETS),

@@ -142,3 +142,14 @@ def test_logged_column_batches_export_as_prometheus_client_does_when_observed_on
     assert got == want
     cs.remove_tenant("b")
     assert not any('tenant="b"' in line for line in _lines(mine))
+
+
+def test_the_daemons_row_outcomes_are_the_grpc_codes_with_unknown_as_the_catch_all():
+    import grpc
+
+    from itif.metrics import Metrics
+
+    rows = Metrics(None, nvml=None).columns.rows
+    assert set(rows.values) == {c.name for c in grpc.StatusCode}
+    assert rows.values[rows.column("NOT_A_CODE")] == "UNKNOWN"
+    assert rows.values[rows.column("RESOURCE_EXHAUSTED")] == "RESOURCE_EXHAUSTED"
