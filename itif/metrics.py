@@ -412,23 +412,14 @@ class Metrics:
                                            **new)
 
     def run_batch(self, engine: Engine) -> Callable[[list[Request]], list[Result]]:
-        """A ``run_batch`` for the scheduler: ``engine.infer`` plus batch metrics. The batch's
-        Layout (for the padding ratio) is caught on its way out of ``engine.plan``."""
-        local = threading.local()
-        plan = engine.plan
-
-        def planned(*args, **kwargs):
-            layout = plan(*args, **kwargs)
-            local.layout = layout
-            return layout
-
-        engine.plan = planned  # instance attribute: only this engine, only this daemon
+        """A ``run_batch`` for the scheduler: ``engine.infer`` plus batch metrics (the padding
+        ratio from the batch's Layout, which ``infer`` hands to ``on_plan``)."""
 
         def run(requests: list[Request]) -> list[Result]:
-            local.layout = None
-            results = engine.infer(requests)
+            layouts: list = []
+            results = engine.infer(requests, on_plan=layouts.append)
             try:
-                self.observe_batch(requests, getattr(local, "layout", None))
+                self.observe_batch(requests, layouts[0] if layouts else None)
             except Exception:  # metrics never fail a batch
                 log.exception("batch metrics failed")
             return results

@@ -31,10 +31,10 @@ class DaemonObserver(Protocol):
         (``first``) or after its previous tokens."""
 
     def observe_column_batch(self, names, tenant, queued_s, compute_s: float, tokens: int,
-                             forward_cpu_s: float) -> None:
+                             forward_cpu_s: float, computed_rows: int = 0) -> None:
         """The column path answered a batch: a row's tenant as an index into ``names``, each
-        row's wait ``queued_s``, the batch's time ``compute_s`` and ``tokens``, and its
-        forward's ``forward_cpu_s`` CPU seconds."""
+        row's wait ``queued_s``, the batch's time ``compute_s`` and ``tokens``, its forward's
+        ``forward_cpu_s`` CPU seconds and ``computed_rows`` token rows (padding included)."""
 
     def forget_tenant(self, tenant: str) -> None:
         """``tenant`` left the configuration and its calls have finished: drop what is kept

@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -327,14 +327,18 @@ class Engine(ColumnsMixin):
         return self.store.weight_bytes
 
     # ---- inference -------------------------------------------------------------------------
-    def infer(self, requests: Sequence[Request], strategy: str | None = None) -> list[Result]:
-        """Run every request in one fused forward; results in request order."""
+    def infer(self, requests: Sequence[Request], strategy: str | None = None, *,
+              on_plan: Callable[[Layout], None] | None = None) -> list[Result]:
+        """Run every request in one fused forward; results in request order. ``on_plan`` is
+        called with the batch's Layout once planned (the daemon's metrics read its padding)."""
         if not requests:
             return []
         with self.store.read() as view:
             tenants = self.batch_tenants(view, [r.tenant for r in requests])
             inputs = self._validate(requests, tenants, view, pin=self.device.type == "cuda")
             layout = self.plan(inputs.tenant_idx, inputs.lengths, strategy)
+            if on_plan is not None:
+                on_plan(layout)
             out = self._run(view, tenants, layout, inputs)
             # which weights each result is of: this view's, whatever was uploaded since
             tags = {t: view.tenants[t].tag for t in tenants}
