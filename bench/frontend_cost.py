@@ -18,9 +18,10 @@ the serving mix (lengths 2-100, zipf 1.2 popularity) at a rate below saturation,
 CPU time of each daemon thread from ``/proc`` before and after. ``main_thread_us_per_request``
 is the event-loop thread's (with ``--ingress N``, N other processes serve gRPC and this thread
 runs the calls' own Python; with 0 it runs gRPC too); ``other_threads_us_per_request`` is every
-other thread's, the scheduler and torch's compute among them. Run it from two checkouts to
-compare code: ``PYTHONPATH=<checkout> python <checkout>/bench/frontend_cost.py``. Linux only
-(``/proc``); needs no GPU.
+other thread's, the scheduler and torch's compute among them; ``threads_us_per_request`` splits
+the whole by thread name (``itif-scheduler``, ``itif-columns``...: ``itif.threadnames``). Run
+it from two checkouts to compare code: ``PYTHONPATH=<checkout> python
+<checkout>/bench/frontend_cost.py``. Linux only (``/proc``); needs no GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from itif.backbones.spec import load_spec  # noqa: E402
-from itif.bench.daemon_probe import batch_figures, thread_cpu_seconds  # noqa: E402
+from itif.bench.daemon_probe import (  # noqa: E402
+    batch_figures,
+    thread_cpu_by_name,
+    thread_cpu_seconds,
+)
 from itif.bench.serving import LoadGen, ServeDaemon, free_ports, write_checkpoints  # noqa: E402
 from itif.bench.workloads import parse_mix, poisson_arrivals  # noqa: E402
 
@@ -95,11 +100,14 @@ def measure(args) -> dict:
                                    forward_us_per_request=round(fwd / n * 1e6, 1),
                                    engine_extra_us_per_request=round(
                                        (main + other - fwd) / n * 1e6, 1))
+                    by_name = {k: round(v / n * 1e6, 1) for k, v in sorted(
+                        thread_cpu_by_name(pid, before, after).items()) if v > 0}
                     rows.append(dict(repeat=rep, rate_rps=args.rate, sent=len(reqs),
                                      completed=res["completed"], errors=res["errors"],
                                      throughput_rps=res["throughput_rps"], p99_ms=res["p99_ms"],
                                      main_thread_us_per_request=round(main / n * 1e6, 1),
                                      other_threads_us_per_request=round(other / n * 1e6, 1),
+                                     threads_us_per_request=by_name,
                                      **col))
                     print(f"rate {args.rate:g}: {res['throughput_rps']:.0f} req/s, main thread "
                           f"{rows[-1]['main_thread_us_per_request']:.0f} us a request, other "

@@ -28,3 +28,5 @@ def test_reports_the_event_loop_threads_cpu_per_answered_call(tmp_path):
     # of each call's share of the wall time
     assert 0 < row["main_thread_us_per_request"] < 1e6 / row["throughput_rps"] * 1.5
     assert doc["median_main_thread_us_per_request"] == row["main_thread_us_per_request"]
+    # the CPU by thread name: the scheduler's thread is named in the OS and works every batch
+    assert row["threads_us_per_request"]["itif-scheduler"] > 0

@@ -48,6 +48,24 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def thread_cpu_by_name(pid: int, before: dict[int, float], after: dict[int, float]
+                       ) -> dict[str, float]:
+    """CPU seconds each thread name of process ``pid`` spent between two
+    :func:`thread_cpu_seconds` readings (its OS name: ``itif.threadnames``; the process's own
+    thread is ``main``; threads of one name summed; names of threads gone by now: ``?``)."""
+    out: dict[str, float] = {}
+    for tid, cpu in after.items():
+        if tid == pid:
+            name = "main"
+        else:
+            try:
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            except OSError:
+                name = "?"
+        out[name] = out.get(name, 0.0) + cpu - before.get(tid, 0.0)
+    return out
+
+
 _FIGURES = {  # figure -> (metric sample, label that must match, or None: summed over all)
     "batches": ("itif_batch_size_count", None),
     "batch_rows": ("itif_batch_size_sum", None),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from itif import threadnames
 from itif.config.parse import decode, parse_config
 from itif.config.schema import Config
 from itif.errors import InvalidConfig
@@ -129,6 +130,7 @@ class ConfigWatcher:
     # -- internals ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        threadnames.adopt()
         while not self._stop_event.wait(self._poll_s):
             try:
                 self._poll_once()

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from itif import threadnames
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import InvalidRequest, ItifError, TenantNotFound, Unavailable, shown
 from itif.generation import decoder_lora, deltas, streams
@@ -423,6 +424,7 @@ class GenEngine(StepParts):
 
     # ---- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        threadnames.adopt()
         while True:
             with self._cv:
                 while (not self._stop and not self._waiting and not self._resume

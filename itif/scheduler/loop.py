@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
+from itif import threadnames
 from itif.config.fields import check
 from itif.config.schema import SchedulerConfig
 from itif.errors import (
@@ -206,8 +207,7 @@ class Scheduler:
 
     @property
     def in_batch(self) -> bool:
-        """Whether a batch is running now (read without the lock: a hint; the weight tiers'
-        loader waits for the gaps between batches)."""
+        """Whether a batch runs now (a lockless hint: the tiers' loader waits for the gaps)."""
         return bool(self._inflight)
 
     @property
@@ -367,8 +367,7 @@ class Scheduler:
         return True
 
     def expire(self, t: SchedulerTicket) -> None:
-        """Fail a queued ticket whose deadline passed (a waiter in ``SchedulerTicket.result``
-        saw it)."""
+        """Fail a queued ticket whose deadline passed (``SchedulerTicket.result`` saw it)."""
         with self._lock:
             if t.state != QUEUED:
                 return
@@ -446,6 +445,7 @@ class Scheduler:
                 self._wakeup.sleep(timeout, self._columns)
 
     def _loop(self) -> None:
+        threadnames.adopt()
         try:
             self._serve()
         finally:

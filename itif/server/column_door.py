@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from itif import threadnames
 from itif.daemon_state import State
 from itif.errors import ItifError, TenantNotFound, clip
 from itif.hostpath.colqueue import ColumnQueue
@@ -192,6 +193,7 @@ class ColumnDoor:
             self._last_forward = time.monotonic()
 
     def _read_while_forwarding(self) -> None:
+        threadnames.adopt()
         poller = select.poll()
         for fd in self.wake_fds():
             poller.register(fd, select.POLLIN)

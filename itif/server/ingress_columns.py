@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from itif import threadnames
 from itif.errors import Busy, InvalidRequest, clip
 from itif.hostpath.columns import STATUS, Arrivals, Results
 from itif.hostpath.ring import Consumer, Producer
@@ -340,6 +341,7 @@ class ColumnClient:
     # ---- results -------------------------------------------------------------------------
     def _read(self) -> None:
         """The results ring, copied out and handed to the event loop: one hand-over a wake-up."""
+        threadnames.adopt()
         while not self._closed:
             if not self.results.wait(0.5):
                 continue

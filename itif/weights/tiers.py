@@ -55,6 +55,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from itif import threadnames
 from itif.backbones.hf import CanonicalWeights
 from itif.errors import ItifError, Overloaded, TenantNotFound, Unavailable, shown
 from itif.weights.store import Digests
@@ -351,6 +352,7 @@ class TierManager:
                 log.exception("on_failed(%s) raised", tenant)
 
     def _loader(self) -> None:
+        threadnames.adopt()
         while True:
             with self._lock:
                 while not self._queue and not self._stop:

@@ -1,0 +1,29 @@
+"""itif.threadnames: a thread's Python name becomes its OS name (what /proc, top -H and the
+frontend-cost bench's CPU by thread read)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from itif import threadnames
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux's")
+def test_a_thread_takes_its_python_name_cut_to_15_bytes():
+    got = {}
+
+    def body():
+        tid = threading.get_native_id()
+        comm = Path(f"/proc/self/task/{tid}/comm")
+        got["before"] = comm.read_text().strip()
+        got["ok"] = threadnames.adopt()
+        got["after"] = comm.read_text().strip()
+
+    t = threading.Thread(target=body, name="itif-a-long-thread-name")
+    t.start()
+    t.join()
+    assert got["ok"] and got["after"] == "itif-a-long-thr" != got["before"]
