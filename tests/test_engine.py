@@ -271,3 +271,30 @@ def test_a_result_names_the_weights_that_produced_it_across_a_replacement():
     assert during.weights == "sha-old" and max_diff(during, reference(old, req)) < 1e-4
     (after,) = eng.infer([req])
     assert after.weights == "sha-new" and max_diff(after, reference(new, req)) < 1e-4
+
+
+def test_a_given_layout_runs_instead_of_planning_and_on_plan_sees_the_batchs(hf_factory,
+                                                                          monkeypatch):
+    """``infer(layout=)`` (the calibration's timed layouts) runs that plan, never ``plan``;
+    ``on_plan`` (the daemon's padding metric) receives the layout the batch ran, planned or
+    given; outputs equal Hugging Face's either way."""
+    models = {f"g{i}": hf_factory("bert-tiny", 2, seed=40 + i) for i in range(2)}
+    eng = _engine_with("bert-tiny", models)
+    rng = np.random.default_rng(7)
+    requests = [random_request(eng.spec, f"g{i % 2}", rng) for i in range(5)]
+    seen = []
+    planned = _check_on_plan(eng, models, requests, seen)
+    monkeypatch.setattr(eng, "plan", lambda *a, **k: pytest.fail("planned despite a layout"))
+    again = eng.infer(requests, layout=planned, on_plan=seen.append)
+    assert seen == [planned, planned]
+    for res, req in zip(again, requests):
+        assert max_diff(res, reference(models[req.tenant], req)) <= TOL
+
+
+def _check_on_plan(eng, models, requests, seen):
+    results = eng.infer(requests, on_plan=seen.append)
+    (layout,) = seen
+    assert layout.total_rows >= sum(len(r.input_ids) for r in requests)
+    for res, req in zip(results, requests):
+        assert max_diff(res, reference(models[req.tenant], req)) <= TOL
+    return layout

@@ -328,15 +328,19 @@ class Engine(ColumnsMixin):
 
     # ---- inference -------------------------------------------------------------------------
     def infer(self, requests: Sequence[Request], strategy: str | None = None, *,
-              on_plan: Callable[[Layout], None] | None = None) -> list[Result]:
+              on_plan: Callable[[Layout], None] | None = None,
+              layout: Layout | None = None) -> list[Result]:
         """Run every request in one fused forward; results in request order. ``on_plan`` is
-        called with the batch's Layout once planned (the daemon's metrics read its padding)."""
+        called with the batch's Layout once planned (the daemon's metrics read its padding);
+        ``layout``, a plan of these very requests, runs instead of planning (the calibration
+        times given layouts)."""
         if not requests:
             return []
         with self.store.read() as view:
             tenants = self.batch_tenants(view, [r.tenant for r in requests])
             inputs = self._validate(requests, tenants, view, pin=self.device.type == "cuda")
-            layout = self.plan(inputs.tenant_idx, inputs.lengths, strategy)
+            if layout is None:
+                layout = self.plan(inputs.tenant_idx, inputs.lengths, strategy)
             if on_plan is not None:
                 on_plan(layout)
             out = self._run(view, tenants, layout, inputs)
