@@ -604,8 +604,11 @@ def test_http_calls_go_through_admission(tmp_path):
             assert c.post("/v2/models/u1/infer", json=infer).status_code == 401  # nor no token
 
             held2 = _Held(http, "/v2/models/u2/infer", tokens["u2"], infer)  # the server's 2nd
+            # a wait of its own: the steps above took most of a 20 s budget once in CI
+            began, deadline = time.monotonic(), time.monotonic() + 20
             while (r := call("u3")).status_code != 429:
-                assert r.status_code == 400 and time.monotonic() < deadline, r.text
+                assert r.status_code == 400 and time.monotonic() < deadline, (
+                    r.text, f"u2's held call not counted after {time.monotonic() - began:.1f} s")
                 time.sleep(0.05)
             assert "server.max_inflight_calls" in r.json()["error"]
 
