@@ -83,7 +83,7 @@ _TENANT_COLS = (("weight", np.float64), ("max_queue", np.int64), ("max_seq_len",
                 ("rejected", np.int64), ("expired", np.int64), ("taken", np.int64),
                 ("tokens_run", np.int64))
 # the ufuncs' own reductions: a fraction of what the ndarray methods (.min(), .all()) cost
-_MIN, _MAX, _COUNT = np.minimum.reduce, np.maximum.reduce, np.count_nonzero
+_MIN, _MAX, _ADD, _COUNT = np.minimum.reduce, np.maximum.reduce, np.add.reduce, np.count_nonzero
 _CUMSUM = np.add.accumulate
 
 
@@ -457,8 +457,13 @@ class ColumnQueue:
             chosen = pick  # everything fits
         else:
             chosen = self._budget(pick, t, lengths, max_tokens, max_rows)
-        chosen = _trim_tail(chosen, t, lengths, start_tag, cost)
-        got, tc, lc = rows[chosen], t[chosen], lengths[chosen]
+        tc, lc = t[chosen], lengths[chosen]
+        # a tail can run ahead only when its tenant holds over half the batch's tokens
+        if 2 * int(_ADD(lc, where=tc == tc[-1])) > int(_ADD(lc)):
+            kept = _trim_tail(chosen, t, lengths, start_tag, cost)
+            if kept.size < chosen.size:
+                chosen, tc, lc = kept, tc[: kept.size], lc[: kept.size]
+        got = rows[chosen]
         self.vtime = max(self.vtime, float(start_tag[chosen[-1]]))
         self.tag += np.bincount(tc, cost[chosen], T)
         n_t = np.bincount(tc, minlength=T)

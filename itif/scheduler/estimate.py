@@ -15,8 +15,8 @@ batches whose requests all have one length, still give a sane split), with every
 non-negative (a negative part would predict that adding work saves time): the decayed normal
 equations are 3x3, and the non-negative solution is the best of the 7 subsets of parts (tried
 first on the last solution's free parts, which nearly always holds). Before the first run it
-answers with the prior. O(1) per update, in plain floats (~14 us: it runs on the engine's thread
-once a batch); not thread-safe (the scheduler holds its lock).
+answers with the prior. O(1) per update, in plain floats and closed-form solves (a few microseconds:
+it runs on the engine's thread once a batch); not thread-safe (the scheduler holds its lock).
 """
 
 from __future__ import annotations
@@ -60,15 +60,18 @@ class BatchTimeEstimate:
         if n < 1 or tokens < 0 or not math.isfinite(ms) or ms < 0:
             return
         x, f, r = self._x(n, tokens), self.forget, self._ridge
+        a, b = self._a, self._b
         for i in range(3):
-            row = self._a[i]
-            for j in range(3):
-                row[j] = f * row[j] + x[i] * x[j]
-            self._b[i] = f * self._b[i] + x[i] * ms
-        a = [[v + (r if i == j else 0.0) for j, v in enumerate(row)]
-             for i, row in enumerate(self._a)]
-        b = [v + r * p for v, p in zip(self._b, self._prior)]
-        self._theta = _nonneg_solve(a, b, self._support)
+            row, xi = a[i], x[i]
+            row[0] = f * row[0] + xi * x[0]
+            row[1] = f * row[1] + xi * x[1]
+            row[2] = f * row[2] + xi * x[2]
+            b[i] = f * b[i] + xi * ms
+        p = self._prior
+        ar = [[a[0][0] + r, a[0][1], a[0][2]], [a[1][0], a[1][1] + r, a[1][2]],
+              [a[2][0], a[2][1], a[2][2] + r]]
+        self._theta = _nonneg_solve(ar, [b[0] + r * p[0], b[1] + r * p[1], b[2] + r * p[2]],
+                                    self._support)
         self._support = tuple(i for i in range(3) if self._theta[i] > 0) or (0, 1, 2)
         self.observed += 1
 
@@ -86,8 +89,9 @@ def _nonneg_solve(a, b, support: tuple[int, ...] = (0, 1, 2)) -> list[float]:
     parts: it drifts slowly, so this is one solve a batch): that is the answer when it is
     non-negative and the held parts' gradients are too (the problem is convex, so these KKT
     conditions are enough). Else the best over every subset of free parts."""
-    a = [[float(v) for v in row] for row in a]
-    b = [float(v) for v in b]
+    if not isinstance(b, list):  # an array (the tests): plain floats from here
+        a = [[float(v) for v in row] for row in a]
+        b = [float(v) for v in b]
     theta = _on(support, _solve(a, b, support)) if support else [0.0, 0.0, 0.0]
     if min(theta) >= 0 and all(
             sum(a[i][j] * theta[j] for j in range(3)) - b[i] >= -1e-12 * (1.0 + abs(b[i]))
@@ -115,20 +119,24 @@ def _on(idx: tuple[int, ...], values: list[float]) -> list[float]:
 
 
 def _solve(a: list[list[float]], b: list[float], idx: tuple[int, ...]) -> list[float]:
-    """The solution of ``a[idx, idx] x = b[idx]`` by Gaussian elimination with partial pivots."""
-    m = [[a[i][j] for j in idx] + [b[i]] for i in idx]
-    k = len(idx)
-    for c in range(k):
-        p = max(range(c, k), key=lambda r: abs(m[r][c]))
-        m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, k):
-            q = m[r][c] / m[c][c]
-            for j in range(c, k + 1):
-                m[r][j] -= q * m[c][j]
-    x = [0.0] * k
-    for r in range(k - 1, -1, -1):
-        x[r] = (m[r][k] - sum(m[r][j] * x[j] for j in range(r + 1, k))) / m[r][r]
-    return x
+    """The solution of ``a[idx, idx] x = b[idx]`` (``a`` symmetric positive definite, so every
+    principal block is too), in closed form: straight-line float arithmetic, no loop."""
+    if len(idx) == 1:
+        i, = idx
+        return [b[i] / a[i][i]]
+    if len(idx) == 2:
+        i, j = idx
+        aii, aij, ajj = a[i][i], a[i][j], a[j][j]
+        det = aii * ajj - aij * aij
+        return [(b[i] * ajj - aij * b[j]) / det, (aii * b[j] - aij * b[i]) / det]
+    i, j, k = idx
+    a00, a01, a02, a11, a12, a22 = a[i][i], a[i][j], a[i][k], a[j][j], a[j][k], a[k][k]
+    b0, b1, b2 = b[i], b[j], b[k]
+    c00, c01, c02 = a11 * a22 - a12 * a12, a02 * a12 - a01 * a22, a01 * a12 - a02 * a11
+    det = a00 * c00 + a01 * c01 + a02 * c02
+    c11, c12, c22 = a00 * a22 - a02 * a02, a01 * a02 - a00 * a12, a00 * a11 - a01 * a01
+    return [(c00 * b0 + c01 * b1 + c02 * b2) / det, (c01 * b0 + c11 * b1 + c12 * b2) / det,
+            (c02 * b0 + c12 * b1 + c22 * b2) / det]
 
 
 #: Every non-empty subset of the three parts.

@@ -97,6 +97,7 @@ class ColumnDoor:
         self._out_lock = threading.RLock()
         self._forwarding = threading.Event()
         self._last_forward = -math.inf  # when the last forward ended (the reader's pace)
+        self._forward_start = -math.inf  # when the running (or last) forward started
         self._stop = threading.Event()
         self._refusing = False  # the scheduler ended: arrivals are refused UNAVAILABLE
         self._running = _NO_ROWS  # the tenant index of each row of the batch in the forward
@@ -186,6 +187,7 @@ class ColumnDoor:
         after the forward (reliability promise 10), while the scheduler's thread reads the
         rings itself between forwards, with no thread in between."""
         if on:
+            self._forward_start = time.monotonic()
             self._forwarding.set()
         else:
             with self._mutex:  # the reader is not inside a take-in from here on
@@ -197,27 +199,37 @@ class ColumnDoor:
         poller = select.poll()
         for fd in self.wake_fds():
             poller.register(fd, select.POLLIN)
+        looked = -math.inf  # the reader's last look at the rings
         while not self._stop.is_set():
-            # busy (a forward runs or ended within IDLE_S): a look every READ_GAP_S, or when a
-            # queued row's deadline passes (it leaves the queue then, as a ticket does, not at
-            # the next batch), at a forward's start or not; a wake-up a forward, as before,
-            # cost ~40 us of CPU each, and a look at each flush of each ingress process ~50 us
-            # a request (each takes the GIL from the forward). Idle: asleep until a forward.
-            if (not self._forwarding.is_set()
-                    and time.monotonic() - self._last_forward > self.IDLE_S):
+            # busy (a forward runs or ended within IDLE_S): a look once a forward has run
+            # READ_GAP_S, then every READ_GAP_S while it lasts, or when a queued row's deadline
+            # passes (it leaves the queue then, as a ticket does, not at the next batch). A
+            # shorter forward gets no look: the scheduler's thread reads the rings right after
+            # it, so a refusal still waits at most READ_GAP_S. A look costs ~100 us of CPU
+            # (it takes the GIL from the forward between two of its ops), a wake-up a forward
+            # ~40 us, a look at each flush of each ingress process ~50 us a request. Idle:
+            # asleep until a forward.
+            now = time.monotonic()
+            if not self._forwarding.is_set() and now - self._last_forward > self.IDLE_S:
                 self._forwarding.wait(self.IDLE_S)
                 continue
-            due = (self.queue.next_deadline - time.monotonic() if self._forwarding.is_set()
-                   else self.READ_GAP_S)  # between forwards the scheduler's thread expires
-            self._stop.wait(max(0.001, min(self.READ_GAP_S, due)))
+            if self._forwarding.is_set():  # between forwards the scheduler's thread expires
+                at = min(max(self._forward_start, looked) + self.READ_GAP_S,
+                         self.queue.next_deadline)
+            else:
+                at = now + self.READ_GAP_S
+            self._stop.wait(max(0.001, at - now))
             with self._mutex:
-                if self._stop.is_set() or not self._forwarding.is_set():
-                    continue  # the scheduler's thread reads them now (its pipe bytes stay)
+                now = time.monotonic()
+                if (self._stop.is_set() or not self._forwarding.is_set()
+                        or (now - self._forward_start < self.READ_GAP_S
+                            and now < self.queue.next_deadline)):
+                    continue  # the scheduler's thread reads them (its pipe bytes stay)
+                looked = now
                 got = poller.poll(0)
                 for fd, _ in got:
                     _drain(fd)
                 try:
-                    now = time.monotonic()
                     self._refresh(now)
                     if got:
                         self._take_in(now, self._refusing)
@@ -463,8 +475,12 @@ class ColumnDoor:
         """``res``'s rows to the rings of the ingress processes that sent them."""
         fe = res.call_id >> FRONTEND_SHIFT
         first = int(fe[0]) if fe.size else 0
-        parts = ([(first, res)] if (fe == first).all()
-                 else [(int(k), _rows(res, np.flatnonzero(fe == k))) for k in np.unique(fe)])
+        if not _COUNT(fe != first):
+            parts = [(first, res)]
+        elif res.err_row.size:  # failures (rare): each part keeps its rows' messages
+            parts = [(int(k), _rows(res, np.flatnonzero(fe == k))) for k in np.unique(fe)]
+        else:
+            parts = _split_ok(res, fe)
         for k, part in parts:
             if 0 <= k < self.frontends:
                 self._put(k, part)
@@ -486,6 +502,24 @@ class ColumnDoor:
         except Exception:  # noqa: BLE001 - an ingress process that stopped reading loses its
             log.warning("ingress process %d does not read its results; %d dropped (its "
                         "callers time out)", k, len(res))  # calls, nobody else's
+
+
+def _split_ok(res: Results, fe: np.ndarray) -> list[tuple[int, Results]]:
+    """``res`` (no failed row) as one part an ingress process (``fe``: each row's): one stable
+    reorder by ingress process, then each part is a slice of it (a loop over the ingress
+    processes, never over rows)."""
+    order = fe.argsort(kind="stable")
+    fs = fe[order]
+    values, offsets = _gather(res.values, res.offsets, order)
+    call_id = res.call_id[order]
+    bounds = [0, *(np.flatnonzero(fs[1:] != fs[:-1]) + 1).tolist(), fs.size]
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        lo = int(offsets[a])
+        part = Results.ok(call_id[a:b], offsets[a : b + 1] - lo, values[lo : int(offsets[b])])
+        part.w_tenant, part.w_tag = res.w_tenant, res.w_tag
+        parts.append((int(fs[a]), part))
+    return parts
 
 
 def _rows(res: Results, rows: np.ndarray) -> Results:
