@@ -133,9 +133,12 @@ def engine_side(engine, names, sent, steps, quota, rings) -> dict:
     cpu = {"read_push": 0.0, "due": 0.0, "take": 0.0, "infer_columns": 0.0, "results": 0.0,
            "infer": 0.0}
     est = BatchTimeEstimate()
-    i = 0
+    i = k = batches = rows_run = 0
     clock = time.process_time
-    for k, (upto, now) in enumerate(steps):
+    steps = list(steps)
+    while k < len(steps):
+        upto, now = steps[k]
+        k += 1
         while i < upto:  # the front ends (untimed: their processes' CPU)
             producers[sent[i][1]].put(sent[i][2], timeout=5)
             i += 1
@@ -154,9 +157,18 @@ def engine_side(engine, names, sent, steps, quota, rings) -> dict:
         run, _ = q.due(now, max_tokens=MAX_TOKENS, max_rows=MAX_ROWS, max_wait_ms=MAX_WAIT_MS,
                        last_end=now, estimate_ms=est)
         c1b = clock()
-        assert run  # last_end=now: hungry, as the schedule found it
+        if not run:  # nothing queued: the schedule's rows of this step went in an earlier batch
+            # (it pushed the front ends' ring batches in send order, this reads them ring by
+            # ring, so the run-ahead tail rule may split a few batches differently)
+            cpu["read_push"] += c1 - c0
+            cpu["due"] += c1b - c1
+            continue
         b = q.take(MAX_TOKENS, MAX_ROWS, now)
         c2 = clock()
+        batches += 1
+        rows_run += len(b)
+        if k == len(steps) and q.queued:  # rows left after the last step: run them too
+            steps.append((upto, now))
         reqs = [Request(names[t], input_ids=b.ids[b.offsets[j]:b.offsets[j + 1]])
                 for j, t in enumerate(b.tenant)]
         if k % 2:
@@ -184,6 +196,8 @@ def engine_side(engine, names, sent, steps, quota, rings) -> dict:
         assert np.array_equal(got.call_id, b.call_id)
         del got
         out_c.release()
+    assert not q.queued
+    cpu["batches"], cpu["rows"] = batches, rows_run
     return cpu
 
 
@@ -234,15 +248,17 @@ def measure(args) -> dict:
         for rep in range(args.repeats):
             cpu = engine_side(engine, names, sent, steps, quota, rings)
             infer_s = cpu.pop("infer")
+            batches = cpu.pop("batches")
+            assert cpu.pop("rows") == n_req
             side = sum(cpu.values())
-            row = {"repeat": rep, "requests": n_req, "batches": len(steps),
+            row = {"repeat": rep, "requests": n_req, "batches": batches,
                    "engine_side_us_per_request": round(side / n_req * 1e6, 1),
                    "infer_us_per_request": round(infer_s / n_req * 1e6, 1),
                    "extra_us_per_request": round((side - infer_s) / n_req * 1e6, 1),
-                   "extra_us_per_batch": round((side - infer_s) / len(steps) * 1e6, 1),
+                   "extra_us_per_batch": round((side - infer_s) / batches * 1e6, 1),
                    **{f"{k}_us_per_request": round(v / n_req * 1e6, 1) for k, v in cpu.items()}}
             rows.append(row)
-            print(f"repeat {rep}: {n_req} requests in {len(steps)} batches; engine side "
+            print(f"repeat {rep}: {n_req} requests in {batches} batches; engine side "
                   f"{row['engine_side_us_per_request']} us a request, Engine.infer "
                   f"{row['infer_us_per_request']}, extra {row['extra_us_per_request']} "
                   f"(read+push {row['read_push_us_per_request']}, due "
@@ -261,7 +277,8 @@ def measure(args) -> dict:
             "flush_ms": args.flush_ms, "torch_threads": torch.get_num_threads(),
             "load_average": os.getloadavg(),
             "schedule": str(args.schedule) if args.schedule else "formed by this run"}
-    return {"meta": meta, "rows": rows, "mean_batch_rows": round(n_req / len(steps), 2),
+    mean_rows = round(n_req / rows[0]["batches"], 2) if rows else None
+    return {"meta": meta, "rows": rows, "mean_batch_rows": mean_rows,
             "ring_batches": len(sent), "wakeup_us": round(wake * 1e6, 2),
             "median_extra_us_per_request": float(np.median(extra)),
             "median_extra_us_per_batch": float(np.median([r["extra_us_per_batch"]
