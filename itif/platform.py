@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
+from itif.clib import libc
+
 log = logging.getLogger("itif.platform")
 
 
@@ -118,20 +120,6 @@ def device_name(device: torch.device) -> str:
     import platform as _platform
 
     return f"cpu-{_platform.machine()}-{torch.get_num_threads()}threads"
-
-
-@functools.lru_cache(maxsize=None)
-def libc():
-    """The C library through ctypes (``malloc_trim``, ``mallopt``), or None where there is none
-    to load."""
-    import ctypes  # noqa: PLC0415
-    import ctypes.util  # noqa: PLC0415
-
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
 
 
 def _left_default(var: str, what: str) -> bool:

@@ -9,25 +9,20 @@ what. Linux only (``prctl(PR_SET_NAME)``, 15 bytes); a no-op elsewhere.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import sys
 import threading
+
+from itif.clib import libc
 
 __all__ = ["adopt"]
 
 _PR_SET_NAME = 15
 
 
-@functools.lru_cache(maxsize=1)
 def _prctl():
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return getattr(libc, "prctl", None)
+    return getattr(libc(), "prctl", None)
 
 
 def adopt() -> bool:

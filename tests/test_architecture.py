@@ -173,8 +173,9 @@ def test_no_module_over_600_lines():
 #: itif's packages and top-level modules, lowest first: each may import only those before it
 #: (and itself). ``itif`` is the package's ``__init__`` (the public names, loaded lazily).
 LAYERS: list[tuple[str, str]] = [
-    ("threadnames", "gives itif's threads their names in the OS; imports no itif module"),
-    ("platform", "what the machine is (devices, threads); imports no itif module"),
+    ("clib", "the C library through ctypes; imports no itif module"),
+    ("threadnames", "gives itif's threads their names in the OS, through clib"),
+    ("platform", "what the machine is (devices, threads); imports only clib"),
     ("errors", "the exception types every layer raises"),
     ("observer", "the event sink the daemon reports to; no itif imports"),
     ("daemon_state", "the daemon's plain state records; no itif imports"),

@@ -457,8 +457,7 @@ class ColumnQueue:
             chosen = pick  # everything fits
         else:
             chosen = self._budget(pick, t, lengths, max_tokens, max_rows)
-        tc, lc = t[chosen], lengths[chosen]
-        # a tail can run ahead only when its tenant holds over half the batch's tokens
+        tc, lc = t[chosen], lengths[chosen]  # a tail runs ahead only with over half the tokens
         if 2 * int(_ADD(lc, where=tc == tc[-1])) > int(_ADD(lc)):
             kept = _trim_tail(chosen, t, lengths, start_tag, cost)
             if kept.size < chosen.size:

@@ -47,8 +47,8 @@ from typing import Any, Callable
 import grpc
 
 from itif import daemon_tiers
+from itif.clib import libc
 from itif.errors import Busy, Overloaded
-from itif.platform import libc
 from itif.server.errors import retry_after_ms, retry_hint
 from itif.server.fairgate import FairGate
 from itif.server.handlers import wrap_handler

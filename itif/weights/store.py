@@ -49,8 +49,9 @@ import numpy as np
 import torch
 
 from itif.backbones.hf import CanonicalWeights
+from itif.clib import libc
 from itif.errors import Overloaded, TenantNotFound, shown
-from itif.platform import cupy_module, libc
+from itif.platform import cupy_module
 
 _MAPPED_BYTES = 1 << 20  # CPU buffers from this size on get a mapping of their own
 KindKey = tuple[str, tuple[int, ...]]  # (canonical name, shape)
