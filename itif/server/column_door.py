@@ -58,7 +58,7 @@ _MESSAGES = {
 _OK = 0
 _EXPIRED, _UNAVAILABLE = status_code("DEADLINE_EXCEEDED"), status_code("UNAVAILABLE")
 _NO_ROWS = np.zeros(0, np.int32)
-_COUNT = np.count_nonzero
+_COUNT, _MIN = np.count_nonzero, np.minimum.reduce
 
 
 class ColumnDoor:
@@ -332,7 +332,7 @@ class ColumnDoor:
             for c, vs in taken:
                 c.release(len(vs))
             taken = None
-        if a is not None and a.tenant.size and int(a.tenant.min()) < 0:
+        if a is not None and a.tenant.size and int(_MIN(a.tenant)) < 0:
             a = self._withdraw(a)
         if a is not None:
             call_id = a.call_id
@@ -343,11 +343,10 @@ class ColumnDoor:
                 log.exception("arrivals could not be queued; their calls fail INTERNAL")
                 status = np.full(len(a), status_code("INTERNAL"), np.int8)
         self.rows_in += call_id.size
-        bad = status != _OK
-        if bad.any():
+        if _COUNT(status):  # _OK is 0
             if a is not None:
                 self._over_max_queue(a, status)
-                bad = status != _OK
+            bad = status != _OK
             self._refuse(call_id[bad], status[bad])
 
     def _withdraw(self, a: Arrivals) -> Arrivals:

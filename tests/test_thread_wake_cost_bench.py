@@ -1,0 +1,25 @@
+"""bench/thread_wake_cost.py: the CPU a timer wake-up costs a thread, beside an idle and a busy
+main thread."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_reports_a_wake_up_count_and_its_cpu_for_both_main_threads(tmp_path):
+    spec = importlib.util.spec_from_file_location("thread_wake_cost",
+                                                  ROOT / "bench" / "thread_wake_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "w.json"
+    assert mod.main(["--gap-ms", "10", "--seconds", "0.3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["main_thread"] for r in rows] == ["asleep", "torch ops"]
+    for r in rows:
+        # ~30 wake-ups of 10 ms in 0.3 s (fewer on a loaded machine, never none or hundreds)
+        assert 5 <= r["wakes"] <= 40, r
+        assert r["cpu_us_per_wake"] > 0, r
