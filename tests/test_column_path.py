@@ -349,3 +349,31 @@ def test_calls_over_the_tenants_in_flight_share_are_refused_with_a_retry_hint(tm
     finally:
         d.stop()
     assert _column_rows(d) >= 3
+
+
+def test_results_split_by_ingress_process_keep_each_rows_outputs_and_the_weights_table():
+    """``ColumnDoor._send``'s split of a batch's results (no failed row) by the ingress process
+    in each call id's top bits: one part a process, its rows in batch order, each row's outputs
+    its own, the weights table on every part; equal to the gather a part it replaced."""
+    from itif.server.column_door import _rows, _split_ok
+
+    rng = np.random.default_rng(3)
+    for n in (2, 5, 17):
+        fe = rng.integers(0, 3, n).astype(np.int64)
+        fe[:2] = (0, 2)  # two processes at least
+        call_id = (fe << FRONTEND_SHIFT) | np.arange(n)
+        lengths = rng.integers(0, 4, n)
+        offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+        values = rng.standard_normal(int(offsets[-1])).astype(np.float32)
+        res = Results.ok(call_id, offsets, values)
+        res.w_tenant, res.w_tag = np.array([1, 4], np.int32), np.arange(128, dtype=np.uint8)
+        parts = _split_ok(res, fe)
+        assert [k for k, _ in parts] == sorted(set(fe.tolist()))
+        for k, part in parts:
+            want = _rows(res, np.flatnonzero(fe == k))
+            assert np.array_equal(part.call_id, want.call_id)
+            assert np.array_equal(part.offsets, want.offsets)
+            assert np.array_equal(part.values, want.values)
+            assert not part.status.any() and part.err_row.size == 0
+            assert part.weights() == res.weights() == {1: bytes(range(64)).decode("ascii"),
+                                                       4: bytes(range(64, 128)).decode("ascii")}
