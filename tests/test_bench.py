@@ -523,14 +523,9 @@ def test_back_to_back_runs_each_system_in_a_row():
 
 
 def _bench_script(name: str):
-    import importlib.util
-    from pathlib import Path
+    from tests.bench_scripts import load
 
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load(name)
 
 
 def test_profile_kernel_kinds():

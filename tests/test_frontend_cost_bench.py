@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("frontend_cost",
-                                                  ROOT / "bench" / "frontend_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("frontend_cost")
 
 
 def test_reports_the_event_loop_threads_cpu_per_answered_call(tmp_path):

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("grpc_floor", ROOT / "bench" / "grpc_floor.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("grpc_floor")
 
 
 def test_each_server_answers_every_call_and_reports_its_cpu_per_call(tmp_path):

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("hostpath_cost",
-                                                  ROOT / "bench" / "hostpath_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("hostpath_cost")
 
 
 def test_a_step_that_finds_its_rows_already_taken_is_skipped_and_every_row_runs():

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import json
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,6 +35,7 @@ from itif.server.json_procs import (
     load_infer,
 )
 from itif.server.tensors import decode_values
+from tests.bench_scripts import load
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -153,11 +152,7 @@ def _image_body() -> bytes:
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "http_json_stall", Path(__file__).resolve().parents[1] / "bench" / "http_json_stall.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("http_json_stall")
 
 
 async def _largest_gap(procs: JsonProcs, body: bytes, turns: int) -> float:

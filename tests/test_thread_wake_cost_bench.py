@@ -3,18 +3,13 @@ main thread."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_scripts import load
 
 
 def test_reports_a_wake_up_count_and_its_cpu_for_both_main_threads(tmp_path):
-    spec = importlib.util.spec_from_file_location("thread_wake_cost",
-                                                  ROOT / "bench" / "thread_wake_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("thread_wake_cost")
     out = tmp_path / "w.json"
     assert mod.main(["--gap-ms", "10", "--seconds", "0.3", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
