@@ -27,3 +27,24 @@ def test_a_thread_takes_its_python_name_cut_to_15_bytes():
     t.start()
     t.join()
     assert got["ok"] and got["after"] == "itif-a-long-thr" != got["before"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's name is Linux's")
+def test_the_c_library_loads_where_find_library_finds_nothing(monkeypatch):
+    """A slim container may have neither ldconfig nor a compiler, so ``find_library("c")`` is
+    None there: ``itif.clib`` loads glibc by its own name, and thread names still take."""
+    import ctypes.util
+
+    from itif import clib
+
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    clib.libc.cache_clear()
+    try:
+        assert clib.libc() is not None and hasattr(clib.libc(), "prctl")
+        got = {}
+        t = threading.Thread(target=lambda: got.update(ok=threadnames.adopt()), name="itif-x")
+        t.start()
+        t.join()
+        assert got["ok"]
+    finally:
+        clib.libc.cache_clear()
